@@ -1,0 +1,195 @@
+"""encode / decode / apply_: the codec's public entry points over mappings of tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import container, methods, tensors
+from .container import Entry, Payload
+from .errors import CheckpointMismatchError, DeltaError
+from .hashing import digest_elements
+from .methods import same, sparse, xor_planes
+from .methods.base import Patch
+
+EFFORTS = ("fast", "default", "max")
+DENSE_FRACTION = 0.25  # above this changed fraction, also try the dense XOR path
+
+
+def _check_structure(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
+    missing = [k for k in target if k not in base]
+    extra = [k for k in base if k not in target]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"added in target: {', '.join(sorted(missing)[:5])}")
+        if extra:
+            parts.append(f"removed from target: {', '.join(sorted(extra)[:5])}")
+        raise CheckpointMismatchError("base and target hold different tensors (" + "; ".join(parts) + ")")
+    for name, t in target.items():
+        b = base[name]
+        if b.dtype != t.dtype or tuple(b.shape) != tuple(t.shape):
+            raise CheckpointMismatchError(
+                f"tensor {name!r}: base is {b.dtype} {tuple(b.shape)}, target is {t.dtype} {tuple(t.shape)}")
+
+
+@dataclass
+class _Candidate:
+    method: int
+    params: bytes
+    streams: list
+
+    @property
+    def size(self) -> int:
+        return len(self.params) + sum(len(s.stored) for s in self.streams)
+
+
+def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, index: np.ndarray, effort: str, version: int) -> _Candidate:
+    cands: list[_Candidate] = []
+    dense = index.size > DENSE_FRACTION * b.size
+    if dt is tensors.BF16:
+        cands.append(_Candidate(sparse.ID, *sparse.encode(b, t, effort, index)))
+    if dt is not tensors.BF16 or dense or effort == "max" or b.size <= 4096:
+        cands.append(_Candidate(xor_planes.ID, *xor_planes.encode(b, t, effort)))
+    return min(cands, key=lambda c: c.size)
+
+
+def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
+           format_version: int = container.CURRENT_VERSION) -> bytes:
+    """Delta payload that turns `base` into `target`, bit for bit.
+
+    Both map tensor names to tensors with the same names, dtypes and shapes (else
+    CheckpointMismatchError). `effort` trades encode time for size: "fast", "default" or "max".
+    `format_version=1` writes payloads that v1 decoders read.
+    """
+    if effort not in EFFORTS:
+        raise ValueError(f"effort must be one of {EFFORTS}")
+    _check_structure(base, target)
+    entries = []
+    for name, t_tensor in target.items():
+        dt = tensors.dtype_of(t_tensor, name)
+        b = tensors.element_view(base[name])
+        t = tensors.element_view(t_tensor)
+        shape = tuple(t_tensor.shape)
+        bd = digest_elements(dt.name, shape, b)
+        index = np.flatnonzero(b != t)
+        if index.size == 0:
+            entries.append(Entry(name, dt, shape, same.ID, 0, bd, bd))
+            continue
+        td = digest_elements(dt.name, shape, t)
+        c = _encode_tensor(b, t, dt, index, effort, format_version)
+        entries.append(Entry(name, dt, shape, c.method, int(index.size), bd, td, c.params, c.streams))
+    return container.pack(Payload(format_version, entries, {}))
+
+
+def _check_base(entry: Entry, tensor: torch.Tensor | None) -> np.ndarray:
+    if tensor is None:
+        raise DeltaError("the base has no such tensor (delta made for another checkpoint)", tensor=entry.name)
+    if tensor.dtype != entry.dtype.torch or tuple(tensor.shape) != entry.shape:
+        raise DeltaError(f"base is {tensor.dtype} {tuple(tensor.shape)}, delta expects {entry.dtype.torch} {entry.shape}",
+                         tensor=entry.name)
+    elems = tensors.element_view(tensor)
+    if digest_elements(entry.dtype.name, entry.shape, elems) != entry.base_digest:
+        raise DeltaError("base digest mismatch: this delta was made for a different base", tensor=entry.name)
+    return elems
+
+
+def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> Payload:
+    parsed = container.unpack(payload)
+    names = {e.name for e in parsed.entries}
+    extra = [k for k in base if k not in names]
+    if extra:
+        raise DeltaError(f"base holds tensors the delta does not name ({', '.join(sorted(extra)[:5])}): wrong base")
+    return parsed
+
+
+def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
+    module = methods.lookup(entry, parsed.version)
+    try:
+        patch = module.decode(entry, elems, parsed.shared)
+    except DeltaError:
+        raise
+    except (ValueError, IndexError, OverflowError, MemoryError) as exc:  # defence in depth on forged input
+        raise DeltaError(f"cannot decode ({type(exc).__name__}: {exc})", tensor=entry.name) from None
+    if patch.count != entry.changes:
+        raise DeltaError(f"decoded {patch.count} changes, index says {entry.changes}", tensor=entry.name)
+    return patch
+
+
+def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The target checkpoint, every tensor verified against the trainer's digest.
+
+    Raises DeltaError, producing nothing, if the payload is corrupt or made for another base.
+    """
+    parsed = _parse(base, payload)
+    out: dict[str, torch.Tensor] = {}
+    for entry in parsed.entries:
+        elems = _check_base(entry, base.get(entry.name))
+        patch = _patch(entry, elems, parsed)
+        new = elems.copy()
+        new[patch.index] = patch.values
+        if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
+            raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
+        out[entry.name] = tensors.tensor_from_elements(new, entry.dtype, entry.shape)
+    return out
+
+
+class _InPlace:
+    """Writes a patch into a live tensor and remembers what it overwrote."""
+
+    _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    def __init__(self, name: str, tensor: torch.Tensor) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensor {name!r} is not contiguous; apply_ updates contiguous tensors in place")
+        self.name = name
+        self.tensor = tensor
+        size = tensor.element_size()
+        if size not in self._INT:
+            raise ValueError(f"tensor {name!r}: apply_ does not support {tensor.dtype} in place")
+        self.flat = tensor.detach().view(-1).view(self._INT[size])
+        self.np_dtype = np.dtype(f"i{size}") if size > 1 else np.dtype(np.uint8)
+
+    def _put(self, index: np.ndarray, values: np.ndarray) -> None:
+        idx = torch.from_numpy(index).to(self.flat.device)
+        vals = torch.from_numpy(np.ascontiguousarray(values).view(self.np_dtype)).to(self.flat.device)
+        with torch.no_grad():
+            self.flat[idx] = vals
+
+    def write(self, patch: Patch) -> np.ndarray:
+        idx = torch.from_numpy(patch.index).to(self.flat.device)
+        old = self.flat[idx].cpu().numpy().view(patch.values.dtype).copy()
+        self._put(patch.index, patch.values)
+        return old
+
+    def undo(self, index: np.ndarray, old: np.ndarray) -> None:
+        self._put(index, old)
+
+
+def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> None:
+    """Apply a payload in place (a live model's state_dict) and verify every tensor.
+
+    On any failure every tensor is restored to its exact previous bits and DeltaError is raised.
+    Extra memory is an undo log of the changed elements, not a copy of the checkpoint.
+    """
+    parsed = _parse(tensors_, payload)
+    for entry in parsed.entries:  # refuse a wrong base before touching anything
+        _check_base(entry, tensors_.get(entry.name))
+    undo: list[tuple[_InPlace, np.ndarray, np.ndarray]] = []
+    try:
+        for entry in parsed.entries:
+            if entry.method == same.ID:
+                continue
+            live = tensors_[entry.name]
+            patch = _patch(entry, tensors.element_view(live), parsed)
+            writer = _InPlace(entry.name, live)
+            undo.append((writer, patch.index, writer.write(patch)))
+            if digest_elements(entry.dtype.name, entry.shape, tensors.element_view(live)) != entry.target_digest:
+                raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
+    except BaseException:
+        for writer, index, old in reversed(undo):
+            writer.undo(index, old)
+        raise

@@ -1,0 +1,86 @@
+"""Dtype table and zero-copy views of tensors as unsigned-integer element arrays.
+
+The codec works on bit patterns, never on float values: every dtype is viewed as unsigned
+integers of its item size, so NaN payloads, -0.0 and subnormals survive untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    code: int  # wire code in the payload index (docs/FORMAT.md)
+    name: str  # safetensors-style name
+    torch: torch.dtype
+    itemsize: int
+
+
+def _table() -> list[DType]:
+    rows = [
+        (0, "BOOL", "bool"), (1, "U8", "uint8"), (2, "I8", "int8"), (3, "I16", "int16"),
+        (4, "I32", "int32"), (5, "I64", "int64"), (6, "F16", "float16"), (7, "BF16", "bfloat16"),
+        (8, "F32", "float32"), (9, "F64", "float64"), (10, "F8_E4M3", "float8_e4m3fn"),
+        (11, "F8_E5M2", "float8_e5m2"), (12, "U16", "uint16"), (13, "U32", "uint32"),
+        (14, "U64", "uint64"), (15, "C64", "complex64"), (16, "F8_E4M3FNUZ", "float8_e4m3fnuz"),
+        (17, "F8_E5M2FNUZ", "float8_e5m2fnuz"), (18, "F8_E8M0", "float8_e8m0fnu"),
+        (19, "C128", "complex128"),
+    ]
+    out = []
+    for code, name, attr in rows:
+        dt = getattr(torch, attr, None)
+        if dt is not None:
+            out.append(DType(code, name, dt, torch.empty((), dtype=dt).element_size()))
+    return out
+
+
+DTYPES: tuple[DType, ...] = tuple(_table())
+BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES}
+BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES}
+BF16 = BY_TORCH[torch.bfloat16]
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def dtype_of(t: torch.Tensor, name: str) -> DType:
+    try:
+        return BY_TORCH[t.dtype]
+    except KeyError:
+        from .errors import CheckpointMismatchError
+
+        raise CheckpointMismatchError(f"tensor {name!r}: unsupported dtype {t.dtype}") from None
+
+
+def element_view(t: torch.Tensor) -> np.ndarray:
+    """Flat unsigned-integer view of a tensor's elements (a copy only if it is on a device or strided).
+
+    Item sizes without a numpy unsigned type (complex128) are viewed as uint64 pairs.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    raw = flat.view(torch.uint8).numpy()
+    size = flat.element_size()
+    return raw.view(_UINT[size] if size in _UINT else np.uint64)
+
+
+def element_dtype(dt: DType) -> np.dtype:
+    return np.dtype(_UINT.get(dt.itemsize, np.uint64))
+
+
+def elements_per_item(dt: DType) -> int:
+    """How many numpy elements one tensor item occupies in `element_view` (2 for complex128)."""
+    return 1 if dt.itemsize in _UINT else dt.itemsize // 8
+
+
+def tensor_from_elements(elems: np.ndarray, dt: DType, shape: tuple[int, ...]) -> torch.Tensor:
+    """Build a CPU tensor of `dt` and `shape` that owns a copy of `elems`' bytes."""
+    if elems.size == 0:
+        return torch.empty(shape, dtype=dt.torch)
+    raw = torch.from_numpy(np.ascontiguousarray(elems).view(np.uint8).copy())
+    return raw.view(dt.torch).reshape(shape)

@@ -1,0 +1,142 @@
+"""Checkpoints on local disk: one `.safetensors` file or a Hugging Face shard directory.
+
+A directory holds `model.safetensors.index.json` (`weight_map`: tensor name -> shard file) and
+its shards. Writes are atomic: a temporary sibling is renamed into place, so a reader (or a
+crash) never sees a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass
+class Layout:
+    """How tensors are spread over files; decode writes the target in the base's layout."""
+
+    sharded: bool = False
+    weight_map: dict[str, str] = field(default_factory=dict)  # sharded only
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def _read_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors = {}
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        for name in f.keys():
+            tensors[name] = f.get_tensor(name)
+    return tensors, meta
+
+
+def load(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Layout]:
+    """Read a checkpoint file or shard directory. Raises FileNotFoundError / ValueError with the path."""
+    p = Path(path)
+    if p.is_dir():
+        index = p / INDEX_NAME
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            tensors: dict[str, torch.Tensor] = {}
+            meta: dict[str, str] = {}
+            for shard in sorted(set(weight_map.values())):
+                part, meta = _read_file(p / shard)
+                tensors.update(part)
+            missing = set(weight_map) - set(tensors)
+            if missing:
+                raise ValueError(f"{p}: index names tensors no shard holds: {sorted(missing)[:5]}")
+            return tensors, Layout(True, dict(weight_map), meta)
+        single = p / SINGLE_NAME
+        if single.exists():
+            tensors, meta = _read_file(single)
+            return tensors, Layout(False, {}, meta)
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{p}: no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors")
+        tensors, meta = {}, {}
+        weight_map = {}
+        for f in files:
+            part, meta = _read_file(f)
+            tensors.update(part)
+            weight_map.update({k: f.name for k in part})
+        return tensors, Layout(True, weight_map, meta)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such checkpoint")
+    tensors, meta = _read_file(p)
+    return tensors, Layout(False, {}, meta)
+
+
+def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[str, str]:
+    """Greedy weight_map keeping each shard under `max_shard_bytes` (a lone larger tensor gets its own)."""
+    names = list(tensors)
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = tensors[name].numel() * tensors[name].element_size()
+        if groups[-1] and size + n > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    total = len(groups)
+    return {name: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, g in enumerate(groups) for name in g}
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+
+
+def write_dir(tensors: dict[str, torch.Tensor], directory: Path, layout: Layout) -> None:
+    """Write tensors into an existing empty directory in `layout`."""
+    tensors = _contiguous(tensors)
+    if layout.sharded:
+        weight_map = {k: layout.weight_map.get(k) for k in tensors}
+        if any(v is None for v in weight_map.values()):
+            weight_map = shard_plan(tensors, 5 << 30)
+        for shard in sorted(set(weight_map.values())):
+            part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
+            save_file(part, str(directory / shard), metadata=layout.metadata or None)
+        total = sum(v.numel() * v.element_size() for v in tensors.values())
+        (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    else:
+        save_file(tensors, str(directory / SINGLE_NAME), metadata=layout.metadata or None)
+
+
+def save(tensors: dict[str, torch.Tensor], path: str | os.PathLike, layout: Layout | None = None) -> None:
+    """Atomically write a checkpoint: a single file at `path`, or a shard directory if sharded."""
+    p = Path(path)
+    layout = layout or Layout()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if not layout.sharded:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        os.close(fd)
+        try:
+            save_file(_contiguous(tensors), tmp, metadata=layout.metadata or None)
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return
+    tmpdir = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
+    try:
+        write_dir(tensors, tmpdir, layout)
+        if p.exists():
+            old = p.with_name(f".{p.name}.old-{os.getpid()}")
+            os.replace(p, old)
+            os.replace(tmpdir, p)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmpdir, p)
+    except BaseException:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
