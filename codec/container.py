@@ -139,31 +139,36 @@ def unpack(data: bytes | bytearray | memoryview) -> Payload:
         if name in names:
             raise DeltaError("tensor appears twice in the index", tensor=name)
         names.add(name)
-        code = r.u8()
-        if code not in tensors.BY_CODE:
-            raise DeltaError(f"unknown dtype code {code}", tensor=name)
-        ndim = r.uvarint(MAX_NDIM)
-        shape = tuple(r.uvarint(MAX_NUMEL) for _ in range(ndim))
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel > MAX_NUMEL:
-            raise DeltaError(f"shape {shape} is too large", tensor=name)
-        method = r.u8()
-        changes = r.uvarint(numel)
-        base_digest = r.raw(DIGEST_SIZE)
-        target_digest = r.raw(DIGEST_SIZE)
-        params = r.blob(MAX_PARAMS)
-        streams = []
-        for _ in range(r.uvarint(MAX_STREAMS)):
-            codec = r.u8()
-            raw_len = r.uvarint()
-            stored_len = r.uvarint()
-            if body_pos + stored_len > len(rest):
-                raise DeltaError("stream runs past the end of the payload", tensor=name)
-            streams.append(Stream(codec, raw_len, rest[body_pos : body_pos + stored_len]))
-            body_pos += stored_len
-        entries.append(Entry(name, tensors.BY_CODE[code], shape, method, changes, base_digest, target_digest, params, streams))
+        try:  # index-level refusals inside a record name its tensor
+            code = r.u8()
+            if code not in tensors.BY_CODE:
+                raise DeltaError(f"unknown dtype code {code}", tensor=name)
+            ndim = r.uvarint(MAX_NDIM)
+            shape = tuple(r.uvarint(MAX_NUMEL) for _ in range(ndim))
+            numel = 1
+            for d in shape:
+                numel *= d
+            if numel > MAX_NUMEL:
+                raise DeltaError(f"shape {shape} is too large", tensor=name)
+            method = r.u8()
+            changes = r.uvarint(numel)
+            base_digest = r.raw(DIGEST_SIZE)
+            target_digest = r.raw(DIGEST_SIZE)
+            params = r.blob(MAX_PARAMS)
+            streams = []
+            for _ in range(r.uvarint(MAX_STREAMS)):
+                codec = r.u8()
+                raw_len = r.uvarint()
+                stored_len = r.uvarint()
+                if body_pos + stored_len > len(rest):
+                    raise DeltaError("stream runs past the end of the payload", tensor=name)
+                streams.append(Stream(codec, raw_len, rest[body_pos : body_pos + stored_len]))
+                body_pos += stored_len
+            entries.append(Entry(name, tensors.BY_CODE[code], shape, method, changes, base_digest, target_digest, params, streams))
+        except DeltaError as exc:
+            if exc.tensor is not None:
+                raise
+            raise DeltaError(exc.reason, tensor=name) from None
     shared = {}
     for _ in range(r.uvarint(255)):
         kind = r.u8()
