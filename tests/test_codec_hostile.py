@@ -1,0 +1,358 @@
+"""Hostile payloads: corrupt, truncated, forged (checksum recomputed) or made for another base.
+
+The property everywhere: decode raises codec.DeltaError (naming the tensor where there is one)
+or returns exactly the target; it never raises anything else and never returns wrong tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import codec
+from codec import container
+from codec_cases import (
+    FORMAT_VERSIONS,
+    assert_bit_exact,
+    bf16_from_bits,
+    clone_all,
+    edge_pair,
+    fix_checksum,
+    join_payload,
+    random_bf16_weights,
+    random_tensor,
+    rl_step,
+    split_payload,
+)
+
+
+def small_pair() -> tuple[dict, dict]:
+    """A few tensors, one per kind of record (sparse BF16, dense BF16, integer, unchanged, 0-d)."""
+    rng = np.random.default_rng(21)
+    base = {
+        "sparse": random_bf16_weights((40, 50), rng),
+        "dense": random_bf16_weights((6, 7), rng),
+        "ints": random_tensor(torch.int32, (23,), rng),
+        "same": random_bf16_weights((9,), rng),
+        "scalar": bf16_from_bits([0x7FC1], ()),
+    }
+    target = clone_all(base)
+    target["sparse"] = rl_step(base["sparse"], 0.02, rng)
+    target["dense"] = rl_step(base["dense"], 1.0, rng)
+    target["ints"][::3] += 1
+    target["scalar"] = bf16_from_bits([0xFF80], ())
+    return base, target
+
+
+_BASE, _TARGET = small_pair()
+_PAYLOADS = {v: codec.encode(_BASE, _TARGET, format_version=v) for v in FORMAT_VERSIONS}
+
+
+@pytest.fixture(params=FORMAT_VERSIONS, ids=lambda v: f"v{v}")
+def case(request):
+    """(base, target, payload): fresh copies, so a test may damage them."""
+    return clone_all(_BASE), clone_all(_TARGET), _PAYLOADS[request.param]
+
+
+def refused_or_exact(base, payload, target) -> codec.DeltaError | None:
+    """Decode a suspect payload: DeltaError (returned) or exactly the target; anything else fails."""
+    try:
+        out = codec.decode(base, payload)
+    except codec.DeltaError as exc:
+        assert str(exc), "a refusal must say why"
+        return exc
+    assert_bit_exact(out, target)
+    return None
+
+
+def refused(base, payload, tensor: str | None = None) -> codec.DeltaError:
+    with pytest.raises(codec.DeltaError) as err:
+        codec.decode(base, payload)
+    if tensor is not None:
+        assert tensor in str(err.value), str(err.value)
+    return err.value
+
+
+# --- corruption and truncation ------------------------------------------------------------------
+
+def test_every_single_bit_flip_is_refused(case):
+    base, _, payload = case
+    data = bytearray(payload)
+    for i in range(len(data)):
+        for bit in range(8):
+            data[i] ^= 1 << bit
+            refused(base, bytes(data))
+            with pytest.raises(codec.DeltaError):
+                codec.describe(bytes(data))
+            data[i] ^= 1 << bit
+
+
+def test_every_truncation_is_refused(case):
+    base, _, payload = case
+    for n in range(len(payload)):
+        refused(base, payload[:n])
+        with pytest.raises(codec.DeltaError):
+            codec.describe(payload[:n])
+
+
+@pytest.mark.parametrize("tail", [b"\x00", b"garbage", bytes(1000)])
+def test_trailing_bytes_are_refused(case, tail):
+    base, _, payload = case
+    refused(base, payload + tail)
+    refused(base, fix_checksum(payload + tail))
+
+
+@pytest.mark.parametrize("junk", [b"", b"DRDELTA", b"DRDELTA\x00" + bytes(24), bytes(64), b"PK\x03\x04" * 40])
+def test_not_a_payload(case, junk):
+    base, _, _ = case
+    refused(base, junk)
+
+
+# --- wrong base ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("victim", ["sparse", "dense", "ints", "same", "scalar"])
+def test_base_with_one_tensor_changed_is_named(case, victim):
+    base, _, payload = case
+    other = clone_all(base)
+    other[victim].reshape(-1).view(torch.uint8)[0] ^= 0x01
+    err = refused(other, payload, victim)
+    assert err.tensor == victim
+
+
+def test_target_is_not_a_base(case):
+    _, target, payload = case
+    refused(target, payload)
+
+
+def test_base_missing_a_tensor(case):
+    base, _, payload = case
+    del base["ints"]
+    refused(base, payload, "ints")
+
+
+def test_base_with_an_extra_tensor(case):
+    base, _, payload = case
+    base = dict(base, intruder=torch.zeros(2))
+    refused(base, payload, "intruder")
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_base_with_other_shape_or_dtype(case, change):
+    base, _, payload = case
+    base = dict(base)
+    base["sparse"] = base["sparse"].reshape(50, 40) if change == "shape" else base["sparse"].view(torch.float16)
+    refused(base, payload, "sparse")
+
+
+def test_another_checkpoint_entirely(case):
+    _, _, payload = case
+    rng = np.random.default_rng(0)
+    refused({"model.embed": random_bf16_weights((10, 10), rng)}, payload)
+    other_base, _ = edge_pair()
+    refused(other_base, payload)
+
+
+# --- forged payloads: valid container, checksum recomputed ----------------------------------------
+
+def _forge(payload: bytes, tensor: str, edit) -> bytes:
+    parsed = container.unpack(payload)
+    entries = []
+    for e in parsed.entries:
+        if e.name == tensor:
+            e = dataclasses.replace(e, streams=[dataclasses.replace(s) for s in e.streams])
+            e = edit(e) or e
+        entries.append(e)
+    return container.pack(container.Payload(parsed.version, entries, dict(parsed.shared)))
+
+
+def _flip(b: bytes) -> bytes:
+    return bytes([b[0] ^ 0x01]) + b[1:]
+
+
+def _other_dtype(e):
+    alike = [d for d in container.tensors.DTYPES if d.itemsize == e.dtype.itemsize and d != e.dtype]
+    return dataclasses.replace(e, dtype=alike[0])
+
+
+FORGERIES = {
+    "target-digest": lambda e: dataclasses.replace(e, target_digest=_flip(e.target_digest)),
+    "base-digest": lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest)),
+    "both-digests": lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest), target_digest=_flip(e.target_digest)),
+    "shape-grown": lambda e: dataclasses.replace(e, shape=(e.shape[0] * 2 + 1, *e.shape[1:]) if e.shape else (2,)),
+    "shape-huge": lambda e: dataclasses.replace(e, shape=(1 << 40, 1 << 7)),
+    "shape-rank": lambda e: dataclasses.replace(e, shape=(*e.shape, 1)),
+    "dtype": _other_dtype,
+    "method-unknown": lambda e: dataclasses.replace(e, method=200),
+    "method-same": lambda e: dataclasses.replace(e, method=0) if e.method else dataclasses.replace(e, method=1),
+    "method-rotate": lambda e: dataclasses.replace(e, method=1 + e.method % 2),
+    "changes-plus": lambda e: dataclasses.replace(e, changes=e.changes + 1),
+    "changes-minus": lambda e: dataclasses.replace(e, changes=max(e.changes - 1, 0) if e.changes else 1),
+    "streams-reversed": lambda e: dataclasses.replace(e, streams=e.streams[::-1]) if len(e.streams) > 1 else
+    dataclasses.replace(e, target_digest=_flip(e.target_digest)),
+    "stream-dropped": lambda e: dataclasses.replace(e, streams=e.streams[:-1]) if e.streams else
+    dataclasses.replace(e, streams=[container.Stream(0, 1, b"\x01")]),
+    "stream-added": lambda e: dataclasses.replace(e, streams=[*e.streams, container.Stream(0, 1, b"\x01")]),
+    "raw-len-huge": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, raw_len=1 << 60) for s in e.streams])
+    if e.streams else dataclasses.replace(e, streams=[container.Stream(1, 1 << 60, b"\x28\xb5\x2f\xfd")]),
+    "raw-len-plus": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, raw_len=s.raw_len + 1) for s in e.streams])
+    if e.streams else dataclasses.replace(e, params=b"\x00"),
+    "codec-swap": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, codec=(s.codec + 1) % 4) for s in e.streams])
+    if e.streams else dataclasses.replace(e, params=b"\x00"),
+    "codec-unknown": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, codec=99) for s in e.streams])
+    if e.streams else dataclasses.replace(e, streams=[container.Stream(99, 0, b"")]),
+    "params-junk": lambda e: dataclasses.replace(e, params=e.params + b"\x00"),
+    "params-empty": lambda e: dataclasses.replace(e, params=b"") if e.params else dataclasses.replace(e, params=b"\x07\x01"),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+@pytest.mark.parametrize("victim", ["sparse", "dense", "ints", "same", "scalar"])
+def test_forged_index_field_is_refused_naming_the_tensor(case, forgery, victim):
+    base, _, payload = case
+    forged = _forge(payload, victim, FORGERIES[forgery])
+    err = refused(base, forged, victim)
+    assert err.tensor == victim or err.tensor is None and victim in str(err)
+
+
+@pytest.mark.parametrize("victim", ["sparse", "dense", "ints", "scalar"])
+def test_forged_stream_bytes_are_refused_or_exact(case, victim):
+    """Every byte of every stream of a tensor, tampered and re-checksummed: the tensor digest catches it."""
+    base, target, payload = case
+    parsed = container.unpack(payload)
+    entry = next(e for e in parsed.entries if e.name == victim)
+    refusals = 0
+    for k, s in enumerate(entry.streams):
+        for i in range(len(s.stored)):
+            for xor in (0x01, 0x80):
+                def edit(e, k=k, i=i, xor=xor):
+                    raw = bytearray(e.streams[k].stored)
+                    raw[i] ^= xor
+                    e.streams[k].stored = bytes(raw)
+                err = refused_or_exact(base, _forge(payload, victim, edit), target)
+                if err is not None:
+                    refusals += 1
+                    assert victim in str(err)
+    assert refusals > 0
+
+
+def test_swapped_records_are_refused(case):
+    """Two same-shaped records exchange names: each now claims the other's base."""
+    base, target, payload = case
+    base = dict(base, twin=base["dense"].clone().reshape(-1).flip(0).reshape(6, 7).contiguous())
+    target = dict(target, twin=rl_step(base["twin"], 0.5, np.random.default_rng(1)))
+    payload = codec.encode(base, target)
+    parsed = container.unpack(payload)
+    for e in parsed.entries:
+        e.name = {"dense": "twin", "twin": "dense"}.get(e.name, e.name)
+    refused(base, container.pack(parsed))
+
+
+def test_duplicate_and_missing_records(case):
+    base, _, payload = case
+    parsed = container.unpack(payload)
+    dup = container.Payload(parsed.version, parsed.entries + parsed.entries[:1], parsed.shared)
+    refused(base, container.pack(dup), parsed.entries[0].name)
+    dropped = container.Payload(parsed.version, [e for e in parsed.entries if e.name != "ints"], parsed.shared)
+    refused(base, container.pack(dropped), "ints")
+
+
+def test_relabelled_version_is_refused_or_exact(case):
+    base, target, payload = case
+    for version in range(0, 5):
+        data = bytearray(payload)
+        data[8:10] = version.to_bytes(2, "little")
+        refused_or_exact(base, bytes(data), target)
+
+
+def test_every_raw_index_byte_tampered(case):
+    """Each byte of the decompressed index, flipped and re-framed: refused or exact, never anything else."""
+    base, target, payload = case
+    version, index, body = split_payload(payload)
+    assert join_payload(version, index, body) != b""
+    for i in range(len(index)):
+        for xor in (0x01, 0x40, 0xFF):
+            raw = bytearray(index)
+            raw[i] ^= xor
+            refused_or_exact(base, join_payload(version, bytes(raw), body), target)
+    for n in range(len(index)):  # truncated index, re-framed
+        refused(base, join_payload(version, index[:n], body))
+
+
+def test_every_body_byte_tampered_with_checksum_fixed(case):
+    base, target, payload = case
+    data = bytearray(payload)
+    _, index, body = split_payload(payload)
+    start = len(payload) - len(body)
+    for i in range(start, len(data)):
+        data[i] ^= 0xFF
+        refused_or_exact(base, fix_checksum(bytes(data)), target)
+        data[i] ^= 0xFF
+
+
+def test_edge_checkpoint_forgeries(case):
+    """Target-digest forgery on every record of the edge-case checkpoint, both versions."""
+    base, target = edge_pair()
+    for version in FORMAT_VERSIONS:
+        payload = codec.encode(base, target, format_version=version)
+        for name in target:
+            err = refused(base, _forge(payload, name, FORGERIES["target-digest"]), name)
+            assert err.tensor == name
+
+
+# --- fuzzing ------------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+mutation = st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255))
+
+
+def _mutate(data: bytes, muts, cut, extra) -> bytes:
+    out = bytearray(data)
+    for pos, xor in muts:
+        if out:
+            out[pos % len(out)] ^= xor
+    if cut is not None and out:
+        del out[cut % len(out):]
+    return bytes(out) + extra
+
+
+def _check_fuzzed(payload: bytes) -> None:
+    try:
+        info = codec.describe(payload)
+    except codec.DeltaError:
+        pass
+    else:
+        assert isinstance(info, dict)
+    refused_or_exact(_BASE, payload, _TARGET)
+
+
+@FUZZ
+@given(version=st.sampled_from(FORMAT_VERSIONS), muts=st.lists(mutation, max_size=4),
+       cut=st.none() | st.integers(min_value=0), extra=st.binary(max_size=8), fix=st.booleans())
+def test_fuzz_payload_bytes(version, muts, cut, extra, fix):
+    data = _mutate(_PAYLOADS[version], muts, cut, extra)
+    _check_fuzzed(fix_checksum(data) if fix else data)
+
+
+@FUZZ
+@given(version=st.sampled_from(FORMAT_VERSIONS), muts=st.lists(mutation, min_size=1, max_size=3),
+       cut=st.none() | st.integers(min_value=0), extra=st.binary(max_size=4))
+def test_fuzz_raw_index(version, muts, cut, extra):
+    v, index, body = split_payload(_PAYLOADS[version])
+    _check_fuzzed(join_payload(v, _mutate(index, muts, cut, extra), body))
+
+
+@FUZZ
+@given(version=st.sampled_from(FORMAT_VERSIONS), muts=st.lists(mutation, min_size=1, max_size=3))
+def test_fuzz_body_with_checksum_fixed(version, muts):
+    payload = _PAYLOADS[version]
+    _, _, body = split_payload(payload)
+    start = len(payload) - len(body)
+    data = bytearray(payload)
+    for pos, xor in muts:
+        data[start + pos % len(body)] ^= xor
+    _check_fuzzed(fix_checksum(bytes(data)))
