@@ -1,0 +1,133 @@
+"""`deltarelay publish | watch | rebase | gc | status`: the relay from the command line.
+
+Store URLs take s3fs's usual environment (credentials, AWS_ENDPOINT_URL); `--storage-options JSON`
+passes fsspec options for that URL unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from relay import checkpoint, ops
+from relay.publisher import Publisher
+from relay.watcher import SyncError, Watcher
+
+
+def _options(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--storage-options is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    return value
+
+
+def _add_options(p: argparse.ArgumentParser, many: bool = False) -> None:
+    if many:
+        p.add_argument("--storage-options", action="append", metavar="JSON",
+                       help="fsspec options as JSON: once for every URL, or once per URL in order")
+    else:
+        p.add_argument("--storage-options", metavar="JSON", help="fsspec options for the URL, as a JSON object")
+
+
+def _publish(args: argparse.Namespace) -> int:
+    tensors, _ = checkpoint.load(args.checkpoint)
+    with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=_options(args.storage_options),
+                   resume=args.resume, background=False) as pub:
+        pub.publish(tensors, args.step)
+    print(f"published step {args.step} to {args.url}")
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    w = Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options))
+    if args.once:
+        step = w.sync(timeout=args.timeout)
+        print(f"{args.dest}: step {step}")
+        return 0
+    try:
+        w.run(sync_timeout=args.timeout)
+    except SyncError as exc:
+        print(f"deltarelay watch: {exc}; {args.dest} stays on step {w.step}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _rebase(args: argparse.Namespace) -> int:
+    step = ops.rebase(args.url, _options(args.storage_options))
+    print(f"{args.url}: base is now step {step}")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    out = ops.gc(args.url, args.keep_snapshots, _options(args.storage_options))
+    print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects ({out['freed_bytes']} bytes)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    given = args.storage_options or []
+    if len(given) > 1 and len(given) != len(args.urls):
+        raise ValueError(f"{len(given)} --storage-options for {len(args.urls)} URLs: give one, or one per URL")
+    rows, failed = [], 0
+    for i, url in enumerate(args.urls):
+        opts = _options(given[i] if len(given) > 1 else (given[0] if given else None))
+        try:
+            rows.append(ops.status(url, opts))
+        except Exception as exc:  # one bad store must not hide the others
+            failed += 1
+            rows.append({"url": url, "error": str(exc)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'url':40} {'head':>8} {'base':>8} {'chain':>6} {'chain bytes':>12} {'base bytes':>12}")
+        for r in rows:
+            if "error" in r:
+                print(f"{r['url']:40} error: {r['error']}")
+            else:
+                print(f"{r['url']:40} {r['head']:>8} {r['base']:>8} {r['chain_length']:>6} {r['chain_bytes']:>12} "
+                      f"{r['base_bytes']:>12}")
+    return 1 if failed else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("publish", help="publish a safetensors checkpoint as a step of a run")
+    p.add_argument("url", help="run prefix: s3://bucket/run, file:///path, memory://run")
+    p.add_argument("checkpoint", help="a .safetensors file or a shard directory")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
+    p.add_argument("--snapshot-every", type=int, default=25)
+    _add_options(p)
+    p.set_defaults(func=_publish)
+
+    p = subparsers.add_parser("watch", help="keep a directory on a run's head")
+    p.add_argument("url")
+    p.add_argument("--dest", required=True, help="directory that always holds one verified step")
+    p.add_argument("--poll-interval", type=float, default=1.0, metavar="S")
+    p.add_argument("--once", action="store_true", help="sync to the head once and exit")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="give up a sync after S seconds (exit non-zero, DIR stays on its last good step)")
+    _add_options(p)
+    p.set_defaults(func=_watch)
+
+    p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
+    p.add_argument("url")
+    _add_options(p)
+    p.set_defaults(func=_rebase)
+
+    p = subparsers.add_parser("gc", help="delete objects the last K snapshots no longer need")
+    p.add_argument("url")
+    p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
+    _add_options(p)
+    p.set_defaults(func=_gc)
+
+    p = subparsers.add_parser("status", help="head, base, chain length and bytes per run")
+    p.add_argument("urls", nargs="+", metavar="URL")
+    p.add_argument("--json", action="store_true")
+    _add_options(p, many=True)
+    p.set_defaults(func=_status)

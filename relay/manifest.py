@@ -1,0 +1,349 @@
+"""The manifest (the run's only mutable object) and the per-step record, as versioned JSON.
+
+Parsing is strict: an unknown version, a missing or extra field, a wrong type or an inconsistent
+chain is refused with a ManifestError naming the field, so a reader never acts on a manifest it
+half understands. docs/PROTOCOL.md is the normative description; this module implements it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+MANIFEST_FORMAT = "deltarelay.manifest"
+RECORD_FORMAT = "deltarelay.record"
+VERSION = 1
+
+INDEX_NAME = "model.safetensors.index.json"
+_KEY_STEP = re.compile(r"^(?:deltas/(\d+)-\d+\.drd|records/(\d+)\.json|snapshots/(\d+)/.+)$")
+
+
+class ManifestError(ValueError):
+    """A manifest or record that does not follow docs/PROTOCOL.md."""
+
+
+def delta_key(step: int, part: int) -> str:
+    return f"deltas/{step}-{part}.drd"
+
+
+def record_key(step: int) -> str:
+    return f"records/{step}.json"
+
+
+def snapshot_prefix(step: int) -> str:
+    return f"snapshots/{step}/"
+
+
+def step_of_key(key: str) -> int | None:
+    """The step an object key belongs to, or None for keys outside the layout."""
+    m = _KEY_STEP.match(key)
+    if not m:
+        return None
+    return int(next(g for g in m.groups() if g is not None))
+
+
+def _need(obj: dict, name: str, kind: type | tuple, where: str) -> Any:
+    if name not in obj:
+        raise ManifestError(f"{where}: missing field {name!r}")
+    value = obj[name]
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ManifestError(f"{where}.{name}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    return value
+
+
+def _only(obj: Any, fields: set[str], where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{where}: expected an object, got {type(obj).__name__}")
+    extra = set(obj) - fields
+    if extra:
+        raise ManifestError(f"{where}: unknown field(s) {sorted(extra)}")
+    return obj
+
+
+def _step_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{where}: a step is a non-negative integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ObjRef:
+    """An immutable object: its key under the run prefix, byte size and xxh3-128 (hex) of its bytes."""
+
+    key: str
+    size: int
+    xxh3: str
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "size": self.size, "xxh3": self.xxh3}
+
+    @classmethod
+    def parse(cls, obj: Any, where: str, extra: set[str] = frozenset()) -> "ObjRef":
+        _only(obj, {"key", "size", "xxh3"} | set(extra), where)
+        key = _need(obj, "key", str, where)
+        if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
+            raise ManifestError(f"{where}.key: {key!r} is not a deltas/, records/ or snapshots/ key")
+        size = _need(obj, "size", int, where)
+        if size < 0:
+            raise ManifestError(f"{where}.size: negative")
+        digest = _need(obj, "xxh3", str, where)
+        if not re.fullmatch(r"[0-9a-f]{32}", digest):
+            raise ManifestError(f"{where}.xxh3: expected 32 hex digits")
+        return cls(key, size, digest)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One delta object of a step. `tensors` None: it covers every tensor; else exactly these names."""
+
+    ref: ObjRef
+    tensors: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict:
+        return {**self.ref.to_json(), "tensors": None if self.tensors is None else list(self.tensors)}
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> "Part":
+        ref = ObjRef.parse(obj, where, {"tensors"})
+        names = _need(obj, "tensors", (list, type(None)), where)
+        if names is not None and not all(isinstance(n, str) for n in names):
+            raise ManifestError(f"{where}.tensors: expected a list of names")
+        return cls(ref, None if names is None else tuple(names))
+
+
+@dataclass(frozen=True)
+class Step:
+    """A published step: its record, and the delta parts that turn step `parent` into it (None: snapshot only)."""
+
+    step: int
+    record: ObjRef
+    parent: int | None = None
+    parts: tuple[Part, ...] | None = None
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(p.ref.size for p in self.parts or ())
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "record": self.record.to_json(), "parent": self.parent,
+                "parts": None if self.parts is None else [p.to_json() for p in self.parts]}
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> "Step":
+        _only(obj, {"step", "record", "parent", "parts"}, where)
+        step = _step_int(_need(obj, "step", int, where), f"{where}.step")
+        record = ObjRef.parse(_need(obj, "record", dict, where), f"{where}.record")
+        parent = _need(obj, "parent", (int, type(None)), where)
+        parts_raw = _need(obj, "parts", (list, type(None)), where)
+        if (parent is None) != (parts_raw is None):
+            raise ManifestError(f"{where}: 'parent' and 'parts' are both null or both set")
+        if parent is not None and not 0 <= parent < step:
+            raise ManifestError(f"{where}.parent: {parent} is not an earlier step")
+        parts = None
+        if parts_raw is not None:
+            if not parts_raw:
+                raise ManifestError(f"{where}.parts: empty (use null for a snapshot-only step)")
+            parts = tuple(Part.parse(p, f"{where}.parts[{i}]") for i, p in enumerate(parts_raw))
+        return cls(step, record, parent, parts)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A full checkpoint of one step: its index (HF layout) and shard files."""
+
+    step: int
+    index: ObjRef
+    files: tuple[ObjRef, ...]
+
+    @property
+    def bytes(self) -> int:
+        return self.index.size + sum(f.size for f in self.files)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "index": self.index.to_json(), "files": [f.to_json() for f in self.files]}
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> "Snapshot":
+        _only(obj, {"step", "index", "files"}, where)
+        step = _step_int(_need(obj, "step", int, where), f"{where}.step")
+        index = ObjRef.parse(_need(obj, "index", dict, where), f"{where}.index")
+        files = tuple(ObjRef.parse(f, f"{where}.files[{i}]") for i, f in enumerate(_need(obj, "files", list, where)))
+        prefix = snapshot_prefix(step)
+        for ref in (index, *files):
+            if not ref.key.startswith(prefix):
+                raise ManifestError(f"{where}: {ref.key!r} is not under {prefix}")
+        return cls(step, index, files)
+
+
+@dataclass
+class Manifest:
+    """Head step, the snapshots still kept, and every step from the oldest snapshot to the head."""
+
+    run: str
+    head: int
+    steps: list[Step] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
+
+    @property
+    def base(self) -> int:
+        """The newest snapshot: where a fresh reader starts."""
+        return self.snapshots[-1].step
+
+    def step(self, n: int) -> Step | None:
+        for s in self.steps:
+            if s.step == n:
+                return s
+        return None
+
+    def snapshot(self, n: int) -> Snapshot | None:
+        for s in self.snapshots:
+            if s.step == n:
+                return s
+        return None
+
+    def chain(self, start: int) -> list[Step] | None:
+        """The steps after `start` up to the head, if each has a delta from the one before; else None."""
+        out = []
+        prev = start
+        for s in self.steps:
+            if s.step <= start:
+                continue
+            if s.parent != prev or s.parts is None:
+                return None
+            out.append(s)
+            prev = s.step
+        return out if prev == self.head else None
+
+    def chain_since_base(self) -> list[Step]:
+        return [s for s in self.steps if s.step > self.base]
+
+    def referenced(self) -> set[str]:
+        keys = set()
+        for s in self.steps:
+            keys.add(s.record.key)
+            keys.update(p.ref.key for p in s.parts or ())
+        for snap in self.snapshots:
+            keys.add(snap.index.key)
+            keys.update(f.key for f in snap.files)
+        return keys
+
+    def validate(self) -> "Manifest":
+        where = "manifest"
+        if not self.steps:
+            raise ManifestError(f"{where}.steps: empty")
+        if not self.snapshots:
+            raise ManifestError(f"{where}.snapshots: empty (a run starts with a snapshot)")
+        for name, items in (("steps", self.steps), ("snapshots", self.snapshots)):
+            nums = [x.step for x in items]
+            if nums != sorted(set(nums)):
+                raise ManifestError(f"{where}.{name}: steps must strictly increase, got {nums[:10]}")
+        if self.steps[-1].step != self.head:
+            raise ManifestError(f"{where}: head {self.head} is not the last step {self.steps[-1].step}")
+        have = {s.step for s in self.steps}
+        for snap in self.snapshots:
+            if snap.step not in have:
+                raise ManifestError(f"{where}: snapshot {snap.step} has no step entry (record)")
+        if self.steps[0].step < self.snapshots[0].step:
+            raise ManifestError(f"{where}: step {self.steps[0].step} precedes the oldest snapshot {self.snapshots[0].step}")
+        for s in self.steps:
+            if s.parent is not None and s.parent not in have:
+                raise ManifestError(f"{where}: step {s.step} names parent {s.parent}, which is not listed")
+        return self
+
+    def to_bytes(self) -> bytes:
+        self.validate()
+        doc = {"format": MANIFEST_FORMAT, "version": VERSION, "run": self.run, "head": self.head,
+               "base": self.base, "snapshots": [s.to_json() for s in self.snapshots],
+               "steps": [s.to_json() for s in self.steps]}
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str = "manifest") -> "Manifest":
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"{where}: not JSON ({exc})") from None
+        _only(doc, {"format", "version", "run", "head", "base", "snapshots", "steps"}, where)
+        if doc.get("format") != MANIFEST_FORMAT:
+            raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        version = _need(doc, "version", int, where)
+        if version != VERSION:
+            raise ManifestError(f"{where}: version {version} is not supported by this reader (knows {VERSION})")
+        run = _need(doc, "run", str, where)
+        head = _step_int(_need(doc, "head", int, where), f"{where}.head")
+        base = _step_int(_need(doc, "base", int, where), f"{where}.base")
+        snaps = [Snapshot.parse(s, f"{where}.snapshots[{i}]") for i, s in enumerate(_need(doc, "snapshots", list, where))]
+        steps = [Step.parse(s, f"{where}.steps[{i}]") for i, s in enumerate(_need(doc, "steps", list, where))]
+        m = cls(run, head, steps, snaps).validate()
+        if m.base != base:
+            raise ManifestError(f"{where}.base: {base} but the newest snapshot is {m.base}")
+        return m
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str  # hex of codec.hashing.digest_elements
+
+
+@dataclass
+class Record:
+    """The trainer's view of one step: each tensor's dtype, shape and digest, and the file layout."""
+
+    run: str
+    step: int
+    tensors: dict[str, TensorInfo]
+    weight_map: dict[str, str]
+
+    def to_bytes(self) -> bytes:
+        doc = {"format": RECORD_FORMAT, "version": VERSION, "run": self.run, "step": self.step,
+               "tensors": {k: {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest} for k, v in self.tensors.items()},
+               "weight_map": self.weight_map}
+        return json.dumps(doc, indent=0).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str = "record") -> "Record":
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ManifestError(f"{where}: not JSON ({exc})") from None
+        _only(doc, {"format", "version", "run", "step", "tensors", "weight_map"}, where)
+        if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
+            raise ManifestError(f"{where}: not a {RECORD_FORMAT} v{VERSION} document")
+        tensors = {}
+        for name, t in _need(doc, "tensors", dict, where).items():
+            w = f"{where}.tensors[{name!r}]"
+            _only(t, {"dtype", "shape", "digest"}, w)
+            shape = _need(t, "shape", list, w)
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+                raise ManifestError(f"{w}.shape: expected non-negative integers")
+            tensors[name] = TensorInfo(_need(t, "dtype", str, w), tuple(shape), _need(t, "digest", str, w))
+        weight_map = _need(doc, "weight_map", dict, where)
+        if set(weight_map) != set(tensors) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
+            raise ManifestError(f"{where}.weight_map: must map every tensor to a shard file name")
+        return cls(_need(doc, "run", str, where), _step_int(_need(doc, "step", int, where), f"{where}.step"),
+                   tensors, dict(weight_map))
+
+
+def tensor_infos(tensors: dict) -> dict[str, TensorInfo]:
+    """Each tensor's dtype, shape and digest, with the codec's own hash (codec.hashing.digest_elements)."""
+    from codec.hashing import digest_elements
+    from codec.tensors import dtype_of, element_view
+
+    out = {}
+    for name, t in tensors.items():
+        dt = dtype_of(t, name)
+        shape = tuple(t.shape)
+        out[name] = TensorInfo(dt.name, shape, digest_elements(dt.name, shape, element_view(t)).hex())
+    return out
+
+
+def mismatches(tensors: dict, expected: dict[str, TensorInfo]) -> list[str]:
+    """Names whose dtype, shape or digest differ from `expected` (plus missing and extra names)."""
+    if set(tensors) != set(expected):
+        return sorted(set(tensors) ^ set(expected))
+    got = tensor_infos(tensors)
+    return [name for name, info in expected.items() if got[name] != info]

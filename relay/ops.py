@@ -1,0 +1,128 @@
+"""Operator actions on a run: rebase (a new snapshot at the head), gc (drop what the last K snapshots
+do not need) and status. Each manifest change is a conditional read-modify-write that is retried
+when a publisher commits in between, so operators can act on a live run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from relay.manifest import Manifest, Step, step_of_key
+from relay.publisher import upload_snapshot
+from relay.store import ConflictError, Store, open_store
+from relay.watcher import Reader
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 20
+
+
+def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None]) -> Manifest:
+    """Apply `change` to the current manifest and commit it conditionally, re-reading on a lost race.
+
+    `change` returns the new manifest, or None when there is nothing to do.
+    """
+    for _ in range(ATTEMPTS):
+        got = store.read_manifest()
+        if got is None:
+            raise FileNotFoundError(f"{store.url}/manifest.json: no run here")
+        m = Manifest.parse(got.data, f"{store.url}/manifest.json")
+        new = change(m)
+        if new is None:
+            return m
+        try:
+            store.commit_manifest(new.to_bytes(), got.etag)
+            return new
+        except ConflictError:
+            log.info("%s: manifest changed while updating it, re-reading", store.url)
+    raise ConflictError(f"{store.url}/manifest.json: lost {ATTEMPTS} conditional writes in a row")
+
+
+def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: int | None = None,
+           timeout: float | None = None) -> int:
+    """Materialise the head from the base and its chain (verified), store it as a snapshot, make it the base.
+
+    Returns the step that now has a snapshot. The snapshot keeps the layout the trainer recorded
+    for that step unless `max_shard_bytes` asks for another cap.
+    """
+    store = open_store(url, storage_options)
+    m, tensors, rec = Reader(store).reach(None, None, timeout=timeout)
+    if m.snapshot(rec.step) is not None:
+        log.info("%s: step %d already has a snapshot", url, rec.step)
+        return rec.step
+    weight_map = rec.weight_map
+    if max_shard_bytes is not None:
+        from relay.checkpoint import shard_plan
+
+        weight_map = shard_plan(tensors, max_shard_bytes)
+    snap = upload_snapshot(store, rec.step, tensors, weight_map)
+
+    def add(cur: Manifest) -> Manifest | None:
+        if cur.run != m.run:
+            raise ConflictError(f"{url}: the run changed ({m.run} -> {cur.run}) during rebase")
+        if cur.snapshot(snap.step) is not None:
+            return None
+        if cur.step(snap.step) is None:
+            raise ConflictError(f"{url}: step {snap.step} was collected during rebase")
+        cur.snapshots = sorted([*cur.snapshots, snap], key=lambda s: s.step)
+        return cur
+
+    update_manifest(store, add)
+    log.info("%s: rebased onto a snapshot of step %d (%d bytes)", url, snap.step, snap.bytes)
+    return snap.step
+
+
+def gc(url: str, keep_snapshots: int, storage_options: dict | None = None) -> dict:
+    """Keep the newest `keep_snapshots` snapshots and the steps from the oldest of them on; delete the rest.
+
+    A watcher holding any step from the oldest kept snapshot on still has its chain to the head.
+    The manifest is committed first, objects are deleted after, so no fresh manifest names a
+    deleted object. Unreferenced objects newer than the oldest kept snapshot are left alone: they
+    may belong to an upload in progress.
+    """
+    if keep_snapshots < 1:
+        raise ValueError("keep_snapshots must be >= 1")
+    store = open_store(url, storage_options)
+    before: set[str] = set()
+
+    def trim(m: Manifest) -> Manifest | None:
+        before.clear()
+        before.update(m.referenced())
+        if len(m.snapshots) <= keep_snapshots and m.steps[0].step == m.snapshots[0].step and m.steps[0].parts is None:
+            return None
+        snaps = m.snapshots[-keep_snapshots:]
+        oldest = snaps[0].step
+        steps = []
+        for s in m.steps:
+            if s.step < oldest:
+                continue
+            steps.append(Step(s.step, s.record) if s.step == oldest else s)
+        return Manifest(m.run, m.head, steps, snaps)
+
+    m = update_manifest(store, trim)
+    oldest = m.snapshots[0].step
+    now = m.referenced()
+    listed: dict[str, int] = {}
+    for prefix in ("deltas/", "records/", "snapshots/"):
+        listed.update(store.list(prefix))
+    doomed = sorted(k for k in listed
+                    if k not in now and ((step_of_key(k) is not None and step_of_key(k) < oldest) or k in before))
+    store.delete(doomed)
+    freed = sum(listed[k] for k in doomed)
+    log.info("%s: gc kept snapshots %s, deleted %d objects (%d bytes)", url, [s.step for s in m.snapshots],
+             len(doomed), freed)
+    return {"url": url, "snapshots": [s.step for s in m.snapshots], "deleted": len(doomed), "freed_bytes": freed}
+
+
+def status(url: str, storage_options: dict | None = None) -> dict:
+    """Head, base, chain length and bytes of one run (reads only the manifest)."""
+    store = open_store(url, storage_options)
+    got = store.read_manifest()
+    if got is None:
+        raise FileNotFoundError(f"{url}/manifest.json: no run here")
+    m = Manifest.parse(got.data, f"{url}/manifest.json")
+    chain = m.chain_since_base()
+    return {"url": url, "run": m.run, "head": m.head, "base": m.base, "chain_length": len(chain),
+            "chain_bytes": sum(s.delta_bytes for s in chain), "base_bytes": m.snapshots[-1].bytes,
+            "snapshots": [s.step for s in m.snapshots], "steps_listed": len(m.steps)}

@@ -1,0 +1,387 @@
+"""Object store under one fsspec URL prefix, with the one operation the relay needs beyond GET/PUT:
+a conditional commit of the manifest, so two publishers can never fork a run.
+
+Three backends, chosen by protocol:
+  * s3://   -- s3fs; the manifest commit is PutObject with If-None-Match: * (first) or If-Match:
+               ETag (later); immutable objects are created with If-None-Match: *. The manifest is
+               read with a plain GetObject (conditional on its ETag when polling), never a LIST,
+               so s3fs's listing cache never serves a stale view.
+  * file:// -- local paths; commit is an atomic rename under an flock, objects are created
+               exclusively with link(2).
+  * anything else fsspec knows (memory:// included) -- check-and-write under a process-wide
+               lock. That is exact for memory:// (one process owns it); for other remote stores
+               it only protects publishers inside this process, and says so in the log.
+
+`storage_options` are handed to fsspec unchanged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import xxhash
+
+log = logging.getLogger(__name__)
+
+MANIFEST_KEY = "manifest.json"
+
+
+class ConflictError(RuntimeError):
+    """Another writer changed the run first (the manifest or an immutable object): this write lost."""
+
+
+class ObjectMissing(FileNotFoundError):
+    """An object is not (yet) in the store: replication lag, a gc, or a crashed writer."""
+
+
+class ObjectExists(FileExistsError):
+    """A create-only write found the key already present."""
+
+
+NOT_MODIFIED = object()  # read_manifest's answer when the caller's ETag is still current
+
+
+@dataclass(frozen=True)
+class ManifestRead:
+    data: bytes
+    etag: str
+
+
+def content_tag(data: bytes) -> str:
+    """Hex xxh3-128 of bytes: object integrity in the manifest and ETag for stores without one."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+class Store:
+    """Keys are '/'-separated names relative to the run prefix (e.g. 'deltas/12-0.drd')."""
+
+    url: str
+
+    def get(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def put_new(self, key: str, data: bytes) -> None:
+        """Create `key`; ObjectExists if it is already there (its content is left alone)."""
+        raise NotImplementedError
+
+    def delete(self, keys: list[str]) -> None:
+        raise NotImplementedError
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """Key -> size for every object under `prefix` (operators only; watchers never list)."""
+        raise NotImplementedError
+
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | object:
+        """The manifest and its ETag; None if the run has none; NOT_MODIFIED if the ETag still holds."""
+        raise NotImplementedError
+
+    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+        """Write the manifest iff its current ETag is `expected_etag` (None: iff absent). Returns the new ETag.
+
+        Raises ConflictError when another writer got there first.
+        """
+        raise NotImplementedError
+
+    def put_immutable(self, key: str, data: bytes) -> None:
+        """Create `key`; accept an existing object only if it holds exactly these bytes."""
+        try:
+            self.put_new(key, data)
+        except ObjectExists:
+            try:
+                old = self.get(key)
+            except ObjectMissing:
+                old = None
+            if old is None or content_tag(old) != content_tag(data):
+                raise ConflictError(
+                    f"{self.url}/{key}: already exists with other content (another publisher is writing this step, "
+                    f"or a crashed one left it; Publisher(resume=True) clears leftovers above the head)") from None
+
+
+class LocalStore(Store):
+    """file:// prefix: exclusive create via link(2), manifest swap via rename under flock."""
+
+    def __init__(self, url: str, root: str) -> None:
+        self.url = url
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object") from None
+
+    def _tmp_write(self, directory: Path, data: bytes) -> str:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return tmp
+
+    def put_new(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._tmp_write(path.parent, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise ObjectExists(f"{self.url}/{key}: exists") from None
+        finally:
+            os.unlink(tmp)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+            parent = self._path(key).parent
+            while parent != self.root:  # drop emptied snapshot directories
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+
+    def list(self, prefix: str) -> dict[str, int]:
+        base = self._path(prefix)
+        if not base.exists():
+            return {}
+        out = {}
+        for p in base.rglob("*"):
+            if p.is_file() and not p.name.startswith(".tmp-"):
+                out[p.relative_to(self.root).as_posix()] = p.stat().st_size
+        return out
+
+    def read_manifest(self, if_none_match: str | None = None):
+        try:
+            data = self._path(MANIFEST_KEY).read_bytes()
+        except FileNotFoundError:
+            return None
+        tag = content_tag(data)
+        if if_none_match is not None and tag == if_none_match:
+            return NOT_MODIFIED
+        return ManifestRead(data, tag)
+
+    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".manifest.lock", "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            current = self.read_manifest()
+            current_tag = None if current is None else current.etag
+            if current_tag != expected_etag:
+                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
+                                    f"(expected {expected_etag or 'no manifest'}, found {current_tag or 'none'})")
+            tmp = self._tmp_write(self.root, data)
+            os.replace(tmp, self._path(MANIFEST_KEY))
+            dfd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return content_tag(data)
+
+
+_PROCESS_LOCK = threading.Lock()
+
+
+class FsspecStore(Store):
+    """Any other fsspec filesystem; conditional writes are check-then-write under a process lock."""
+
+    def __init__(self, url: str, fs: Any, root: str) -> None:
+        self.url = url
+        self.fs = fs
+        self.root = root.rstrip("/")
+        if fs.protocol not in ("memory",) and "memory" not in (fs.protocol if isinstance(fs.protocol, tuple) else ()):
+            log.warning("%s: store has no conditional write; manifest commits are only exclusive within this process",
+                        url)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object") from None
+
+    def put_new(self, key: str, data: bytes) -> None:
+        with _PROCESS_LOCK:
+            if self.fs.exists(self._path(key)):
+                raise ObjectExists(f"{self.url}/{key}: exists")
+            self.fs.pipe_file(self._path(key), data)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                self.fs.rm_file(self._path(key))
+            except FileNotFoundError:
+                pass
+
+    def list(self, prefix: str) -> dict[str, int]:
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(self._path(prefix), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p[len(self.root.lstrip("/")) + 1:] if not p.startswith(self.root) else p[len(self.root) + 1:]: int(info.get("size") or 0)
+                for p, info in found.items() if info.get("type", "file") == "file"}
+
+    def read_manifest(self, if_none_match: str | None = None):
+        try:
+            data = self.fs.cat_file(self._path(MANIFEST_KEY))
+        except FileNotFoundError:
+            return None
+        tag = content_tag(data)
+        if if_none_match is not None and tag == if_none_match:
+            return NOT_MODIFIED
+        return ManifestRead(data, tag)
+
+    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+        with _PROCESS_LOCK:
+            current = self.read_manifest()
+            current_tag = None if current is None else current.etag
+            if current_tag != expected_etag:
+                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer")
+            self.fs.pipe_file(self._path(MANIFEST_KEY), data)
+        return content_tag(data)
+
+
+def _client_error(exc: BaseException) -> tuple[str, int]:
+    """(error code, HTTP status) of the botocore ClientError behind an s3fs exception, if any."""
+    cause = exc
+    for _ in range(3):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return str(err.get("Code", "")), int(status or 0)
+        cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            break
+    return "", 0
+
+
+class S3Store(Store):
+    """s3:// prefix through s3fs (same endpoint and credentials as the storage_options give)."""
+
+    def __init__(self, url: str, fs: Any, root: str) -> None:
+        self.url = url
+        self.fs = fs
+        self.root = root.strip("/")
+        self.bucket, _, self.prefix = self.root.partition("/")
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def _get_object(self, key: str, **kw: Any) -> dict:
+        return self.fs.call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kw)
+
+    def _read_body(self, resp: dict) -> bytes:
+        import fsspec.asyn
+
+        async def read() -> bytes:
+            try:
+                return await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        return fsspec.asyn.sync(self.fs.loop, read)
+
+    def get(self, key: str) -> bytes:
+        try:
+            resp = self._get_object(key)
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object") from None
+        return self._read_body(resp)
+
+    def put_new(self, key: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._path(key), data, mode="create")
+        except FileExistsError:
+            raise ObjectExists(f"{self.url}/{key}: exists") from None
+        except OSError as exc:
+            code, status = _client_error(exc)
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise ObjectExists(f"{self.url}/{key}: exists ({code or status})") from None
+            raise
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            if batch:
+                self.fs.call_s3("delete_objects", Bucket=self.bucket,
+                                Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True})
+        self.fs.invalidate_cache(self.root)
+
+    def list(self, prefix: str) -> dict[str, int]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.find(self._path(prefix), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p[len(self.root) + 1:]: int(info.get("size") or 0) for p, info in found.items()
+                if info.get("type", "file") == "file"}
+
+    def read_manifest(self, if_none_match: str | None = None):
+        kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
+        try:
+            resp = self._get_object(MANIFEST_KEY, **kw)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            code, status = _client_error(exc)
+            if status == 304 or code in ("304", "NotModified"):
+                return NOT_MODIFIED
+            raise
+        return ManifestRead(self._read_body(resp), resp["ETag"])
+
+    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+        cond = {"IfMatch": expected_etag} if expected_etag else {"IfNoneMatch": "*"}
+        try:
+            resp = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(MANIFEST_KEY), Body=data,
+                                   ContentType="application/json", **cond)
+        except (OSError, FileExistsError) as exc:
+            code, status = _client_error(exc)
+            if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
+                    "PreconditionFailed", "ConditionalRequestConflict"):
+                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
+                                    f"({code or status} on {'If-Match ' + expected_etag if expected_etag else 'If-None-Match *'})") from None
+            if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted manifest
+                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: removed by another writer") from None
+            raise
+        self.fs.invalidate_cache(self._path(MANIFEST_KEY))
+        return resp["ETag"]
+
+
+def open_store(url: str, storage_options: dict | None = None) -> Store:
+    """The Store for a run prefix such as 's3://bucket/run', 'file:///path/run' or 'memory://run'."""
+    if "://" not in url:
+        url = "file://" + os.path.abspath(url)
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    url = url.rstrip("/")
+    if "s3" in protocols or "s3a" in protocols:
+        return S3Store(url, fs, root)
+    if "file" in protocols or "local" in protocols:
+        return LocalStore(url, root)
+    return FsspecStore(url, fs, root)
+
+
+__all__ = ["Store", "open_store", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
+           "MANIFEST_KEY", "content_tag"]
