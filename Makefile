@@ -38,3 +38,17 @@ bench: corpora
 
 clean:
 	rm -rf $(VENV) corpus out
+
+# Static checks of infra/: checkov lives in its own venv so its pins never meet the project's.
+CHECKOV_VERSION := 3.3.30
+CHECKOV_VENV    := .venv-checkov
+
+$(CHECKOV_VENV)/.checkov-$(CHECKOV_VERSION):
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install -q checkov==$(CHECKOV_VERSION)
+	touch $@
+
+.PHONY: infra-check
+infra-check: $(CHECKOV_VENV)/.checkov-$(CHECKOV_VERSION)
+	CHECKOV=$(CHECKOV_VENV)/bin/checkov PYTHON=$(PYTHON) scripts/infra_check.sh
