@@ -178,13 +178,14 @@ def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     parsed = _parse(tensors_, payload)
     for entry in parsed.entries:  # refuse a wrong base before touching anything
         _check_base(entry, tensors_.get(entry.name))
+    # Decode every patch before the first write: names that share storage (tied weights) must
+    # not see each other's writes, and a bad stream is refused with nothing touched.
+    patches = [(entry, _patch(entry, tensors.element_view(tensors_[entry.name]), parsed))
+               for entry in parsed.entries if entry.method != same.ID]
     undo: list[tuple[_InPlace, np.ndarray, np.ndarray]] = []
     try:
-        for entry in parsed.entries:
-            if entry.method == same.ID:
-                continue
+        for entry, patch in patches:
             live = tensors_[entry.name]
-            patch = _patch(entry, tensors.element_view(live), parsed)
             writer = _InPlace(entry.name, live)
             undo.append((writer, patch.index, writer.write(patch)))
             if digest_elements(entry.dtype.name, entry.shape, tensors.element_view(live)) != entry.target_digest:
