@@ -1,0 +1,253 @@
+"""apply_: in place on a mapping or a live module's state_dict, all-or-nothing, undo log only.
+
+Failures are checked by comparing raw bytes (NaN payloads included) before and after, and by
+torch's in-place version counters, which show whether a tensor was written at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import codec
+from codec import container
+from codec_cases import (
+    FORMAT_VERSIONS,
+    assert_bit_exact,
+    bf16_from_bits,
+    bits_of,
+    clone_all,
+    edge_pair,
+    fix_checksum,
+    model_pair,
+    rl_step,
+    snapshot,
+)
+
+
+def _changed_names(base, target) -> list[str]:
+    return [k for k in target if not np.array_equal(bits_of(base[k]), bits_of(target[k]))]
+
+
+def _forge(payload: bytes, name: str, edit) -> bytes:
+    parsed = container.unpack(payload)
+    for i, e in enumerate(parsed.entries):
+        if e.name == name:
+            parsed.entries[i] = edit(dataclasses.replace(e, streams=[dataclasses.replace(s) for s in e.streams]))
+    return container.pack(parsed)
+
+
+def _bad_digest(e):
+    return dataclasses.replace(e, target_digest=bytes([e.target_digest[0] ^ 1]) + e.target_digest[1:])
+
+
+def _bad_stream(e):
+    """Tamper with the largest stream's last byte, so it still decompresses in most cases."""
+    s = max(e.streams, key=lambda s: len(s.stored))
+    raw = bytearray(s.stored)
+    raw[-1] ^= 0x5A
+    s.stored = bytes(raw)
+    return e
+
+
+def _versions(tensors) -> dict[str, int]:
+    return {k: v._version for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_apply_on_a_dict_is_bit_exact_and_in_place(version):
+    base, target = edge_pair(seed=3)
+    payload = codec.encode(base, target, format_version=version)
+    live = clone_all(base)
+    objects = {k: v for k, v in live.items()}
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    versions = _versions(live)
+    assert codec.apply_(live, payload) is None
+    assert_bit_exact(live, target)
+    assert all(live[k] is objects[k] and live[k].data_ptr() == ptrs[k] for k in live)
+    changed = set(_changed_names(base, target))
+    for k, v in live.items():  # unchanged tensors are not written at all
+        if k not in changed:
+            assert v._version == versions[k], k
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_apply_to_a_live_module(version):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 48), nn.LayerNorm(48), nn.Linear(48, 8), nn.BatchNorm1d(8)).to(torch.bfloat16)
+    base = clone_all(model.state_dict())
+    rng = np.random.default_rng(0)
+    target = {k: rl_step(v, 0.2, rng) if v.dtype is torch.bfloat16 else v.clone() for k, v in base.items()}
+    target["3.num_batches_tracked"] = torch.tensor(7)  # an int64 0-d buffer moves too
+    params = {k: p for k, p in model.named_parameters()}
+    payload = codec.encode(base, target, format_version=version)
+
+    codec.apply_(model.state_dict(), payload)
+
+    assert_bit_exact(model.state_dict(), target)
+    assert {k: p for k, p in model.named_parameters()} == params  # same Parameter objects, updated
+    assert all(p.requires_grad for p in model.parameters())
+    out = model.eval()(torch.ones(2, 24, dtype=torch.bfloat16))
+    want = nn.Sequential(nn.Linear(24, 48), nn.LayerNorm(48), nn.Linear(48, 8), nn.BatchNorm1d(8)).to(torch.bfloat16)
+    want.load_state_dict(target)
+    assert torch.equal(out, want.eval()(torch.ones(2, 24, dtype=torch.bfloat16)))
+
+
+class _Tied(nn.Module):
+    """An LM head tied to the embedding: state_dict() lists one storage under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.head = nn.Linear(16, 40, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.LayerNorm(16)
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_apply_to_a_module_with_tied_weights(version):
+    torch.manual_seed(1)
+    trainer, rollout = _Tied().to(torch.bfloat16), _Tied().to(torch.bfloat16)
+    rollout.load_state_dict(trainer.state_dict())
+    base = clone_all(trainer.state_dict())
+    rng = np.random.default_rng(1)
+    with torch.no_grad():
+        trainer.embed.weight.copy_(rl_step(trainer.embed.weight, 0.05, rng))
+        trainer.norm.weight.copy_(rl_step(trainer.norm.weight, 0.5, rng))
+    target = clone_all(trainer.state_dict())
+    payload = codec.encode(base, target, format_version=version)
+
+    codec.apply_(rollout.state_dict(), payload)
+
+    assert_bit_exact(rollout.state_dict(), target)
+    assert rollout.head.weight is rollout.embed.weight
+
+
+# --- all-or-nothing -------------------------------------------------------------------------------
+
+def _assert_untouched(live, before, versions=None):
+    assert snapshot(live) == before
+    if versions is not None:
+        assert _versions(live) == versions
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_wrong_base_touches_nothing(version):
+    base, target = edge_pair(seed=4)
+    payload = codec.encode(base, target, format_version=version)
+    live = clone_all(base)
+    victim = next(k for k in reversed(list(live)) if live[k].numel() and live[k].dtype is not torch.bool)
+    live[victim].reshape(-1).view(torch.uint8)[0] ^= 0x10
+    before, versions = snapshot(live), _versions(live)
+    with pytest.raises(codec.DeltaError, match=victim.replace(".", r"\.")):
+        codec.apply_(live, payload)
+    _assert_untouched(live, before, versions)
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_corrupt_payload_touches_nothing(version):
+    base, target = edge_pair(seed=5)
+    payload = bytearray(codec.encode(base, target, format_version=version))
+    payload[len(payload) // 2] ^= 0x04
+    live = clone_all(base)
+    before, versions = snapshot(live), _versions(live)
+    with pytest.raises(codec.DeltaError):
+        codec.apply_(live, bytes(payload))
+    _assert_untouched(live, before, versions)
+    with pytest.raises(codec.DeltaError):
+        codec.apply_(live, bytes(payload[:-3]))
+    _assert_untouched(live, before, versions)
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("damage", ["digest", "stream"])
+def test_failure_restores_every_tensor_bit_exactly(version, where, damage):
+    """A digest mismatch or a tampered stream (checksum recomputed) in one record: every earlier
+    write is undone, NaN payloads and -0.0 included, and DeltaError names the record."""
+    base, target = edge_pair(seed=6)
+    changed = [k for k in _changed_names(base, target) if base[k].numel()]
+    name = {"first": changed[0], "middle": changed[len(changed) // 2], "last": changed[-1]}[where]
+    payload = codec.encode(base, target, format_version=version)
+    forged = _forge(payload, name, _bad_digest if damage == "digest" else _bad_stream)
+    live = clone_all(base)
+    before = snapshot(live)
+    with pytest.raises(codec.DeltaError) as err:
+        codec.apply_(live, forged)
+    assert name in str(err.value)
+    _assert_untouched(live, before)
+    codec.apply_(live, payload)  # the genuine payload still applies afterwards
+    assert_bit_exact(live, target)
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_failure_in_the_last_tensor_of_a_live_module(version):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)
+    with torch.no_grad():  # NaN payloads and signed zeros must survive the undo too
+        model[0].weight.view(-1)[:4] = bf16_from_bits([0x7FC1, 0xFF81, 0x8000, 0x0001])
+    base = clone_all(model.state_dict())
+    rng = np.random.default_rng(2)
+    target = {k: rl_step(v, 0.3, rng) for k, v in base.items()}
+    names = list(target)
+    payload = _forge(codec.encode(base, target, format_version=version), names[-1], _bad_digest)
+    with pytest.raises(codec.DeltaError, match=r"2\.bias"):
+        codec.apply_(model.state_dict(), payload)
+    assert_bit_exact(model.state_dict(), base)
+
+
+def test_applying_twice_is_refused_and_harmless():
+    base, target = model_pair(n_tensors=3, shape=(32, 32), fraction=0.05)
+    payload = codec.encode(base, target)
+    live = clone_all(base)
+    codec.apply_(live, payload)
+    before, versions = snapshot(live), _versions(live)
+    with pytest.raises(codec.DeltaError):
+        codec.apply_(live, payload)
+    _assert_untouched(live, before, versions)
+
+
+def test_non_contiguous_live_tensor_is_refused_and_restored():
+    base, target = model_pair(n_tensors=3, shape=(32, 32), fraction=0.05)
+    payload = codec.encode(base, target)
+    live = clone_all(base)
+    last = list(live)[2]
+    live[last] = live[last].t().contiguous().t()  # same values, column-major storage
+    before = snapshot(live)
+    with pytest.raises(ValueError, match=last.replace(".", r"\.")):
+        codec.apply_(live, payload)
+    _assert_untouched(live, before)
+
+
+def test_chain_forward_and_back():
+    base, target = model_pair(n_tensors=3, shape=(48, 48), fraction=0.02, seed=3)
+    forward, backward = codec.encode(base, target), codec.encode(target, base)
+    live = clone_all(base)
+    codec.apply_(live, forward)
+    assert_bit_exact(live, target)
+    codec.apply_(live, memoryview(backward))
+    assert_bit_exact(live, base)
+
+
+def test_extra_memory_is_an_undo_log_not_a_copy():
+    """Peak numpy allocation while applying 1% changes to an 8-tensor checkpoint stays far below
+    the checkpoint's size (a copy of the checkpoint would exceed it), and nothing is reallocated."""
+    base, target = model_pair(n_tensors=8, shape=(256, 256), fraction=0.01, seed=4)
+    payload = codec.encode(base, target)
+    live = clone_all(base)
+    ptrs = {k: v.data_ptr() for k, v in live.items()}
+    total = sum(v.numel() * v.element_size() for v in live.values())
+    tracemalloc.start()
+    try:
+        codec.apply_(live, payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert_bit_exact(live, target)
+    assert {k: v.data_ptr() for k, v in live.items()} == ptrs
+    assert peak < total / 4, (peak, total)
