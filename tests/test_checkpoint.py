@@ -1,0 +1,157 @@
+"""relay/checkpoint.py: single files and Hugging Face shard directories, layout kept, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from codec_cases import OTHER_DTYPES, assert_bit_exact, edge_pair, model_pair
+from relay import checkpoint
+from relay.checkpoint import INDEX_NAME, SINGLE_NAME, Layout
+
+
+def _leftovers(directory) -> list[str]:
+    """Temporary files or directories a writer forgot (its temp names start with a dot)."""
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_single_file_round_trip_every_dtype(tmp_path):
+    _, target = edge_pair()
+    path = tmp_path / "ckpt.safetensors"
+    checkpoint.save(target, path, Layout(metadata={"step": "7"}))
+    loaded, layout = checkpoint.load(path)
+    assert_bit_exact(loaded, target)
+    assert not layout.sharded and layout.metadata == {"step": "7"}
+    assert _leftovers(tmp_path) == []
+
+
+def test_save_without_layout_writes_one_file(tmp_path):
+    base, _ = model_pair(n_tensors=2)
+    path = tmp_path / "deep" / "dir" / "x.safetensors"
+    checkpoint.save(base, path)
+    assert path.is_file()
+    assert_bit_exact(checkpoint.load(path)[0], base)
+
+
+def test_shard_plan_respects_the_limit_and_keeps_order():
+    tensors = {f"t{i}": torch.zeros(n, dtype=torch.bfloat16) for i, n in enumerate([100, 300, 50, 2000, 10, 10])}
+    plan = checkpoint.shard_plan(tensors, max_shard_bytes=800)
+    shards = sorted(set(plan.values()))
+    assert list(plan) == list(tensors)
+    assert all(s.startswith("model-") and s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+    for shard in shards:
+        members = [k for k, s in plan.items() if s == shard]
+        size = sum(tensors[k].numel() * 2 for k in members)
+        assert size <= 800 or len(members) == 1  # a lone larger tensor gets its own shard
+    assert plan["t3"] not in {plan[k] for k in plan if k != "t3"}
+    order = [shards.index(plan[k]) for k in tensors]
+    assert order == sorted(order)
+
+
+def test_sharded_directory_round_trip_keeps_layout(tmp_path):
+    _, target = edge_pair()
+    plan = checkpoint.shard_plan(target, max_shard_bytes=4096)
+    assert len(set(plan.values())) >= 3
+    out = tmp_path / "model"
+    checkpoint.save(target, out, Layout(True, plan, {"format": "pt"}))
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert index["weight_map"] == plan
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in target.values())
+    assert sorted(p.name for p in out.iterdir()) == sorted({*plan.values(), INDEX_NAME})
+
+    loaded, layout = checkpoint.load(out)
+    assert_bit_exact(loaded, target)
+    assert layout.sharded and layout.weight_map == plan and layout.metadata == {"format": "pt"}
+
+    again = tmp_path / "copy"  # what decode does: write the result in the base's layout
+    checkpoint.save(loaded, again, layout)
+    assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in out.iterdir())
+    assert_bit_exact(checkpoint.load(again)[0], target)
+    assert _leftovers(tmp_path) == []
+
+
+def test_layout_for_new_tensors_falls_back_to_a_plan(tmp_path):
+    base, _ = model_pair(n_tensors=3)
+    layout = Layout(True, {"layers.0.weight": "a.safetensors"})
+    checkpoint.save(base, tmp_path / "m", layout)
+    loaded, got = checkpoint.load(tmp_path / "m")
+    assert_bit_exact(loaded, base)
+    assert set(got.weight_map) == set(base)
+
+
+def test_directory_holding_model_safetensors(tmp_path):
+    base, _ = model_pair(n_tensors=2)
+    save_file(base, str(tmp_path / SINGLE_NAME))
+    loaded, layout = checkpoint.load(tmp_path)
+    assert_bit_exact(loaded, base)
+    assert not layout.sharded
+
+
+def test_directory_of_unindexed_shards(tmp_path):
+    base, _ = model_pair(n_tensors=4)
+    names = list(base)
+    save_file({k: base[k] for k in names[:2]}, str(tmp_path / "part-a.safetensors"))
+    save_file({k: base[k] for k in names[2:]}, str(tmp_path / "part-b.safetensors"))
+    loaded, layout = checkpoint.load(tmp_path)
+    assert_bit_exact(loaded, base)
+    assert layout.sharded and layout.weight_map == {**{k: "part-a.safetensors" for k in names[:2]},
+                                                    **{k: "part-b.safetensors" for k in names[2:]}}
+
+
+def test_missing_checkpoint_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        checkpoint.load(tmp_path / "nope.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty"):
+        checkpoint.load(tmp_path / "empty")
+
+
+def test_index_naming_a_tensor_no_shard_holds(tmp_path):
+    base, _ = model_pair(n_tensors=2)
+    checkpoint.save(base, tmp_path / "m", Layout(True, checkpoint.shard_plan(base, 1 << 20)))
+    index = json.loads((tmp_path / "m" / INDEX_NAME).read_text())
+    index["weight_map"]["ghost.weight"] = next(iter(index["weight_map"].values()))
+    (tmp_path / "m" / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="ghost.weight"):
+        checkpoint.load(tmp_path / "m")
+
+
+def test_overwrite_is_atomic_and_clean(tmp_path):
+    first, second = model_pair(n_tensors=3, seed=1)
+    path = tmp_path / "c.safetensors"
+    checkpoint.save(first, path)
+    checkpoint.save(second, path)
+    assert_bit_exact(checkpoint.load(path)[0], second)
+    shard_dir = tmp_path / "sharded"
+    plan = checkpoint.shard_plan(first, 10_000)
+    checkpoint.save(first, shard_dir, Layout(True, plan))
+    inode = os.stat(shard_dir).st_ino
+    checkpoint.save(second, shard_dir, Layout(True, plan))
+    assert os.stat(shard_dir).st_ino != inode  # replaced by rename, not rewritten in place
+    assert_bit_exact(checkpoint.load(shard_dir)[0], second)
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_failed_write_leaves_the_old_checkpoint_and_no_temp(tmp_path, sharded):
+    good, _ = model_pair(n_tensors=2)
+    path = tmp_path / ("m" if sharded else "m.safetensors")
+    layout = Layout(True, checkpoint.shard_plan(good, 1 << 20)) if sharded else Layout()
+    checkpoint.save(good, path, layout)
+    bad = dict(good, broken="not a tensor")
+    with pytest.raises(Exception):
+        checkpoint.save(bad, path, layout)
+    assert_bit_exact(checkpoint.load(path)[0], good)
+    assert _leftovers(tmp_path) == []
+
+
+def test_every_other_dtype_survives_a_shard_directory(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {str(dt): torch.from_numpy(rng.integers(0, 2, size=64, dtype=np.uint8)).to(dt) for dt in OTHER_DTYPES}
+    checkpoint.save(tensors, tmp_path / "d", Layout(True, checkpoint.shard_plan(tensors, 128)))
+    assert_bit_exact(checkpoint.load(tmp_path / "d")[0], tensors)
