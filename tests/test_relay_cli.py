@@ -1,0 +1,98 @@
+"""`deltarelay publish | watch | rebase | gc | status` in-process, and one real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relay import checkpoint
+from relay.cli import main
+from relay.store import open_store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cli_round_trip(s3_run, trainer, bits_equal, tmp_path, capsys):
+    t = trainer(seed=30)
+    opts = json.dumps(s3_run.options)
+    states = {}
+    for step in range(4):
+        states[step] = t.step()
+        path = tmp_path / f"ckpt-{step}"
+        checkpoint.save(states[step], path, checkpoint.Layout(sharded=True))
+        resume = ["--resume"] if step else []
+        assert main(["publish", s3_run.url, str(path), "--step", str(step), "--snapshot-every", "2",
+                     "--storage-options", opts, *resume]) == 0
+    capsys.readouterr()
+    assert main(["publish", s3_run.url, str(tmp_path / "ckpt-3"), "--step", "9", "--storage-options", opts]) == 1
+    assert "resume=True" in capsys.readouterr().err
+
+    dest = tmp_path / "dest"
+    assert main(["watch", s3_run.url, "--dest", str(dest), "--once", "--storage-options", opts]) == 0
+    assert capsys.readouterr().out.strip().endswith("step 3")
+    tensors, _ = checkpoint.load(dest)
+    assert bits_equal(tensors, states[3])
+
+    assert main(["status", s3_run.url, "--json", "--storage-options", opts]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert (row["head"], row["base"], row["chain_length"], row["snapshots"]) == (3, 2, 1, [0, 2])
+    assert main(["rebase", s3_run.url, "--storage-options", opts]) == 0
+    assert "base is now step 3" in capsys.readouterr().out
+    assert main(["gc", s3_run.url, "--keep-snapshots", "1", "--storage-options", opts]) == 0
+    assert "kept snapshots [3]" in capsys.readouterr().out
+    assert main(["status", s3_run.url, "s3://no-such-bucket-x/run", "--storage-options", opts]) == 1
+    out = capsys.readouterr().out
+    assert "error" in out and s3_run.url in out
+
+
+def test_cli_watch_timeout_leaves_last_good_step(file_run, trainer, bits_equal, tmp_path, capsys):
+    t = trainer(seed=31)
+    first = t.step()
+    checkpoint.save(first, tmp_path / "a.safetensors")
+    assert main(["publish", file_run.url, str(tmp_path / "a.safetensors"), "--step", "0"]) == 0
+    dest = tmp_path / "dest"
+    assert main(["watch", file_run.url, "--dest", str(dest), "--once"]) == 0
+    checkpoint.save(t.step(), tmp_path / "b.safetensors")
+    assert main(["publish", file_run.url, str(tmp_path / "b.safetensors"), "--step", "1", "--resume"]) == 0
+    open_store(file_run.url).delete(["deltas/1-0.drd"])  # named by the manifest, not in the store
+    capsys.readouterr()
+    assert main(["watch", file_run.url, "--dest", str(dest), "--once", "--timeout", "0.3"]) == 1
+    err = capsys.readouterr().err
+    assert "gave up after 0.3s" in err and "deltas/1-0.drd" in err
+    tensors, _ = checkpoint.load(dest)
+    assert bits_equal(tensors, first)
+
+
+def test_cli_subprocess(s3_run, trainer, bits_equal, tmp_path):
+    t = trainer(seed=32)
+    checkpoint.save(t.step(), tmp_path / "a.safetensors")
+    opts = json.dumps(s3_run.options)
+    assert main(["publish", s3_run.url, str(tmp_path / "a.safetensors"), "--step", "5", "--storage-options", opts]) == 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", "watch", s3_run.url, "--dest", str(tmp_path / "d"),
+                           "--once", "--timeout", "30", "--storage-options", opts],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 5" in proc.stdout
+    tensors, _ = checkpoint.load(tmp_path / "d")
+    assert bits_equal(tensors, t.state())
+
+
+def test_rebase_script(file_run, trainer, monkeypatch, capsys):
+    t = trainer(seed=33)
+    src = file_run.url.removeprefix("file://") + "-a.safetensors"
+    checkpoint.save(t.step(), src)
+    assert main(["publish", file_run.url, src, "--step", "0"]) == 0
+    checkpoint.save(t.step(), src)
+    assert main(["publish", file_run.url, src, "--step", "1", "--resume"]) == 0
+    monkeypatch.setattr(sys, "argv", ["rebase.py", file_run.url])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_path(str(ROOT / "scripts" / "rebase.py"), run_name="__main__")
+    assert exc.value.code == 0
+    assert "base is now step 1" in capsys.readouterr().out
