@@ -123,7 +123,11 @@ def unpack(data: bytes | bytearray | memoryview) -> Payload:
     if index_len > len(rest):
         raise DeltaError(f"index length {index_len} exceeds the payload")
     try:
-        raw_index = zstandard.ZstdDecompressor().decompress(bytes(rest[:index_len]), max_output_size=MAX_INDEX_BYTES)
+        frame = bytes(rest[:index_len])
+        # decompress() allocates the size a frame header declares, ignoring max_output_size
+        if zstandard.frame_content_size(frame) > MAX_INDEX_BYTES:
+            raise DeltaError(f"index declares more than {MAX_INDEX_BYTES} bytes")
+        raw_index = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_INDEX_BYTES)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"index is corrupt ({exc})") from None
     r = Reader(raw_index, "index")
