@@ -64,7 +64,11 @@ def decompress(codec: int, data: bytes | memoryview, raw_len: int, what: str) ->
         if codec == RAW:
             out = bytes(data)
         elif codec == ZSTD:
-            out = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=max(raw_len, 1))
+            frame = bytes(data)
+            # decompress() allocates the size a frame header declares, ignoring max_output_size
+            if zstandard.frame_content_size(frame) > raw_len:
+                raise DeltaError(f"{what}: zstd frame declares more than the {raw_len} bytes the index declares")
+            out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(raw_len, 1))
         elif codec == LZ4:
             out = lz4.block.decompress(bytes(data), uncompressed_size=raw_len) if raw_len else b""
         elif codec == BROTLI:
