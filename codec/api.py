@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +13,7 @@ from . import container, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import digest_elements
-from .methods import same, sparse, xor_planes
+from .methods import conditional, same, sparse, xor_planes
 from .methods.base import Patch
 
 EFFORTS = ("fast", "default", "max")
@@ -47,54 +48,108 @@ class _Candidate:
         return len(self.params) + sum(len(s.stored) for s in self.streams)
 
 
-def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, index: np.ndarray, effort: str, version: int) -> _Candidate:
+def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, index: np.ndarray, effort: str,
+                   analysis: conditional.Analysis | None, model: conditional.ValueModel | None) -> _Candidate:
+    """Per tensor, the smallest of the methods worth trying at this effort."""
     cands: list[_Candidate] = []
     dense = index.size > DENSE_FRACTION * b.size
-    if dt is tensors.BF16:
+    small = b.size <= 4096
+    if analysis is not None and model is not None:
+        cands.append(_Candidate(conditional.ID, *conditional.encode(analysis, model)))
+    if dt is tensors.BF16 and (analysis is None or dense or small or effort == "max"):
         cands.append(_Candidate(sparse.ID, *sparse.encode(b, t, effort, index)))
-    if dt is not tensors.BF16 or dense or effort == "max" or b.size <= 4096:
+    if dt is not tensors.BF16 or dense or small or effort == "max":
         cands.append(_Candidate(xor_planes.ID, *xor_planes.encode(b, t, effort)))
     return min(cands, key=lambda c: c.size)
 
 
+@dataclass
+class _Pending:
+    name: str
+    dt: tensors.DType
+    shape: tuple[int, ...]
+    base: np.ndarray
+    target: np.ndarray
+    base_digest: bytes
+    index: np.ndarray
+    analysis: conditional.Analysis | None
+
+
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
-           format_version: int = container.CURRENT_VERSION) -> bytes:
+           format_version: int = container.CURRENT_VERSION, workers: int = 1) -> bytes:
     """Delta payload that turns `base` into `target`, bit for bit.
 
     Both map tensor names to tensors with the same names, dtypes and shapes (else
     CheckpointMismatchError). `effort` trades encode time for size: "fast", "default" or "max".
-    `format_version=1` writes payloads that v1 decoders read.
+    `format_version=1` writes payloads that v1 decoders read. `workers` > 1 codes tensors on
+    that many threads (the compiled kernels release the GIL).
     """
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {EFFORTS}")
+    if format_version not in container.SUPPORTED_VERSIONS:
+        raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
-    entries = []
-    for name, t_tensor in target.items():
+    use_conditional = format_version >= conditional.MIN_VERSION
+
+    def prepare(item: tuple[str, torch.Tensor]) -> _Pending:
+        name, t_tensor = item
         dt = tensors.dtype_of(t_tensor, name)
         b = tensors.element_view(base[name])
         t = tensors.element_view(t_tensor)
         shape = tuple(t_tensor.shape)
-        bd = digest_elements(dt.name, shape, b)
-        index = np.flatnonzero(b != t)
-        if index.size == 0:
-            entries.append(Entry(name, dt, shape, same.ID, 0, bd, bd))
-            continue
-        td = digest_elements(dt.name, shape, t)
-        c = _encode_tensor(b, t, dt, index, effort, format_version)
-        entries.append(Entry(name, dt, shape, c.method, int(index.size), bd, td, c.params, c.streams))
-    return container.pack(Payload(format_version, entries, {}))
+        analysis = None
+        if use_conditional and dt is tensors.BF16:
+            analysis = conditional.analyze(b, t)
+            index = analysis.index
+        else:
+            index = np.flatnonzero(b != t)
+        return _Pending(name, dt, shape, b, t, digest_elements(dt.name, shape, b), index, analysis)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        pending = list(pool.map(prepare, target.items()))
+        analyses = [p.analysis for p in pending if p.analysis is not None and p.index.size]
+        model = conditional.ValueModel.fit(analyses) if analyses else None
+
+        def code(p: _Pending) -> Entry:
+            if not p.index.size:
+                return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
+            c = _encode_tensor(p.base, p.target, p.dt, p.index, effort, p.analysis, model)
+            td = digest_elements(p.dt.name, p.shape, p.target)
+            return Entry(p.name, p.dt, p.shape, c.method, int(p.index.size), p.base_digest, td, c.params, c.streams)
+
+        entries = list(pool.map(code, pending))
+    shared = {}
+    if model is not None and any(e.method == conditional.ID for e in entries):
+        shared[conditional.SHARED_VALUE_TABLES] = model.pack()
+    return container.pack(Payload(format_version, entries, shared))
 
 
-def _check_base(entry: Entry, tensor: torch.Tensor | None) -> np.ndarray:
+def _base_view(entry: Entry, tensor: torch.Tensor | None) -> np.ndarray:
+    """The base tensor's elements after checking name, dtype and shape (its digest is checked lazily)."""
     if tensor is None:
         raise DeltaError("the base has no such tensor (delta made for another checkpoint)", tensor=entry.name)
     if tensor.dtype != entry.dtype.torch or tuple(tensor.shape) != entry.shape:
         raise DeltaError(f"base is {tensor.dtype} {tuple(tensor.shape)}, delta expects {entry.dtype.torch} {entry.shape}",
                          tensor=entry.name)
-    elems = tensors.element_view(tensor)
-    if digest_elements(entry.dtype.name, entry.shape, elems) != entry.base_digest:
-        raise DeltaError("base digest mismatch: this delta was made for a different base", tensor=entry.name)
-    return elems
+    return tensors.element_view(tensor)
+
+
+def _base_matches(entry: Entry, elems: np.ndarray) -> bool:
+    return digest_elements(entry.dtype.name, entry.shape, elems) == entry.base_digest
+
+
+_WRONG_BASE = "base digest mismatch: this delta was made for a different base"
+
+
+def _explain(entry: Entry, elems: np.ndarray, exc: DeltaError) -> DeltaError:
+    """A failure against a base that is not the one the delta names is reported as a wrong base.
+
+    The base digest is only computed here, on failure: the target digest already proves every
+    success, so the common path hashes each tensor once.
+    """
+    if not _base_matches(entry, elems):
+        return DeltaError(_WRONG_BASE, tensor=entry.name)
+    return exc
 
 
 def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> Payload:
@@ -127,13 +182,22 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     parsed = _parse(base, payload)
     out: dict[str, torch.Tensor] = {}
     for entry in parsed.entries:
-        elems = _check_base(entry, base.get(entry.name))
-        patch = _patch(entry, elems, parsed)
-        new = elems.copy()
-        new[patch.index] = patch.values
-        if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
-            raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
-        out[entry.name] = tensors.tensor_from_elements(new, entry.dtype, entry.shape)
+        elems = _base_view(entry, base.get(entry.name))
+        if entry.method == same.ID:
+            if not _base_matches(entry, elems):
+                raise DeltaError(_WRONG_BASE, tensor=entry.name)
+            _patch(entry, elems, parsed)  # validates the record
+            new = elems.copy()
+        else:
+            try:
+                patch = _patch(entry, elems, parsed)
+            except DeltaError as exc:
+                raise _explain(entry, elems, exc) from None
+            new = elems.copy()
+            new[patch.index] = patch.values
+            if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
+                raise _explain(entry, elems, DeltaError("reconstruction does not match the target digest", tensor=entry.name))
+        out[entry.name] = tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
     return out
 
 
@@ -176,12 +240,20 @@ def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     Extra memory is an undo log of the changed elements, not a copy of the checkpoint.
     """
     parsed = _parse(tensors_, payload)
-    for entry in parsed.entries:  # refuse a wrong base before touching anything
-        _check_base(entry, tensors_.get(entry.name))
+    views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
+    for entry in parsed.entries:  # unchanged tensors are verified up front; changed ones after writing
+        if entry.method == same.ID and not _base_matches(entry, views[entry.name]):
+            raise DeltaError(_WRONG_BASE, tensor=entry.name)
     # Decode every patch before the first write: names that share storage (tied weights) must
     # not see each other's writes, and a bad stream is refused with nothing touched.
-    patches = [(entry, _patch(entry, tensors.element_view(tensors_[entry.name]), parsed))
-               for entry in parsed.entries if entry.method != same.ID]
+    patches = []
+    for entry in parsed.entries:
+        if entry.method == same.ID:
+            continue
+        try:
+            patches.append((entry, _patch(entry, views[entry.name], parsed)))
+        except DeltaError as exc:
+            raise _explain(entry, views[entry.name], exc) from None
     undo: list[tuple[_InPlace, np.ndarray, np.ndarray]] = []
     try:
         for entry, patch in patches:
@@ -190,7 +262,10 @@ def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
             undo.append((writer, patch.index, writer.write(patch)))
             if digest_elements(entry.dtype.name, entry.shape, tensors.element_view(live)) != entry.target_digest:
                 raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
-    except BaseException:
+    except BaseException as exc:
         for writer, index, old in reversed(undo):
             writer.undo(index, old)
+        if isinstance(exc, DeltaError) and exc.tensor in views:  # restored: now say why it failed
+            entry = next(e for e in parsed.entries if e.name == exc.tensor)
+            raise _explain(entry, tensors.element_view(tensors_[entry.name]), exc) from None
         raise

@@ -23,7 +23,6 @@ EFFORT = {
     "default": ((ZSTD, 3), (LZ4, 0), (BROTLI, 5)),
     "max": ((ZSTD, 3), (ZSTD, 19), (LZ4, 0), (BROTLI, 9), (BROTLI, 11)),
 }
-_SMALL = 1 << 16  # streams this short are cheap enough to race at every level
 
 
 def compress(codec: int, data: bytes, level: int = 3) -> bytes:
@@ -45,8 +44,6 @@ def compress_best(data: bytes, effort: str = "default", candidates: Iterable[tup
     if not data:
         return best_codec, best
     cands = tuple(candidates) if candidates is not None else EFFORT[effort]
-    if len(data) <= _SMALL and effort != "fast":
-        cands = cands + EFFORT["max"]
     seen = set()
     for codec, level in cands:
         if (codec, level) in seen:

@@ -78,9 +78,10 @@ def elements_per_item(dt: DType) -> int:
     return 1 if dt.itemsize in _UINT else dt.itemsize // 8
 
 
-def tensor_from_elements(elems: np.ndarray, dt: DType, shape: tuple[int, ...]) -> torch.Tensor:
-    """Build a CPU tensor of `dt` and `shape` that owns a copy of `elems`' bytes."""
+def tensor_from_elements(elems: np.ndarray, dt: DType, shape: tuple[int, ...], *, copy: bool = True) -> torch.Tensor:
+    """A CPU tensor of `dt` and `shape` over `elems`' bytes (a copy unless `copy=False` hands them over)."""
     if elems.size == 0:
         return torch.empty(shape, dtype=dt.torch)
-    raw = torch.from_numpy(np.ascontiguousarray(elems).view(np.uint8).copy())
+    raw = np.ascontiguousarray(elems).view(np.uint8)
+    raw = torch.from_numpy(raw.copy() if copy else raw)
     return raw.view(dt.torch).reshape(shape)

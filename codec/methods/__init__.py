@@ -9,9 +9,9 @@ from types import ModuleType
 
 from ..container import Entry
 from ..errors import DeltaError
-from . import same, sparse, xor_planes
+from . import conditional, same, sparse, xor_planes
 
-REGISTRY: dict[int, ModuleType] = {m.ID: m for m in (same, xor_planes, sparse)}
+REGISTRY: dict[int, ModuleType] = {m.ID: m for m in (same, xor_planes, sparse, conditional)}
 
 
 def register(module: ModuleType) -> None:
