@@ -302,7 +302,7 @@ class Record:
         doc = {"format": RECORD_FORMAT, "version": VERSION, "run": self.run, "step": self.step,
                "tensors": {k: {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest} for k, v in self.tensors.items()},
                "weight_map": self.weight_map}
-        return json.dumps(doc, indent=0).encode()
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str = "record") -> "Record":

@@ -61,7 +61,9 @@ class Plan:
         if self.snapshot is not None:
             refs += [self.snapshot.index, *self.snapshot.files, m.step(self.snapshot.step).record]
         for s in self.steps:
-            refs += [s.record, *(p.ref for p in s.parts)]
+            refs += [p.ref for p in s.parts]
+        if self.steps:  # intermediate steps are checked by the payloads' own target digests
+            refs.append(self.steps[-1].record)
         return refs
 
 
@@ -147,17 +149,24 @@ class Reader:
             tensors = {k: v.clone() for k, v in held.items()}
             rec = None
         for s in plan.steps:
-            rec = self._record(got[s.record.key], s.record.key, m.run, s.step)
+            covered: set[str] = set()
             for part in s.parts:
                 target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
                 try:
-                    codec.apply_(target, got[part.ref.key])
+                    codec.apply_(target, got[part.ref.key])  # verifies every tensor it covers, or changes nothing
                 except codec.DeltaError as exc:
                     raise _VerifyError([part.ref.key], f"{part.ref.key}: {exc}") from None
+                covered.update(target)
+            if covered != set(tensors):
+                raise _VerifyError([p.ref.key for p in s.parts],
+                                   f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
+        if plan.steps:
+            last = plan.steps[-1]
+            rec = self._record(got[last.record.key], last.record.key, m.run, last.step)
             bad = mismatches(tensors, rec.tensors)
             if bad:
-                raise _VerifyError([p.ref.key for p in s.parts] + [s.record.key],
-                                   f"step {s.step} does not match its record (tensors {bad[:5]})")
+                raise _VerifyError([p.ref.key for s in plan.steps for p in s.parts] + [last.record.key],
+                                   f"step {last.step} does not match its record (tensors {bad[:5]})")
         return tensors, rec
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,

@@ -98,7 +98,7 @@ def test_trainer_loop_watchers_rebase_gc(run_store, trainer, bits_equal, tmp_pat
             states[step] = t.step()
             pub.publish(t.model, step)
     m = manifest_of(run)
-    chain_bytes = sum(m.step(s).delta_bytes + m.step(s).record.size for s in range(33, 37))
+    chain_bytes = sum(m.step(s).delta_bytes for s in range(33, 37)) + m.step(36).record.size
     before = fresh.bytes_downloaded
     assert fresh.sync() == 36
     assert fresh.bytes_downloaded - before == chain_bytes  # held 32: only the chain 33..36
