@@ -137,16 +137,18 @@ def _assert_untouched(live, before, versions=None):
 
 
 @pytest.mark.parametrize("version", FORMAT_VERSIONS)
-def test_wrong_base_touches_nothing(version):
+def test_wrong_base_restores_everything(version):
+    """Refused, naming the tensor; whether the base digest is checked before writing or only on
+    failure, every tensor ends with its previous bits."""
     base, target = edge_pair(seed=4)
     payload = codec.encode(base, target, format_version=version)
     live = clone_all(base)
     victim = next(k for k in reversed(list(live)) if live[k].numel() and live[k].dtype is not torch.bool)
     live[victim].reshape(-1).view(torch.uint8)[0] ^= 0x10
-    before, versions = snapshot(live), _versions(live)
+    before = snapshot(live)
     with pytest.raises(codec.DeltaError, match=victim.replace(".", r"\.")):
         codec.apply_(live, payload)
-    _assert_untouched(live, before, versions)
+    _assert_untouched(live, before)
 
 
 @pytest.mark.parametrize("version", FORMAT_VERSIONS)
@@ -234,14 +236,12 @@ def test_chain_forward_and_back():
     assert_bit_exact(live, base)
 
 
-def test_extra_memory_is_an_undo_log_not_a_copy():
-    """Peak numpy allocation while applying 1% changes to an 8-tensor checkpoint stays far below
-    the checkpoint's size (a copy of the checkpoint would exceed it), and nothing is reallocated."""
-    base, target = model_pair(n_tensors=8, shape=(256, 256), fraction=0.01, seed=4)
+def _apply_peak(n_tensors: int) -> tuple[int, int]:
+    """(checkpoint bytes, peak traced allocation while applying a 1% step to it)."""
+    base, target = model_pair(n_tensors=n_tensors, shape=(128, 128), fraction=0.01, seed=4)
     payload = codec.encode(base, target)
     live = clone_all(base)
     ptrs = {k: v.data_ptr() for k, v in live.items()}
-    total = sum(v.numel() * v.element_size() for v in live.values())
     tracemalloc.start()
     try:
         codec.apply_(live, payload)
@@ -249,5 +249,14 @@ def test_extra_memory_is_an_undo_log_not_a_copy():
     finally:
         tracemalloc.stop()
     assert_bit_exact(live, target)
-    assert {k: v.data_ptr() for k, v in live.items()} == ptrs
-    assert peak < total / 4, (peak, total)
+    assert {k: v.data_ptr() for k, v in live.items()} == ptrs  # written in place, nothing reallocated
+    return sum(v.numel() * v.element_size() for v in live.values()), peak
+
+
+def test_extra_memory_is_an_undo_log_not_a_copy():
+    """Growing the checkpoint 8x grows the peak extra memory of apply_ by a small fraction of the
+    added bytes: per-tensor scratch and an undo log of changed elements, never a checkpoint copy.
+    (Fixed costs such as shared value tables do not depend on the model, so only growth is compared.)"""
+    small_total, small_peak = _apply_peak(4)
+    big_total, big_peak = _apply_peak(32)
+    assert big_peak - small_peak < (big_total - small_total) / 4, (small_peak, big_peak, big_total - small_total)

@@ -7,17 +7,20 @@ or returns exactly the target; it never raises anything else and never returns w
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import codec
-from codec import container
+from codec import compressors, container
 from codec_cases import (
     FORMAT_VERSIONS,
+    PREFIX,
     assert_bit_exact,
     bf16_from_bits,
     clone_all,
@@ -181,7 +184,6 @@ def _other_dtype(e):
 
 FORGERIES = {
     "target-digest": lambda e: dataclasses.replace(e, target_digest=_flip(e.target_digest)),
-    "base-digest": lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest)),
     "both-digests": lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest), target_digest=_flip(e.target_digest)),
     "shape-grown": lambda e: dataclasses.replace(e, shape=(e.shape[0] * 2 + 1, *e.shape[1:]) if e.shape else (2,)),
     "shape-huge": lambda e: dataclasses.replace(e, shape=(1 << 40, 1 << 7)),
@@ -217,6 +219,15 @@ def test_forged_index_field_is_refused_naming_the_tensor(case, forgery, victim):
     forged = _forge(payload, victim, FORGERIES[forgery])
     err = refused(base, forged, victim)
     assert err.tensor == victim or err.tensor is None and victim in str(err)
+
+
+@pytest.mark.parametrize("victim", ["sparse", "dense", "ints", "same", "scalar"])
+def test_forged_base_digest_alone_is_refused_or_exact(case, victim):
+    """A decoder may check the base digest only on failure (the target digest proves success):
+    then a payload whose base digest alone was altered still yields exactly the target."""
+    base, target, payload = case
+    err = refused_or_exact(base, _forge(payload, victim, lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest))), target)
+    assert err is None or victim in str(err)
 
 
 @pytest.mark.parametrize("victim", ["sparse", "dense", "ints", "scalar"])
@@ -302,6 +313,48 @@ def test_edge_checkpoint_forgeries(case):
         for name in target:
             err = refused(base, _forge(payload, name, FORGERIES["target-digest"]), name)
             assert err.tensor == name
+
+
+def _zstd_frame_declaring(raw: bytes, declared: int) -> bytes:
+    """A valid zstd frame holding `raw` in one raw block whose header claims `declared` bytes."""
+    header = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + declared.to_bytes(8, "little")  # 8-byte content size
+    return header + ((len(raw) << 3) | 1).to_bytes(3, "little") + raw  # last block, raw, len(raw)
+
+
+def test_index_frame_declaring_a_huge_size_is_refused(case):
+    """zstd's one-shot decompress allocates what the frame header claims: that claim is checked first."""
+    base, target, payload = case
+    version, index, body = split_payload(payload)
+
+    def framed(frame: bytes) -> bytes:
+        rest = frame + body
+        return PREFIX.pack(b"DRDELTA\x00", version, 0, len(frame), xxhash.xxh3_128_digest(rest)) + rest
+
+    assert_bit_exact(codec.decode(base, framed(_zstd_frame_declaring(index, len(index)))), target)
+    for declared in (1 << 30, 1 << 60):
+        with pytest.raises(codec.DeltaError, match="index"):
+            codec.decode(base, framed(_zstd_frame_declaring(index, declared)))
+
+
+def test_stream_frame_declaring_a_huge_size_allocates_nothing(case):
+    base, target, payload = case
+    parsed = container.unpack(payload)
+    entry = next(e for e in parsed.entries if e.name == "ints")
+    s = entry.streams[0]
+    raw = compressors.decompress(s.codec, s.stored, s.raw_len, "plane 0")
+    entry.streams[0] = container.Stream(compressors.ZSTD, s.raw_len, _zstd_frame_declaring(raw, len(raw)))
+    assert_bit_exact(codec.decode(base, container.pack(parsed)), target)  # the forging helper is sound
+
+    entry.streams[0] = container.Stream(compressors.ZSTD, s.raw_len, _zstd_frame_declaring(raw, 1 << 30))
+    forged = container.pack(parsed)
+    tracemalloc.start()
+    try:
+        with pytest.raises(codec.DeltaError, match="ints"):
+            codec.decode(base, forged)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"a {len(forged)}-byte payload made decode allocate {peak} bytes"
 
 
 # --- fuzzing ------------------------------------------------------------------------------------
