@@ -1,0 +1,78 @@
+"""The conditional entropy bound of a BF16 delta: the benchmark's yardstick (see anchors.md).
+
+Bits an ideal order-0 coder needs when the receiver already holds the base: the change mask
+coded with one probability per base exponent (an update is visible roughly when |dw| > |w|/256,
+so small weights change far more often), plus the change of each changed element in ULP steps
+coded with one pooled distribution. Better context models go below it; it is not a wall.
+Only BF16 tensors count; other dtypes are outside the bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+SIGN = np.uint16(0x8000)
+
+
+def ordered(bits: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns mapped to integers in float order (-0 sits just below +0).
+
+    Negative values reverse: x ^ 0xFFFF; non-negative ones move above them: x | 0x8000. One ULP
+    step is then +-1 everywhere, across zero too.
+    """
+    neg = (bits & SIGN) != 0
+    return np.where(neg, bits ^ np.uint16(0xFFFF), bits | SIGN).astype(np.int32)
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    """Total bits to code `counts.sum()` symbols with their own empirical order-0 distribution."""
+    counts = counts[counts > 0].astype(np.float64)
+    n = counts.sum()
+    return float(-(counts * np.log2(counts / n)).sum()) if n else 0.0
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).contiguous().cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+def conditional_entropy_bound(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> dict:
+    """Order-0 bits of (change mask | base exponent) + (ULP step of each change), pooled over the checkpoint."""
+    total = np.zeros(256, np.int64)
+    changed = np.zeros(256, np.int64)
+    steps: list[np.ndarray] = []
+    for name, t_tensor in target.items():
+        if t_tensor.dtype != torch.bfloat16:
+            continue
+        if name not in base or base[name].shape != t_tensor.shape or base[name].dtype != torch.bfloat16:
+            raise ValueError(f"tensor {name!r}: base and target differ in presence, shape or dtype")
+        b = _bits(base[name])
+        t = _bits(t_tensor)
+        exponent = (b >> 7) & 0xFF
+        total += np.bincount(exponent, minlength=256)
+        where = np.flatnonzero(b != t)
+        if where.size:
+            changed += np.bincount(exponent[where], minlength=256)
+            steps.append(ordered(t[where]) - ordered(b[where]))
+    n, c = total.astype(np.float64), changed.astype(np.float64)
+    mask_bits = _entropy_bits(np.concatenate([c, n - c])) - _entropy_bits(n)  # sum_e n_e * H(c_e / n_e)
+    all_steps = np.concatenate(steps) if steps else np.zeros(0, np.int32)
+    value_bits = _entropy_bits(np.unique(all_steps, return_counts=True)[1]) if all_steps.size else 0.0
+    elements, n_changed = int(total.sum()), int(changed.sum())
+    bits = mask_bits + value_bits
+    per = (lambda x: x / n_changed) if n_changed else (lambda x: 0.0)
+    return {
+        "bf16_elements": elements,
+        "changed": n_changed,
+        "changed_fraction": n_changed / elements if elements else 0.0,
+        "mask_bits": mask_bits,
+        "value_bits": value_bits,
+        "total_bits": bits,
+        "bytes": bits / 8,
+        "percent_of_bf16": 100 * bits / 8 / (2 * elements) if elements else 0.0,
+        "mask_bits_per_changed": per(mask_bits),
+        "value_bits_per_changed": per(value_bits),
+        "bits_per_changed": per(bits),
+    }

@@ -1,0 +1,335 @@
+"""`deltarelay bench`: our codec against the anchors' formats on consecutive checkpoints, in one run.
+
+For every consecutive pair of every corpus (scripts/make_corpus.py writes them) it encodes and
+decodes with deltarelay v1 and v2 and every baseline in codec.baselines, checks each
+reconstruction bit for bit, and reports medians over pairs and repeats: payload size (percent
+of the BF16 checkpoint, bytes per changed element, ratio to ARCv3-style and to the conditional
+entropy bound) and single-core encode / decode speed (checkpoint MB per second). zstd-1 on the
+raw target checkpoint, timed in the same run, is the speed yardstick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+from safetensors.torch import load_file
+
+import codec
+from codec import tensors
+from codec.baselines import BASELINES, SLOW_BASELINES
+from codec.bound import conditional_entropy_bound
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_corpus.py"
+REFERENCE = "arcv3"
+Tensors = Mapping[str, torch.Tensor]
+
+
+def load_corpus_script():
+    """scripts/make_corpus.py as a module (it is a script first; this checkout ships it beside us)."""
+    if not SCRIPT.exists():
+        raise FileNotFoundError(f"{SCRIPT}: corpus generator not found (run from a source checkout)")
+    spec = importlib.util.spec_from_file_location("deltarelay_make_corpus", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def corpus_files(directory: str | Path) -> list[Path]:
+    files = sorted(Path(directory).glob("step_*.safetensors"))
+    if len(files) < 2:
+        raise ValueError(f"{directory}: a corpus needs at least two step_*.safetensors files, found {len(files)}")
+    return files
+
+
+def _methods(slow: bool) -> list[tuple[str, str, Callable, Callable]]:
+    """(key, label, encode, decode) for every method the bench runs, ours first."""
+    ours = [
+        ("deltarelay-v1", "deltarelay v1", lambda b, t: codec.encode(b, t, format_version=1), codec.decode),
+        ("deltarelay-v2", "deltarelay v2", lambda b, t: codec.encode(b, t), codec.decode),
+    ]
+    chosen = dict(BASELINES, **(SLOW_BASELINES if slow else {}))
+    return ours + [(b.key, b.label, b.encode, b.decode) for b in chosen.values()]
+
+
+def identical(a: Tensors, b: Tensors) -> bool:
+    """Same names, dtypes, shapes and bits."""
+    if set(a) != set(b):
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if x.dtype != y.dtype or tuple(x.shape) != tuple(y.shape):
+            return False
+        if not np.array_equal(tensors.element_view(x), tensors.element_view(y)):
+            return False
+    return True
+
+
+def _timed(fn: Callable, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def _changed_elements(base: Tensors, target: Tensors) -> int:
+    return int(sum(np.count_nonzero(tensors.element_view(base[k]) != tensors.element_view(v)) for k, v in target.items()))
+
+
+def _raw_zstd(target: Tensors, repeat: int) -> tuple[list[float], list[float], int]:
+    """zstd-1 compress / decompress seconds on the raw bytes of the target checkpoint."""
+    raw = b"".join(tensors.element_view(v).tobytes() for v in target.values())
+    comp, decomp = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    enc, dec = [], []
+    blob = b""
+    for _ in range(repeat):
+        blob, s = _timed(comp.compress, raw)
+        enc.append(s)
+        out, s = _timed(decomp.decompress, blob)
+        dec.append(s)
+        if out != raw:
+            raise RuntimeError("zstd-1 did not round-trip the raw checkpoint")
+    return enc, dec, len(blob)
+
+
+class _SingleCore:
+    """Pin torch and numba to one thread for the run, then put them back."""
+
+    def __enter__(self):
+        self.torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self.numba_threads = None
+        try:
+            import numba
+
+            self.numba_threads = numba.get_num_threads()
+            numba.set_num_threads(1)
+        except (ImportError, ValueError, RuntimeError):
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.torch_threads)
+        if self.numba_threads is not None:
+            import numba
+
+            numba.set_num_threads(self.numba_threads)
+
+
+def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, log: Callable[[str], None]) -> dict:
+    files = corpus_files(directory)
+    if pairs is not None:
+        files = files[: pairs + 1]
+    meta_path = directory / "corpus.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    methods = _methods(slow)
+    per: dict[str, dict[str, list]] = {k: {"bytes": [], "per_changed": [], "vs_ref": [], "vs_bound": [],
+                                           "percent": [], "enc": [], "dec": []} for k, *_ in methods}
+    bounds, raw_enc, raw_dec, raw_sizes, changed_fracs = [], [], [], [], []
+    ckpt_bytes = 0
+    base = load_file(str(files[0]))
+    for i, path in enumerate(files[1:]):
+        target = load_file(str(path))
+        ckpt_bytes = sum(tensors.element_view(v).nbytes for v in target.values())
+        changed = _changed_elements(base, target)
+        numel = sum(v.numel() for v in target.values())
+        changed_fracs.append(changed / numel if numel else 0.0)
+        bound = conditional_entropy_bound(base, target)
+        bounds.append(bound)
+        if i == 0:  # warm up every codec once (numba JIT, allocator) before anything is timed
+            for key, _, enc, dec in methods:
+                dec(base, enc(base, target))
+        e, d, size = _raw_zstd(target, repeat)
+        raw_enc += e
+        raw_dec += d
+        raw_sizes.append(size)
+        sizes = {}
+        for key, label, enc, dec in methods:
+            for r in range(repeat):
+                payload, es = _timed(enc, base, target)
+                out, ds = _timed(dec, base, payload)
+                if r == 0 and not identical(out, target):
+                    raise RuntimeError(f"{label}: decode of {path.name} against {files[i].name} is not bit-exact")
+                per[key]["enc"].append(es)
+                per[key]["dec"].append(ds)
+            sizes[key] = len(payload)
+        for key, _, _, _ in methods:
+            n = sizes[key]
+            per[key]["bytes"].append(n)
+            per[key]["percent"].append(100 * n / ckpt_bytes)
+            per[key]["per_changed"].append(n / changed if changed else float("nan"))
+            per[key]["vs_ref"].append(n / sizes[REFERENCE])
+            per[key]["vs_bound"].append(n / bound["bytes"] if bound["bytes"] else float("nan"))
+        log(f"{directory.name}: {path.name} done ({100 * changed_fracs[-1]:.3f}% changed)")
+        base = target
+
+    med = statistics.median
+    mb = ckpt_bytes / 1e6
+    rows = []
+    for key, label, *_ in methods:
+        p = per[key]
+        rows.append({
+            "key": key, "method": label, "bytes": med(p["bytes"]), "percent": med(p["percent"]),
+            "bytes_per_changed": med(p["per_changed"]), "vs_arcv3": med(p["vs_ref"]), "vs_bound": med(p["vs_bound"]),
+            "encode_s": med(p["enc"]), "decode_s": med(p["dec"]),
+            "encode_mbps": mb / med(p["enc"]), "decode_mbps": mb / med(p["dec"]), "exact": True,
+        })
+    ref = next(r for r in rows if r["key"] == REFERENCE)
+    bound_bytes = med([b["bytes"] for b in bounds])
+    bound_row = {
+        "key": "bound", "method": "entropy bound (mask|exponent + ULP step)", "bytes": bound_bytes,
+        "percent": med([b["percent_of_bf16"] for b in bounds]), "bytes_per_changed": med([b["bits_per_changed"] / 8 for b in bounds]),
+        "vs_arcv3": bound_bytes / ref["bytes"], "vs_bound": 1.0,
+        "mask_bits_per_changed": med([b["mask_bits_per_changed"] for b in bounds]),
+        "value_bits_per_changed": med([b["value_bits_per_changed"] for b in bounds]),
+    }
+    zstd = {"compress_mbps": mb / med(raw_enc), "decompress_mbps": mb / med(raw_dec),
+            "percent": 100 * med(raw_sizes) / ckpt_bytes}
+    speed = {r["key"]: {"encode": r["encode_mbps"] / zstd["compress_mbps"], "decode": r["decode_mbps"] / zstd["decompress_mbps"]}
+             for r in rows if r["key"].startswith("deltarelay")}
+    return {
+        "corpus": str(directory), "regime": meta.get("regime"), "settings": {k: meta.get(k) for k in
+                                                                             ("model", "lr", "weight_decay", "master", "seed", "warmup", "batch")},
+        "pairs": len(files) - 1, "repeat": repeat, "checkpoint_bytes": ckpt_bytes,
+        "changed_fraction": med(changed_fracs), "changed_fraction_range": [min(changed_fracs), max(changed_fracs)],
+        "rows": rows, "bound": bound_row, "zstd1_raw": zstd, "speed_vs_zstd1": speed,
+    }
+
+
+def run_bench(corpus_dirs: Iterable[str | Path], repeat: int = 3, pairs: int | None = None, slow: bool = False,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Bench every corpus directory; returns {"corpora": [per-corpus results], ...} (see module doc)."""
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    if pairs is not None and pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs}")
+    dirs = [Path(d) for d in corpus_dirs]
+    if not dirs:
+        raise ValueError("no corpus directory given")
+    for d in dirs:
+        corpus_files(d)  # fail before any work on a bad path
+    log = log or (lambda msg: None)
+    with _SingleCore():
+        corpora = [_bench_corpus(d, repeat, pairs, slow, log) for d in dirs]
+    return {"threads": 1, "repeat": repeat, "corpora": corpora}
+
+
+def format_table(results: dict) -> str:
+    """The human-readable report: one table per corpus, then the speed comparison with zstd-1."""
+    lines = []
+    head = f"{'method':44} {'size %':>8} {'B/chg':>6} {'/ARCv3':>7} {'/bound':>7} {'enc MB/s':>9} {'dec MB/s':>9}"
+    for c in results["corpora"]:
+        s = c["settings"]
+        lo, hi = c["changed_fraction_range"]
+        lines.append(f"corpus {c['corpus']}: {c['regime'] or 'custom'} (lr {s['lr']}, wd {s['weight_decay']}, "
+                     f"master {s['master']}), {c['pairs']} pairs x {c['repeat']} repeats, "
+                     f"{c['checkpoint_bytes'] / 1e6:.1f} MB checkpoint, changed {100 * c['changed_fraction']:.3f}% "
+                     f"median ({100 * lo:.3f}-{100 * hi:.3f}%)")
+        lines.append(head)
+        for r in c["rows"]:
+            lines.append(f"{r['method']:44} {r['percent']:7.3f}% {r['bytes_per_changed']:6.2f} {r['vs_arcv3']:7.3f} "
+                         f"{r['vs_bound']:7.2f} {r['encode_mbps']:9.1f} {r['decode_mbps']:9.1f}")
+        b = c["bound"]
+        lines.append(f"{b['method']:44} {b['percent']:7.3f}% {b['bytes_per_changed']:6.2f} {b['vs_arcv3']:7.3f} "
+                     f"{b['vs_bound']:7.2f} {'':>9} {'':>9}   ({b['mask_bits_per_changed']:.2f} mask + "
+                     f"{b['value_bits_per_changed']:.2f} value bits per change)")
+        z = c["zstd1_raw"]
+        parts = [f"{k.replace('deltarelay-', '')} encode {v['encode']:.2f}x, decode {v['decode']:.2f}x"
+                 for k, v in c["speed_vs_zstd1"].items()]
+        lines.append(f"speed vs zstd-1 on the raw checkpoint (compress {z['compress_mbps']:.0f} MB/s, decompress "
+                     f"{z['decompress_mbps']:.0f} MB/s, {z['percent']:.1f}%): " + "; ".join(parts))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def save_chart(results: dict, path: str | Path) -> Path:
+    """PNG: per corpus, payload size (log scale) and encode / decode speed of every method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    corpora = results["corpora"]
+    fig, axes = plt.subplots(len(corpora), 2, figsize=(14, 3.2 * len(corpora) + 0.6), squeeze=False)
+    for row, c in enumerate(corpora):
+        rows = c["rows"] + [c["bound"]]
+        names = [r["method"] for r in rows]
+        y = np.arange(len(rows))
+        ax = axes[row][0]
+        colors = ["tab:green" if r["key"].startswith("deltarelay") else "tab:gray" if r["key"] == "bound" else "tab:blue"
+                  for r in rows]
+        ax.barh(y, [r["percent"] for r in rows], color=colors)
+        ax.set_xscale("log")
+        ax.set_yticks(y, names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("payload, % of the BF16 checkpoint (log)")
+        ax.set_title(f"{c['regime'] or Path(c['corpus']).name}: size ({100 * c['changed_fraction']:.2f}% changed)", fontsize=10)
+        for yi, r in zip(y, rows):
+            ax.annotate(f"{r['percent']:.3f}%", (r["percent"], yi), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7)
+        ax = axes[row][1]
+        speed_rows = c["rows"]
+        ys = np.arange(len(speed_rows))
+        ax.barh(ys - 0.2, [r["encode_mbps"] for r in speed_rows], height=0.4, label="encode")
+        ax.barh(ys + 0.2, [r["decode_mbps"] for r in speed_rows], height=0.4, label="decode")
+        z = c["zstd1_raw"]
+        ax.axvline(z["compress_mbps"], color="tab:red", ls="--", lw=1, label="zstd-1 raw compress")
+        ax.axvline(z["decompress_mbps"], color="tab:purple", ls=":", lw=1, label="zstd-1 raw decompress")
+        ax.set_xscale("log")
+        ax.set_yticks(ys, [r["method"] for r in speed_rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("checkpoint MB/s, one core (log)")
+        ax.set_title("speed", fontsize=10)
+        ax.legend(fontsize=7, loc="best", framealpha=0.8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _generate(tmp: Path, tiny: bool, steps: int, log: Callable[[str], None]) -> Path:
+    out = tmp / ("tiny-fp32-lr1e-6" if tiny else "minilm-fp32-lr1e-6")
+    log(f"no corpus given: generating {'a tiny-model' if tiny else 'a MiniLM'} corpus ({steps} steps) in {out}")
+    load_corpus_script().make_corpus(out, regime="fp32-lr1e-6", steps=steps, tiny=tiny, log=log)
+    return out
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    log = (lambda msg: print(msg, file=sys.stderr)) if not args.json else (lambda msg: None)
+    with tempfile.TemporaryDirectory(prefix="deltarelay-bench-") as tmp:
+        dirs = list(args.corpus) or [_generate(Path(tmp), args.tiny, args.pairs or 3, log)]
+        results = run_bench(dirs, repeat=args.repeat, pairs=args.pairs, slow=args.slow, log=log)
+    if args.chart:
+        results["chart"] = str(save_chart(results, args.chart))
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(format_table(results), end="")
+        if args.chart:
+            print(f"chart: {results['chart']}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="compare the codec with the anchors' formats on checkpoint corpora",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("corpus", nargs="*", metavar="CORPUS_DIR",
+                   help="directories of step_*.safetensors (default: generate a small MiniLM corpus first)")
+    p.add_argument("--json", action="store_true", help="print machine-readable results instead of the table")
+    p.add_argument("--chart", metavar="PNG", help="save a bar chart of size and speed per method")
+    p.add_argument("--repeat", type=int, default=3, help="timed repeats per pair (default 3)")
+    p.add_argument("--pairs", type=int, help="consecutive pairs per corpus (default: all)")
+    p.add_argument("--slow", action="store_true", help="also run slow reference baselines (ARCv3 max race)")
+    p.add_argument("--tiny", action="store_true", help="with no CORPUS_DIR, generate a tiny-model corpus (smoke test)")
+    p.set_defaults(func=_cmd)
