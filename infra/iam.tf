@@ -63,6 +63,9 @@ data "aws_iam_policy_document" "trainer" {
     resources = [local.origin_run_objects]
   }
 
+  # Immutable objects are created with If-None-Match: * too, but not required to be here: a
+  # snapshot shard is a multipart upload, and CreateMultipartUpload/UploadPart (also s3:PutObject)
+  # carry no such header, so the condition would refuse every large snapshot.
   statement {
     sid       = "WriteImmutableObjects"
     effect    = "Allow"
