@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import container, methods, tensors
+from . import container, device, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import digest_elements
@@ -63,16 +63,30 @@ def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, index: np.nd
     return min(cands, key=lambda c: c.size)
 
 
-@dataclass
 class _Pending:
-    name: str
-    dt: tensors.DType
-    shape: tuple[int, ...]
-    base: np.ndarray
-    target: np.ndarray
-    base_digest: bytes
-    index: np.ndarray
-    analysis: conditional.Analysis | None
+    """One tensor on its way into the payload; host copies of device tensors are made on demand."""
+
+    def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, use_conditional: bool) -> None:
+        self.name = name
+        self.dt = tensors.dtype_of(target, name)
+        self.shape = tuple(target.shape)
+        self._tensors = (base, target)
+        self._host: tuple[np.ndarray, np.ndarray] | None = None
+        self.analysis: conditional.Analysis | None = None
+        on_device = target.device.type != "cpu" and base.device == target.device
+        if use_conditional and self.dt is tensors.BF16:
+            self.analysis = device.analyze_on_device(base, target) if on_device else conditional.analyze(*self.host)
+            self.index = self.analysis.index
+        else:
+            b, t = self.host
+            self.index = np.flatnonzero(b != t)
+        self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
+
+    @property
+    def host(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._host is None:
+            self._host = (tensors.element_view(self._tensors[0]), tensors.element_view(self._tensors[1]))
+        return self._host
 
 
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
@@ -92,18 +106,7 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     use_conditional = format_version >= conditional.MIN_VERSION
 
     def prepare(item: tuple[str, torch.Tensor]) -> _Pending:
-        name, t_tensor = item
-        dt = tensors.dtype_of(t_tensor, name)
-        b = tensors.element_view(base[name])
-        t = tensors.element_view(t_tensor)
-        shape = tuple(t_tensor.shape)
-        analysis = None
-        if use_conditional and dt is tensors.BF16:
-            analysis = conditional.analyze(b, t)
-            index = analysis.index
-        else:
-            index = np.flatnonzero(b != t)
-        return _Pending(name, dt, shape, b, t, digest_elements(dt.name, shape, b), index, analysis)
+        return _Pending(item[0], base[item[0]], item[1], use_conditional)
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         pending = list(pool.map(prepare, target.items()))
@@ -113,8 +116,9 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
         def code(p: _Pending) -> Entry:
             if not p.index.size:
                 return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
-            c = _encode_tensor(p.base, p.target, p.dt, p.index, effort, p.analysis, model)
-            td = digest_elements(p.dt.name, p.shape, p.target)
+            b, t = p.host
+            c = _encode_tensor(b, t, p.dt, p.index, effort, p.analysis, model)
+            td = digest_elements(p.dt.name, p.shape, t)
             return Entry(p.name, p.dt, p.shape, c.method, int(p.index.size), p.base_digest, td, c.params, c.streams)
 
         entries = list(pool.map(code, pending))

@@ -1,0 +1,155 @@
+"""Codec v2 (`conditional` method): compression behaviour, format stability, device path, rANS."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings, strategies as st
+
+import codec
+from codec import container, rans, tensors
+from codec.device import analyze_on_device
+from codec.methods import conditional
+
+from codec_cases import bf16_from_bits, bits_of
+
+
+def rl_step(w: torch.Tensor, lr: float, seed: int) -> torch.Tensor:
+    """An AdamW-like update of ~lr per element on FP32 master weights, cast to BF16."""
+    g = torch.Generator().manual_seed(seed)
+    return (w.float() + lr * torch.sign(torch.randn(w.shape, generator=g))).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def rl_pair() -> tuple[dict, dict]:
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "w1": (0.05 * torch.randn(256, 512, generator=g)).to(torch.bfloat16),
+        "w2": (0.02 * torch.randn(512, 128, generator=g)).to(torch.bfloat16),
+        "norm": torch.ones(128, dtype=torch.float32),
+    }
+    target = {"w1": rl_step(base["w1"], 3e-4, 1), "w2": rl_step(base["w2"], 3e-4, 2), "norm": base["norm"] + 1e-3}
+    return base, target
+
+
+def test_conditional_is_picked_and_beats_v1(rl_pair):
+    base, target = rl_pair
+    v2 = codec.encode(base, target)
+    v1 = codec.encode(base, target, format_version=1)
+    methods = {t["name"]: t["method"] for t in codec.describe(v2)["tensors"]}
+    assert methods["w1"] == "conditional" and methods["w2"] == "conditional"
+    assert len(v2) < 0.75 * len(v1)
+    for payload in (v1, v2):
+        out = codec.decode(base, payload)
+        assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
+
+
+def test_mask_cost_follows_base_exponent(rl_pair):
+    """Small weights change more often; the mask levels must say so (lower level = likelier)."""
+    base, target = rl_pair
+    a = conditional.analyze(tensors.element_view(base["w1"]), tensors.element_view(target["w1"]))
+    kc = np.bincount(a.keys, minlength=256)
+    active = np.flatnonzero(kc)
+    levels = conditional._choose_levels(a.counts[active].astype(float), kc[active].astype(float))
+    big = active >= 0x7A  # |w| >= 2**-5
+    assert levels[~big].mean() < levels[big].mean()
+
+
+def test_v2_payload_records_bits_per_change(rl_pair):
+    base, target = rl_pair
+    info = codec.describe(codec.encode(base, target))
+    row = next(t for t in info["tensors"] if t["name"] == "w1")
+    assert 0 < row["bits_per_change"] < 16
+    assert info["format_version"] == 2
+
+
+def test_mask_tables_are_pinned():
+    """The tables are part of the format: any drift would break payloads across versions/machines."""
+    freq, cum, slots = conditional.mask_tables()
+    assert freq.shape == (256, conditional.GAP_TOKENS)
+    assert (freq.sum(axis=1) == 1 << conditional.MASK_SCALE).all()
+    assert (freq >= 1).all() and (freq < 1 << conditional.MASK_SCALE).all()
+    assert xxhash.xxh3_64_hexdigest(freq.astype("<i8").tobytes()) == "c09a7db0bfc89982"
+
+
+def test_every_transition_between_special_patterns():
+    specials = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81, 0x0001, 0x807F,
+                         0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80], np.uint16)
+    b = np.repeat(specials, specials.size)
+    t = np.tile(specials, specials.size)
+    base = {"x": bf16_from_bits(b)}
+    target = {"x": bf16_from_bits(t)}
+    payload = codec.encode(base, target, effort="fast")
+    out = codec.decode(base, payload)
+    assert np.array_equal(bits_of(out["x"]), bits_of(target["x"]))
+
+
+def test_device_path_matches_host_analysis():
+    rng = np.random.default_rng(3)
+    b = rng.integers(0, 1 << 16, 50_000, dtype=np.uint16)
+    t = b.copy()
+    flip = rng.random(b.size) < 0.05
+    t[flip] = rng.integers(0, 1 << 16, int(flip.sum()), dtype=np.uint16)
+    bt, tt = bf16_from_bits(b), bf16_from_bits(t)
+    host = conditional.analyze(b, t)
+    dev = analyze_on_device(bt, tt)
+    for field in ("counts", "index", "keys", "ranks", "zig"):
+        assert np.array_equal(getattr(host, field), getattr(dev, field)), field
+    model = conditional.ValueModel.fit([dev])
+    params, streams = conditional.encode(dev, model)
+    assert (params, bytes(streams[0].stored)) == tuple(
+        (p, bytes(s[0].stored)) for p, s in [conditional.encode(host, model)])[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_encode_on_cuda_round_trips(rl_pair):
+    base, target = rl_pair
+    cb = {k: v.cuda() for k, v in base.items()}
+    ct = {k: v.cuda() for k, v in target.items()}
+    payload = codec.encode(cb, ct)
+    assert payload == codec.encode(base, target)
+    out = codec.decode(base, payload)
+    assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
+
+
+def test_forged_entropy_stream_is_refused(rl_pair):
+    base, target = rl_pair
+    parsed = container.unpack(codec.encode(base, target))
+    rng = np.random.default_rng(0)
+    for entry in parsed.entries:
+        if entry.method != conditional.ID:
+            continue
+        original = bytes(entry.streams[0].stored)
+        for trial in range(20):
+            junk = bytearray(original)
+            junk[rng.integers(0, len(junk))] ^= 1 << int(rng.integers(0, 8))
+            entry.streams[0] = container.Stream(0, len(junk), bytes(junk))
+            forged = container.pack(parsed)  # valid container, recomputed checksum
+            with pytest.raises(codec.DeltaError) as err:
+                codec.decode(base, forged)
+            assert err.value.tensor == entry.name
+        entry.streams[0] = container.Stream(0, len(original), original)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 16)), min_size=1, max_size=200))
+def test_rans_tokens_and_raw_bits_round_trip(values):
+    """Gap tokens under a mask level plus raw bits: what goes in comes out, state returns to L."""
+    freq, cum, slots = conditional.mask_tables()
+    level = 30
+    words = np.zeros(16 * len(values) + 16, np.int64)
+    x, nw = np.int64(rans.RANS_L), 0
+    for v, _ in reversed(values):
+        tok, nbits, extra = rans.tokenize(v)
+        x, nw = rans.enc_bits(x, words, nw, extra, nbits)
+        x, nw = rans.enc_put(x, words, nw, cum[level, tok], freq[level, tok], conditional.MASK_SCALE)
+    w, x0 = rans.bytes_to_words(rans.words_to_bytes(words, nw, int(x)))
+    pos, x = len(w) - 1, x0
+    for v, _ in values:
+        tok, x, pos = rans.dec_symbol(x, w, pos, cum[level], freq[level], slots[level], conditional.MASK_SCALE)
+        base, nbits = rans.token_base(tok)
+        extra, x, pos = rans.dec_bits(x, w, pos, nbits)
+        assert base + extra == v
+    assert x == rans.RANS_L and pos == -1
