@@ -93,7 +93,18 @@ def shard_plan(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> dict[s
 
 
 def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    """CPU, contiguous, and one storage per name: safetensors refuses names that share memory
+    (tied weights in a live state_dict), so later aliases are written as copies of their own."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for k, v in tensors.items():
+        v = v.detach().contiguous().cpu()
+        ptr = v.untyped_storage().data_ptr()
+        if v.numel() and ptr in storages:
+            v = v.clone()
+        storages.add(ptr)
+        out[k] = v
+    return out
 
 
 def write_dir(tensors: dict[str, torch.Tensor], directory: Path, layout: Layout) -> None:
