@@ -203,6 +203,21 @@ def test_failure_in_the_last_tensor_of_a_live_module(version):
     assert_bit_exact(model.state_dict(), base)
 
 
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_mapping_with_other_names_is_refused_untouched(change):
+    base, target = model_pair(n_tensors=3, shape=(32, 32), fraction=0.05)
+    payload = codec.encode(base, target)
+    live = clone_all(base)
+    if change == "missing":
+        del live["layers.1.weight"]
+    else:
+        live["intruder.weight"] = torch.zeros(4, dtype=torch.bfloat16)
+    before, versions = snapshot(live), _versions(live)
+    with pytest.raises(codec.DeltaError, match="layers.1.weight" if change == "missing" else "intruder"):
+        codec.apply_(live, payload)
+    _assert_untouched(live, before, versions)
+
+
 def test_applying_twice_is_refused_and_harmless():
     base, target = model_pair(n_tensors=3, shape=(32, 32), fraction=0.05)
     payload = codec.encode(base, target)

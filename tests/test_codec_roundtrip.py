@@ -146,6 +146,19 @@ def test_large_tensor():
     assert len(payload) < 0.05 * base["big"].numel() * 2 + base["dense"].numel() * 2
 
 
+def test_empty_checkpoint():
+    payload = codec.encode({}, {})
+    assert codec.decode({}, payload) == {}
+    assert codec.describe(payload)["tensors"] == []
+
+
+@pytest.mark.parametrize("version", [0, 3, 255])
+def test_unsupported_format_version_is_refused_at_encode(version):
+    base, target = edge_pair()
+    with pytest.raises(ValueError):
+        codec.encode(base, target, format_version=version)
+
+
 def test_payload_accepts_bytes_like():
     base, target = edge_pair()
     payload = codec.encode(base, target)
