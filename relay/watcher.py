@@ -96,6 +96,7 @@ class Reader:
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self.bytes_downloaded = 0
+        self._count_lock = threading.Lock()
         self._cache: dict[str, bytes] = {}
 
     def read_manifest(self) -> Manifest | None:
@@ -106,7 +107,8 @@ class Reader:
         if ref.key in self._cache:
             return self._cache[ref.key]
         data = self.store.get(ref.key)
-        self.bytes_downloaded += len(data)
+        with self._count_lock:
+            self.bytes_downloaded += len(data)
         if len(data) != ref.size or content_tag(data) != ref.xxh3:
             raise _VerifyError([ref.key], f"{ref.key}: {len(data)} bytes with xxh3 {content_tag(data)}, manifest "
                                           f"says {ref.size} bytes with xxh3 {ref.xxh3}")
@@ -350,16 +352,16 @@ class Watcher:
         """
         etag = None
         while not self._stop.is_set():
-            got = self.store.read_manifest(if_none_match=etag)
-            if got is not NOT_MODIFIED and got is not None:
-                try:
+            try:
+                got = self.store.read_manifest(if_none_match=etag)
+                if got is not NOT_MODIFIED and got is not None:
                     self.sync(timeout=sync_timeout)
                     etag = got.etag
-                except SyncTimeout:
-                    if sync_timeout is not None:
-                        raise
-                except (SyncError, ManifestError) as exc:
-                    log.error("%s: sync failed, keeping step %s: %s", self.dest, self.step, exc)
+            except SyncTimeout:
+                if sync_timeout is not None:
+                    raise
+            except Exception as exc:  # noqa: BLE001 - a rollout host keeps serving its last good step
+                log.error("%s: sync failed, keeping step %s: %s", self.dest, self.step, exc)
             self._stop.wait(self.poll_interval)
 
     def stop(self) -> None:
