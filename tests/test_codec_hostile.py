@@ -381,6 +381,13 @@ def _check_fuzzed(payload: bytes) -> None:
     else:
         assert isinstance(info, dict)
     refused_or_exact(_BASE, payload, _TARGET)
+    live = clone_all(_BASE)  # and in place: refused with every bit restored, or exactly the target
+    try:
+        codec.apply_(live, payload)
+    except codec.DeltaError:
+        assert_bit_exact(live, _BASE)
+    else:
+        assert_bit_exact(live, _TARGET)
 
 
 @FUZZ
