@@ -145,7 +145,10 @@ def save(tensors: dict[str, torch.Tensor], path: str | os.PathLike, layout: Layo
             old = p.with_name(f".{p.name}.old-{os.getpid()}")
             os.replace(p, old)
             os.replace(tmpdir, p)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # a single-file checkpoint replaced by a shard directory
+                old.unlink(missing_ok=True)
         else:
             os.replace(tmpdir, p)
     except BaseException:
