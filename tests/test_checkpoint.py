@@ -137,6 +137,17 @@ def test_overwrite_is_atomic_and_clean(tmp_path):
     assert _leftovers(tmp_path) == []
 
 
+def test_shard_directory_replaces_a_single_file(tmp_path):
+    first, second = model_pair(n_tensors=3, seed=2)
+    path = tmp_path / "ckpt"
+    checkpoint.save(first, path)
+    assert path.is_file()
+    checkpoint.save(second, path, Layout(True, checkpoint.shard_plan(second, 10_000)))
+    assert path.is_dir()
+    assert_bit_exact(checkpoint.load(path)[0], second)
+    assert _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_failed_write_leaves_the_old_checkpoint_and_no_temp(tmp_path, sharded):
     good, _ = model_pair(n_tensors=2)
