@@ -19,7 +19,9 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltarelay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="deltarelay",
+        description="Lossless BF16 checkpoint deltas, and an object-store relay that keeps rollout hosts on the trainer's weights.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
