@@ -1,0 +1,86 @@
+"""`deltarelay bench` end to end on a tiny-model corpus: every method, verified, with sane numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from codec.baselines import BASELINES
+from relay import cli
+from relay.bench import format_table, load_corpus_script, run_bench
+
+OURS = ("deltarelay-v1", "deltarelay-v2")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny"
+    load_corpus_script().make_corpus(out, regime="fp32-lr1e-6", steps=2, tiny=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(corpus):
+    return run_bench([corpus], repeat=1)
+
+
+def test_every_method_is_reported_with_sane_numbers(results, corpus):
+    assert len(results["corpora"]) == 1
+    c = results["corpora"][0]
+    assert c["pairs"] == 2 and c["regime"] == "fp32-lr1e-6"
+    meta = json.loads((corpus / "corpus.json").read_text())
+    assert c["checkpoint_bytes"] == meta["checkpoint_bytes"]
+    rows = {r["key"]: r for r in c["rows"]}
+    assert set(rows) == set(OURS) | set(BASELINES)
+    for r in rows.values():
+        assert r["exact"] is True
+        assert r["bytes"] > 0 and 0 < r["percent"] < 100
+        for k in ("encode_mbps", "decode_mbps"):
+            assert math.isfinite(r[k]) and r[k] > 0
+    assert rows["arcv3"]["vs_arcv3"] == 1.0
+    # every delta beats shipping the checkpoint; the formats cost what they say per change
+    assert all(r["percent"] < rows["zstd1-full"]["percent"] / 5 for k, r in rows.items() if k != "zstd1-full")
+    # 6 and 4 bytes per change plus the safetensors header (a few KB of names on this tiny model)
+    assert 6.0 <= rows["trl-sparse"]["bytes_per_changed"] < 9.0
+    assert 4.0 <= rows["trl-gap16"]["bytes_per_changed"] < rows["trl-sparse"]["bytes_per_changed"] - 1.9
+    assert rows["pulse"]["bytes"] < rows["trl-gap16"]["bytes"] < rows["trl-sparse"]["bytes"]
+    b = c["bound"]
+    assert b["vs_bound"] == 1.0 and 0 < b["percent"] < rows["arcv3"]["percent"]
+    assert b["bytes_per_changed"] * 8 == pytest.approx(b["mask_bits_per_changed"] + b["value_bits_per_changed"])
+    for r in rows.values():
+        assert r["vs_bound"] == pytest.approx(r["bytes"] / b["bytes"], rel=0.05)
+    lo, hi = c["changed_fraction_range"]
+    assert 0.002 < lo <= c["changed_fraction"] <= hi < 0.05
+    z = c["zstd1_raw"]
+    assert z["compress_mbps"] > 0 and z["decompress_mbps"] > 0 and 30 < z["percent"] <= 101
+    assert set(c["speed_vs_zstd1"]) == set(OURS)
+
+
+def test_thread_settings_are_restored(corpus):
+    before = torch.get_num_threads()
+    run_bench([corpus], repeat=1, pairs=1)
+    assert torch.get_num_threads() == before
+
+
+def test_table_names_every_method_and_the_bound(results):
+    table = format_table(results)
+    for label in ["deltarelay v1", "deltarelay v2", "entropy bound", "speed vs zstd-1"] + [b.label for b in BASELINES.values()]:
+        assert label in table
+
+
+def test_cli_json_and_chart(corpus, tmp_path, capsys):
+    chart = tmp_path / "bench.png"
+    pytest.importorskip("matplotlib")
+    assert cli.main(["bench", str(corpus), "--json", "--repeat", "1", "--pairs", "1", "--chart", str(chart)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["corpora"][0]["pairs"] == 1
+    assert {r["key"] for r in data["corpora"][0]["rows"]} == set(OURS) | set(BASELINES)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_refuses_a_directory_without_a_corpus(tmp_path, capsys):
+    assert cli.main(["bench", str(tmp_path)]) == 1
+    assert "at least two step_*.safetensors" in capsys.readouterr().err

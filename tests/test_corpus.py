@@ -1,0 +1,91 @@
+"""scripts/make_corpus.py in tiny mode: valid consecutive BF16 snapshots that look like RL steps."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from relay.bench import load_corpus_script
+
+mc = load_corpus_script()
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "fp32"
+    paths = mc.make_corpus(out, regime="fp32-lr1e-6", steps=3, tiny=True, seed=1)
+    return out, paths
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+
+
+def test_tiny_corpus_writes_consecutive_bf16_snapshots(tiny_corpus):
+    out, paths = tiny_corpus
+    assert [p.name for p in paths] == [f"step_{i:04d}.safetensors" for i in range(4)]
+    snaps = [load_file(str(p)) for p in paths]
+    first = snaps[0]
+    assert first["position_ids"].dtype == torch.int64  # non-float tensors stay as they are
+    assert all(v.dtype == torch.bfloat16 for k, v in first.items() if k != "position_ids")
+    for snap in snaps[1:]:
+        assert {k: (v.dtype, tuple(v.shape)) for k, v in snap.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in first.items()}
+        assert torch.equal(snap["position_ids"], first["position_ids"])
+
+
+def test_corpus_json_records_settings_and_rl_like_change_statistics(tiny_corpus):
+    out, paths = tiny_corpus
+    meta = json.loads((out / "corpus.json").read_text())
+    assert (meta["regime"], meta["lr"], meta["weight_decay"], meta["master"], meta["seed"]) == ("fp32-lr1e-6", 1e-6, 0.0, "fp32", 1)
+    assert meta["files"] == [p.name for p in paths] and len(meta["pairs"]) == 3
+    snaps = [load_file(str(p)) for p in paths]
+    for pair, base, target in zip(meta["pairs"], snaps, snaps[1:]):
+        changed = sum(int(np.count_nonzero(_bits(base[k]) != _bits(v))) for k, v in target.items() if v.dtype == torch.bfloat16)
+        assert pair["changed"] == changed  # the recorded statistics describe the files
+        assert 0.002 < pair["changed_fraction"] < 0.05  # about 1-2% of elements move per step
+        assert pair["mantissa_only_share"] > 0.9
+        assert abs(pair["mantissa_only_share"] + pair["exponent_share"] + pair["sign_share"] - 1) < 1e-9
+
+
+def test_pure_bf16_parameters_change_between_snapshots(tmp_path):
+    # With BF16 parameters the snapshot cast is a no-op; a snapshot must still be a copy.
+    mc.make_corpus(tmp_path, regime="bf16-lr3e-6", steps=1, warmup=1, tiny=True)
+    meta = json.loads((tmp_path / "corpus.json").read_text())
+    assert meta["master"] == "bf16"
+    assert meta["pairs"][0]["changed"] > 0
+    a, b = (load_file(str(tmp_path / f"step_{i:04d}.safetensors")) for i in range(2))
+    assert any(not torch.equal(_bits_t(a[k]), _bits_t(b[k])) for k in a if a[k].dtype == torch.bfloat16)
+
+
+def _bits_t(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def test_same_seed_is_deterministic_and_overrides_apply(tmp_path):
+    for name in ("a", "b"):
+        mc.make_corpus(tmp_path / name, steps=1, warmup=1, tiny=True, lr=2e-6, weight_decay=0.1, seed=7)
+    a, b = (load_file(str(tmp_path / n / "step_0001.safetensors")) for n in ("a", "b"))
+    assert all(torch.equal(a[k].view(torch.int16) if a[k].is_floating_point() else a[k],
+                           b[k].view(torch.int16) if b[k].is_floating_point() else b[k]) for k in a)
+    meta = json.loads((tmp_path / "a" / "corpus.json").read_text())
+    assert (meta["lr"], meta["weight_decay"], meta["master"]) == (2e-6, 0.1, "fp32")
+
+
+def test_refuses_bad_settings_and_occupied_directories(tiny_corpus, tmp_path):
+    with pytest.raises(ValueError, match="unknown regime"):
+        mc.make_corpus(tmp_path / "x", regime="fp64-lr1", tiny=True)
+    with pytest.raises(ValueError, match="master"):
+        mc.make_corpus(tmp_path / "y", master="fp8", tiny=True)
+    with pytest.raises(FileExistsError, match="already holds"):
+        mc.make_corpus(tiny_corpus[0], steps=1, tiny=True)
+
+
+def test_script_command_line(tmp_path, capsys):
+    assert mc.main(["--tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "8", "--out", str(tmp_path / "c")]) == 0
+    assert "wrote 2 snapshots" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "c" / "corpus.json").read_text())
+    assert (meta["batch"], meta["seq_len"], meta["warmup"], meta["tiny"]) == (2, 8, 0, True)
