@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "relay.cli_codec",  # encode, decode, inspect
     "relay.bench",  # bench
     "relay.cli_relay",  # publish, watch, rebase, gc, status
+    "relay.cli_fanout",  # relay, demo
 )
 
 

@@ -1,0 +1,184 @@
+"""`deltarelay relay | demo`: the regional relay process, and the whole pipeline on local servers.
+
+    deltarelay relay --source s3://origin/runs/r --dest s3://eu/runs/r --dest s3://ap/runs/r
+    deltarelay relay --config relay.toml [--once --timeout 600]
+
+A config file names each store with its own fsspec options (regions sit behind different endpoints):
+
+    [source]
+    url = "s3://acme-origin-us-east-1/runs/grpo"
+    storage_options = { client_kwargs = { region_name = "us-east-1" } }
+
+    [[dest]]
+    name = "eu-west-1"
+    url = "s3://acme-eu-west-1/runs/grpo"
+    storage_options = { client_kwargs = { region_name = "eu-west-1" } }
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from relay.cli_relay import _options
+from relay.fanout import Destination, Fanout
+
+
+def _dest_name(url: str, used: set[str]) -> str:
+    """A readable unique name for a destination given only by URL: its bucket or directory."""
+    stem = url.split("://", 1)[-1].strip("/").split("/")[0] or url
+    name, i = stem, 2
+    while name in used:
+        name, i = f"{stem}-{i}", i + 1
+    used.add(name)
+    return name
+
+
+def _table_options(value: object, where: str) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}.storage_options must be a table")
+    return value
+
+
+def load_config(path: str | os.PathLike) -> tuple[str, dict | None, list[Destination]]:
+    """(source url, source options, destinations) from a TOML file; errors name the file and the field."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        raise RuntimeError("--config needs Python 3.11+ (tomllib); pass --source/--dest instead") from None
+    try:
+        doc = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read the relay config: {exc}") from None
+    unknown = set(doc) - {"source", "dest"}
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {sorted(unknown)} (expected [source] and [[dest]])")
+    src = doc.get("source")
+    if not isinstance(src, dict) or not isinstance(src.get("url"), str):
+        raise ValueError(f"{path}: [source] with a url is required")
+    dests = doc.get("dest")
+    if not isinstance(dests, list) or not dests:
+        raise ValueError(f"{path}: at least one [[dest]] table with a url is required")
+    out, used = [], set()
+    for i, d in enumerate(dests):
+        where = f"{path}: dest[{i}]"
+        if not isinstance(d, dict) or not isinstance(d.get("url"), str):
+            raise ValueError(f"{where}: url is required")
+        extra = set(d) - {"name", "url", "storage_options"}
+        if extra:
+            raise ValueError(f"{where}: unknown field(s) {sorted(extra)}")
+        name = d.get("name") or _dest_name(d["url"], used)
+        if name in used and d.get("name"):
+            raise ValueError(f"{where}: name {name!r} is used twice")
+        used.add(name)
+        out.append(Destination(name, d["url"], _table_options(d.get("storage_options"), where)))
+    extra = set(src) - {"url", "storage_options"}
+    if extra:
+        raise ValueError(f"{path}: [source] has unknown field(s) {sorted(extra)}")
+    return src["url"], _table_options(src.get("storage_options"), f"{path}: source"), out
+
+
+def _from_args(args: argparse.Namespace) -> tuple[str, dict | None, list[Destination]]:
+    if args.config:
+        if args.source or args.dest or args.storage_options:
+            raise ValueError("--config names the stores; do not combine it with --source, --dest or --storage-options")
+        return load_config(args.config)
+    if not args.source or not args.dest:
+        raise ValueError("give --source URL and at least one --dest URL, or --config FILE")
+    urls = [args.source, *args.dest]
+    given = args.storage_options or []
+    if len(given) > 1 and len(given) != len(urls):
+        raise ValueError(f"{len(given)} --storage-options for {len(urls)} URLs (source first, then each --dest): "
+                         f"give one for all, or one per URL")
+    opts = [_options(given[i] if len(given) > 1 else (given[0] if given else None)) for i in range(len(urls))]
+    used: set[str] = set()
+    dests = [Destination(_dest_name(u, used), u, o) for u, o in zip(args.dest, opts[1:])]
+    return args.source, opts[0], dests
+
+
+def _status_writer(path: str | None):
+    if path is None:
+        return None
+    target = Path(path)
+
+    def write(status: dict) -> None:  # atomic, so a monitor never reads half a file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".status-", dir=target.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(status, f, indent=1)
+        os.replace(tmp, target)
+
+    return write
+
+
+def _relay(args: argparse.Namespace) -> int:
+    source, source_options, dests = _from_args(args)
+    fan = Fanout(source, dests, source_options=source_options, poll_interval=args.poll_interval,
+                 workers=args.workers, retry_max=args.retry_max)
+    on_status = _status_writer(args.status_file)
+    if not args.once:
+        try:
+            fan.run(status_every=args.status_every, on_status=on_status)
+        except KeyboardInterrupt:
+            fan.stop()
+        return 0
+    ok = fan.sync_once(timeout=args.timeout, on_status=on_status)
+    st = fan.status()
+    head = st["origin"]["head"] if st["origin"] else None
+    for name, r in st["regions"].items():
+        state = "ok" if r["head"] is not None and head is not None and r["head"] >= head else "BEHIND"
+        err = f"  last error: {r['last_error']}" if r["last_error"] and state != "ok" else ""
+        print(f"{name:20} head {r['head']!s:>6} / {head!s:<6} {state:6} {r['bytes_copied']:>12} bytes copied{err}")
+    if not ok:
+        print(f"deltarelay relay: not every destination reached step {head}"
+              f"{f' within {args.timeout:g}s' if args.timeout is not None else ''}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from relay.demo import run_demo
+
+    summary = run_demo(store=args.store, steps=args.steps, regions=args.regions, watchers=args.watchers,
+                       chart=args.chart, tiny=args.tiny, baseline_every=args.baseline_every, workdir=args.workdir,
+                       json_path=args.json, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(summary["text"])
+    return 0 if summary["ok"] else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("relay", help="mirror a run from the origin store into regional stores")
+    p.add_argument("--source", metavar="URL", help="the origin run prefix (where the trainer publishes)")
+    p.add_argument("--dest", action="append", metavar="URL", help="a regional run prefix (repeat per region)")
+    p.add_argument("--config", metavar="FILE", help="TOML: [source] url, storage_options; [[dest]] name, url, "
+                                                     "storage_options")
+    p.add_argument("--storage-options", action="append", metavar="JSON",
+                   help="fsspec options as JSON: once for every URL, or once per URL (source first, then each --dest)")
+    p.add_argument("--once", action="store_true", help="bring every destination to the origin head, then exit "
+                                                       "(0 only if all got there)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="with --once: give up after S seconds")
+    p.add_argument("--poll-interval", type=float, default=1.0, metavar="S", help="origin manifest poll interval")
+    p.add_argument("--workers", type=int, default=4, help="parallel object copies per destination")
+    p.add_argument("--retry-max", type=float, default=30.0, metavar="S", help="longest backoff of a failing region")
+    p.add_argument("--status-file", metavar="PATH", help="keep per-region lag and bytes in this JSON file")
+    p.add_argument("--status-every", type=float, default=30.0, metavar="S", help="log per-region lag this often")
+    p.set_defaults(func=_relay)
+
+    p = subparsers.add_parser("demo", help="the whole pipeline on local S3 servers: train, publish, relay, watch")
+    p.add_argument("--store", metavar="file://DIR", help="use local directories instead of S3 servers")
+    p.add_argument("--steps", type=int, default=30, help="training steps published after the first")
+    p.add_argument("--regions", type=int, default=3, help="rollout regions (1-5)")
+    p.add_argument("--watchers", type=int, default=2, help="watcher processes per region")
+    p.add_argument("--chart", metavar="PNG", default="out/demo.png", help="where to write the chart")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
+    p.add_argument("--tiny", action="store_true", help="a small model instead of all-MiniLM-L6-v2 (tests)")
+    p.add_argument("--baseline-every", type=int, default=None, metavar="K",
+                   help="encode the baselines on every K-th step (default: 5; 1 with --tiny)")
+    p.add_argument("--workdir", metavar="DIR", help="keep stores, watcher directories and logs here")
+    p.set_defaults(func=_demo)

@@ -1,0 +1,501 @@
+"""Regional relay: mirror a run from the origin store into one store per rollout region.
+
+Why: cross-region bandwidth is the scarce resource. Each object should cross a region boundary
+once; the region's watchers then read it locally. S3 Cross-Region Replication can do the copy,
+but it gives no order between objects and works only S3 to S3. This relay works for any pair of
+fsspec stores and keeps each regional manifest consistent: it copies every object a regional
+manifest will name, verified against the hashes the origin manifest carries, and only then
+commits that manifest with the store's conditional write (docs/PROTOCOL.md section 8).
+
+Each destination has its own worker thread, its own backoff and its own view of what it holds,
+so a slow or unreachable region never holds up the others. A destination's manifest is the
+origin's, trimmed to the oldest snapshot the region needs: a fresh (or emptied) region is seeded
+from the origin's newest snapshot, not from its whole history. New snapshots are copied after the
+deltas of the head, so a multi-megabyte snapshot never delays the next step. Everything is
+idempotent: objects are create-only and compared on collision, the manifest is a compare-and-swap,
+so a restart at any point (or two relays on one destination) is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, Step
+from relay.store import NOT_MODIFIED, ConflictError, ObjectMissing, Store, content_tag, open_store
+
+log = logging.getLogger(__name__)
+
+LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")
+
+
+class CopyError(RuntimeError):
+    """An object could not be copied as the origin manifest describes it (size or hash mismatch at the origin)."""
+
+
+@dataclass
+class Destination:
+    """One region's store. `store` may be given ready-made (a wrapped store in benchmarks); else `url` is opened."""
+
+    name: str
+    url: str
+    storage_options: dict | None = None
+    store: Store | None = None
+
+
+def trim(m: Manifest, floor: int) -> Manifest:
+    """`m` without what precedes snapshot `floor`: the floor step becomes reachable only through its snapshot."""
+    snaps = [s for s in m.snapshots if s.step >= floor]
+    if not snaps or snaps[0].step != floor:
+        raise ValueError(f"trim: step {floor} has no snapshot in the manifest")
+    steps = [Step(s.step, s.record) if s.step == floor and s.parent is not None else s
+             for s in m.steps if s.step >= floor]
+    return Manifest(m.run, m.head, steps, snaps)
+
+
+def choose_floor(m: Manifest, current: Manifest | None) -> int:
+    """The oldest snapshot a region keeps: what it already starts from, or the origin's newest for a fresh region."""
+    steps = [s.step for s in m.snapshots]
+    if current is None or current.run != m.run:
+        return m.base
+    held = current.snapshots[0].step
+    older = [s for s in steps if s <= held]
+    return older[-1] if older else steps[0]
+
+
+def snapshot_refs(snap: Snapshot) -> list[ObjRef]:
+    return [snap.index, *snap.files]
+
+
+def _manifest_refs(m: Manifest, without: set[int] = frozenset()) -> list[ObjRef]:
+    refs: dict[str, ObjRef] = {}
+    for s in m.steps:
+        refs[s.record.key] = s.record
+        for p in s.parts or ():
+            refs[p.ref.key] = p.ref
+    for snap in m.snapshots:
+        if snap.step not in without:
+            for r in snapshot_refs(snap):
+                refs[r.key] = r
+    return list(refs.values())
+
+
+class _SourceCache:
+    """Origin objects fetched once and shared by every region's worker (bounded LRU, one fetch per key)."""
+
+    def __init__(self, store: Store, capacity: int) -> None:
+        self.store = store
+        self.capacity = capacity
+        self.bytes_read = 0
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+
+    def _verified(self, ref: ObjRef) -> bytes:
+        data = b""
+        for attempt in range(2):
+            data = self.store.get(ref.key)
+            with self._lock:
+                self.bytes_read += len(data)
+            if len(data) == ref.size and content_tag(data) == ref.xxh3:
+                return data
+            log.warning("%s/%s: %d bytes with xxh3 %s, manifest says %d bytes with xxh3 %s (%s)", self.store.url,
+                        ref.key, len(data), content_tag(data), ref.size, ref.xxh3,
+                        "refetching" if attempt == 0 else "giving up")
+        raise CopyError(f"{self.store.url}/{ref.key}: does not match the origin manifest "
+                        f"({len(data)} bytes, xxh3 {content_tag(data)}; expected {ref.size}, {ref.xxh3})")
+
+    def get(self, ref: ObjRef) -> bytes:
+        with self._lock:
+            if ref.key in self._data:
+                self._data.move_to_end(ref.key)
+                return self._data[ref.key]
+            key_lock = self._key_locks.setdefault(ref.key, threading.Lock())
+        with key_lock:  # regions asking for the same object wait for one fetch
+            with self._lock:
+                if ref.key in self._data:
+                    return self._data[ref.key]
+            data = self._verified(ref)
+            with self._lock:
+                self._key_locks.pop(ref.key, None)
+                if len(data) <= self.capacity:
+                    self._data[ref.key] = data
+                    self._size += len(data)
+                    while self._size > self.capacity:
+                        _, old = self._data.popitem(last=False)
+                        self._size -= len(old)
+            return data
+
+
+@dataclass
+class _Region:
+    dest: Destination
+    store: Store
+    known: dict[str, int] | None = None  # key -> size of objects present; None: list the store first
+    head: int | None = None
+    run: str | None = None
+    synced_etag: str | None = None  # origin manifest version this region fully mirrors
+    bytes_copied: int = 0
+    objects_copied: int = 0
+    failures: int = 0
+    errors: int = 0
+    last_error: str | None = None
+    next_try: float = 0.0
+    last_check: float = 0.0  # monotonic time of the last sync attempt
+    last_commit: float | None = None  # wall clock
+    delays: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds from seen at origin to here)
+    thread: threading.Thread | None = None
+
+
+class Fanout:
+    """Keeps every destination on the origin's head; `run()` forever, `sync_once()` to the current head.
+
+    poll_interval: seconds between conditional reads of the origin manifest.
+    workers: parallel object copies per destination. cache_bytes: origin objects kept for the other regions.
+    retry_initial / retry_max: per-destination backoff after a failure.
+    recheck_interval: a region in sync re-reads its own manifest this often, so an emptied or
+    recreated bucket is re-seeded even while the origin is idle.
+    """
+
+    def __init__(self, source: str | Store, destinations: list[Destination], *, source_options: dict | None = None,
+                 poll_interval: float = 1.0, workers: int = 4, cache_bytes: int = 1 << 30,
+                 retry_initial: float = 0.5, retry_max: float = 30.0, recheck_interval: float = 30.0) -> None:
+        if not destinations:
+            raise ValueError("the relay needs at least one destination")
+        names = [d.name for d in destinations]
+        if len(set(names)) != len(names):
+            raise ValueError(f"destination names must be unique, got {names}")
+        self.source = source if isinstance(source, Store) else open_store(source, source_options)
+        if any(d.url.rstrip("/") == self.source.url for d in destinations):
+            raise ValueError(f"{self.source.url}: a destination is the source itself")
+        self.poll_interval = poll_interval
+        self.workers = workers
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.recheck_interval = recheck_interval
+        self._cache = _SourceCache(self.source, cache_bytes)
+        self.regions: dict[str, _Region] = {
+            d.name: _Region(d, d.store if d.store is not None else open_store(d.url, d.storage_options))
+            for d in destinations}
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._origin: Manifest | None = None
+        self._origin_etag: str | None = None
+        self._seen: dict[int, tuple[float, float]] = {}  # origin head -> (monotonic, wall) when first seen
+        self._source_error: str | None = None
+        self._last_sig: tuple | None = None
+
+    # -- origin ---------------------------------------------------------------------------------
+    def poll_source(self) -> bool:
+        """One conditional read of the origin manifest; True when a new version was taken in."""
+        try:
+            got = self.source.read_manifest(if_none_match=self._origin_etag)
+        except Exception as exc:  # noqa: BLE001 - the regions keep what they have; try again next poll
+            text = f"{type(exc).__name__}: {exc}"
+            if text != self._source_error:
+                log.warning("%s: cannot read the origin manifest (%s); regions keep their step", self.source.url, text)
+            self._source_error = text
+            return False
+        self._source_error = None
+        if got is NOT_MODIFIED or got is None:
+            return False
+        try:
+            m = Manifest.parse(got.data, f"{self.source.url}/manifest.json")
+        except ManifestError as exc:
+            log.error("%s: refusing the origin manifest: %s", self.source.url, exc)
+            return False
+        now = (time.monotonic(), time.time())
+        with self._cond:
+            if self._origin is not None and m.run == self._origin.run and m.head < self._origin.head:
+                log.warning("%s: origin head went back from %d to %d; mirroring it anyway (regions never move back)",
+                            self.source.url, self._origin.head, m.head)
+            if self._origin is not None and m.run != self._origin.run:
+                self._seen.clear()
+            self._seen.setdefault(m.head, now)
+            while len(self._seen) > 10000:
+                del self._seen[min(self._seen)]
+            self._origin, self._origin_etag = m, got.etag
+            self._cond.notify_all()
+        return True
+
+    # -- one destination --------------------------------------------------------------------------
+    def _copy(self, region: _Region, ref: ObjRef) -> None:
+        data = self._cache.get(ref)
+        try:
+            region.store.put_immutable(ref.key, data)
+        except ConflictError:
+            # A different object under this key: a crashed writer of another run, or damage. Regional
+            # manifests only name objects this relay verified, so replacing it is safe.
+            log.warning("%s/%s: holds other bytes than the origin; replacing it", region.store.url, ref.key)
+            region.store.delete([ref.key])
+            region.store.put_immutable(ref.key, data)
+        region.known[ref.key] = ref.size
+        with self._cond:
+            region.bytes_copied += len(data)
+            region.objects_copied += 1
+
+    def _ensure(self, region: _Region, refs: list[ObjRef]) -> None:
+        """Copy every ref the region lacks (in parallel); returns once all are present."""
+        missing = [r for r in refs if region.known.get(r.key) != r.size]
+        if not missing:
+            return
+        if len(missing) == 1 or self.workers <= 1:
+            for r in missing:
+                self._copy(region, r)
+            return
+        with ThreadPoolExecutor(min(self.workers, len(missing)), thread_name_prefix=f"fanout-{region.dest.name}") as pool:
+            for f in [pool.submit(self._copy, region, r) for r in missing]:
+                f.result()
+
+    def _commit(self, region: _Region, new: Manifest, current_data: bytes | None, etag: str | None) -> str | None:
+        data = new.to_bytes()
+        if data == current_data:
+            return etag
+        try:
+            tag = region.store.commit_manifest(data, etag)
+        except ConflictError:
+            # Another relay (or a regional gc) committed in between: re-read and redo next round.
+            region.known = None
+            raise
+        now_mono, now_wall = time.monotonic(), time.time()
+        with self._cond:
+            before = region.head if region.run == new.run else None
+            for step, (seen_mono, _) in sorted(self._seen.items()):
+                if (before is None or step > before) and step <= new.head:
+                    region.delays.append((step, now_mono - seen_mono))
+            del region.delays[:-1000]
+            region.head, region.run, region.last_commit = new.head, new.run, now_wall
+        log.info("%s: head %d (origin %d), snapshots %s, %d objects / %d bytes copied so far", region.dest.name,
+                 new.head, self._origin.head if self._origin else new.head, [s.step for s in new.snapshots],
+                 region.objects_copied, region.bytes_copied)
+        return tag
+
+    def sync_region(self, region: _Region) -> bool:
+        """Bring one destination to the origin manifest as last polled; True when it mirrors that version.
+
+        First the head: every record and delta and the snapshots the region needs to stand alone,
+        then the manifest naming them; then the origin's other snapshots, then the full manifest.
+        Returns False early when the origin moves on during a snapshot copy (the head comes first).
+        """
+        with self._cond:
+            m, origin_etag = self._origin, self._origin_etag
+        if m is None:
+            return False
+        got = region.store.read_manifest()
+        current = None
+        if got is not None:
+            try:
+                current = Manifest.parse(got.data, f"{region.store.url}/manifest.json")
+            except ManifestError as exc:
+                log.warning("%s: regional manifest unreadable (%s); replacing it", region.dest.name, exc)
+        elif region.head is not None:
+            log.warning("%s: regional manifest is gone (bucket emptied or recreated?); re-seeding from step %d's "
+                        "snapshot", region.dest.name, m.base)
+            region.known, region.head, region.run = None, None, None
+        if current is not None:
+            with self._cond:
+                region.head, region.run = current.head, current.run
+        if current is not None and current.run != m.run:
+            log.warning("%s: holds run %s, the origin now has run %s; replacing it", region.dest.name, current.run,
+                        m.run)
+        if current is not None and current.run == m.run and current.head > m.head:
+            log.warning("%s: regional head %d is ahead of the origin's %d; leaving it", region.dest.name,
+                        current.head, m.head)
+            with self._cond:
+                region.head, region.run, region.synced_etag = current.head, current.run, origin_etag
+            return True
+        if region.known is None:
+            listed: dict[str, int] = {}
+            for prefix in LAYOUT_PREFIXES:
+                listed.update(region.store.list(prefix))
+            region.known = listed
+        target = trim(m, choose_floor(m, current))
+        floor = target.snapshots[0].step
+        extra = {s.step for s in target.snapshots
+                 if s.step != floor and any(region.known.get(r.key) != r.size for r in snapshot_refs(s))}
+        first = Manifest(target.run, target.head, target.steps, [s for s in target.snapshots if s.step not in extra])
+        data = None if got is None else got.data
+        etag = None if got is None else got.etag
+        self._ensure(region, _manifest_refs(first))
+        etag = self._commit(region, first, data, etag)
+        data = first.to_bytes()
+        for snap in target.snapshots:
+            if snap.step not in extra:
+                continue
+            for ref in snapshot_refs(snap):
+                if self._origin_etag != origin_etag or self._stop.is_set():
+                    return False
+                self._ensure(region, [ref])
+        if extra:
+            self._commit(region, target, data, etag)
+        with self._cond:
+            region.synced_etag = origin_etag
+        return True
+
+    def _worker(self, region: _Region) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while not self._stop.is_set():
+                    wait = region.next_try - time.monotonic()
+                    due = (region.synced_etag != self._origin_etag
+                           or time.monotonic() - region.last_check >= self.recheck_interval)
+                    if self._origin_etag is not None and due and wait <= 0:
+                        break
+                    self._cond.wait(timeout=max(0.01, min(wait, 1.0)) if wait > 0 else 1.0)
+            if self._stop.is_set():
+                return
+            region.last_check = time.monotonic()
+            try:
+                self.sync_region(region)
+                if region.failures:
+                    log.warning("%s: reachable again after %d failed attempts", region.dest.name, region.failures)
+                region.failures = 0
+            except Exception as exc:  # noqa: BLE001 - this region backs off; the others carry on
+                region.failures += 1
+                region.errors += 1
+                region.known = None  # its contents may have changed (restarted server, emptied bucket)
+                delay = min(self.retry_initial * 2 ** (region.failures - 1), self.retry_max)
+                region.next_try = time.monotonic() + delay
+                region.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("%s: sync failed (attempt %d): %s; retrying in %.1fs, other regions continue",
+                            region.dest.name, region.failures, region.last_error, delay)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._stop.clear()
+        for region in self.regions.values():
+            if region.thread is None or not region.thread.is_alive():
+                region.thread = threading.Thread(target=self._worker, args=(region,), daemon=True,
+                                                 name=f"fanout-{region.dest.name}")
+                region.thread.start()
+
+    def _join(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for region in self.regions.values():
+            if region.thread is not None:
+                region.thread.join(timeout=30)
+                region.thread = None
+
+    def run(self, status_every: float = 30.0, on_status: Any = None) -> None:
+        """Poll the origin and mirror it into every destination until stop().
+
+        Every `status_every` seconds the per-region lag goes to the log; `on_status(status)` is
+        called whenever a head, a copy count or an error count changed.
+        """
+        self._start()
+        last_report = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self.poll_source()
+                self._report(on_status)
+                if time.monotonic() - last_report >= status_every:
+                    self.log_status()
+                    last_report = time.monotonic()
+                self._stop.wait(self.poll_interval)
+        finally:
+            self._join()
+            self._report(on_status, force=True)
+
+    def sync_once(self, timeout: float | None = None, on_status: Any = None) -> bool:
+        """Bring every destination to the origin head seen at the start; True if all got there in time.
+
+        Destinations that fail keep retrying with their backoff until the deadline.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.poll_source() and self._origin is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                log.error("%s: no manifest at the origin", self.source.url)
+                return False
+            time.sleep(self.poll_interval)
+        target = self._origin.head
+        run = self._origin.run
+        self._start()
+        try:
+            while True:
+                if all(r.run == run and r.head is not None and r.head >= target for r in self.regions.values()):
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._stop.wait(min(self.poll_interval, 0.05))
+                self.poll_source()
+                self._report(on_status)
+        finally:
+            self._join()
+            self._report(on_status, force=True)
+            self.log_status()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- reporting ------------------------------------------------------------------------------
+    def _report(self, on_status: Any, force: bool = False) -> None:
+        """Hand the status to `on_status` when something a reader cares about changed."""
+        if on_status is None:
+            return
+        with self._cond:
+            sig = (self._origin_etag, tuple((r.head, r.objects_copied, r.errors, r.failures)
+                                            for r in self.regions.values()))
+        if force or sig != self._last_sig:
+            self._last_sig = sig
+            on_status(self.status())
+
+    def status(self) -> dict:
+        """Origin head and, per region: head, lag in steps and seconds, bytes copied, errors, delays seen."""
+        now = time.monotonic()
+        with self._cond:
+            origin = self._origin
+            out: dict[str, Any] = {
+                "source": self.source.url,
+                "origin": None if origin is None else {"run": origin.run, "head": origin.head, "base": origin.base},
+                "source_bytes_read": self._cache.bytes_read,
+                "source_error": self._source_error,
+                "regions": {},
+            }
+            for name, r in self.regions.items():
+                lag_steps = lag_seconds = None
+                if origin is not None:
+                    held = r.head if r.run == origin.run else None
+                    behind = [s for s in self._seen if held is None or s > held]
+                    lag_steps = (origin.head - held) if held is not None else None
+                    if held is not None and held >= origin.head:
+                        lag_steps, lag_seconds = 0, 0.0
+                    elif behind:
+                        lag_seconds = now - self._seen[min(behind)][0]
+                delays = [d for _, d in r.delays]
+                out["regions"][name] = {
+                    "url": r.store.url, "head": r.head, "lag_steps": lag_steps, "lag_seconds": lag_seconds,
+                    "synced": origin is not None and r.synced_etag == self._origin_etag,
+                    "bytes_copied": r.bytes_copied, "objects_copied": r.objects_copied,
+                    "failures": r.failures, "errors": r.errors, "last_error": r.last_error,
+                    "last_commit": r.last_commit,
+                    "delay_median_s": statistics.median(delays) if delays else None,
+                    "delay_max_s": max(delays) if delays else None,
+                    "delays": list(r.delays),
+                }
+        return out
+
+    def log_status(self) -> None:
+        st = self.status()
+        head = st["origin"]["head"] if st["origin"] else None
+        for name, r in st["regions"].items():
+            lag_s = "?" if r["lag_seconds"] is None else f"{r['lag_seconds']:.1f}s"
+            line = (f"{name}: head {r['head']} / origin {head}, lag {r['lag_steps']} steps {lag_s}, "
+                    f"{r['bytes_copied']} bytes copied")
+            if r["failures"]:
+                log.warning("%s, failing (%d in a row): %s", line, r["failures"], r["last_error"])
+            else:
+                log.info("%s", line)
+
+
+__all__ = ["Fanout", "Destination", "CopyError", "trim", "choose_floor"]
