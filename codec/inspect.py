@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
-from . import container, methods
+from collections.abc import Mapping
+
+import torch
+
+from . import container, methods, tensors
+from .methods import conditional
 
 
-def describe(payload: bytes | bytearray | memoryview) -> dict:
-    """Per tensor: dtype, shape, changed fraction, method, bytes per stream; and totals."""
+def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.Tensor] | None = None) -> dict:
+    """Per tensor: dtype, shape, changed fraction, method, bytes per stream; and totals.
+
+    With the `base` it was made for, the payload is decoded (and verified) too, and conditional
+    tensors report how many bits per change go to the mask and to the values.
+    """
     parsed = container.unpack(payload)
+    target = None
+    if base is not None:
+        from .api import decode
+
+        target = decode(base, payload)
     rows = []
     for e in parsed.entries:
         module = methods.lookup(e, parsed.version)
@@ -18,9 +32,11 @@ def describe(payload: bytes | bytearray | memoryview) -> dict:
             "changed": e.changes, "changed_fraction": e.changes / e.numel if e.numel else 0.0,
             "bytes": len(e.params) + sum(streams.values()), "streams": streams,
         }
-        extra = getattr(module, "describe_bits", None)
-        if extra is not None:
-            row.update(extra(e, parsed.shared))
+        if module is conditional:
+            analysis = None
+            if target is not None:
+                analysis = conditional.analyze(tensors.element_view(base[e.name]), tensors.element_view(target[e.name]))
+            row.update(conditional.describe_bits(e, parsed.shared, analysis))
         rows.append(row)
     total = len(bytes(payload)) if not isinstance(payload, memoryview) else payload.nbytes
     return {

@@ -462,12 +462,39 @@ def stream_names(entry: Entry) -> list[str]:
     return ["rans"]
 
 
-def describe_bits(entry: Entry, shared: dict) -> dict:
-    """Bits per changed element, split into mask and values (for `deltarelay inspect`).
+def _token_extra_bits(tok: np.ndarray) -> np.ndarray:
+    return np.where(tok < rans.DIRECT, 0, 1 + (tok - rans.DIRECT) // (1 << rans.SUB_BITS))
 
-    The split is the ideal cost under the payload's own models, recomputed from the counts
-    the stream implies; the stream itself is one interleaved rANS sequence.
+
+def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, float]:
+    """Bits the stream spends on the mask and on the values, under the payload's own models.
+
+    The two are interleaved in one rANS stream, so the split is recomputed from the changes
+    (which need the base): -log2 of each symbol's probability plus its raw bits.
     """
+    keys, levels = _params(entry)
+    model = _model(shared)
+    mfreq, _, _ = mask_tables()
+    mask = value = 0.0
+    for key, lv in zip(keys, levels):
+        ranks = analysis.ranks[analysis.keys == key]
+        gaps = np.diff(np.concatenate(([-1], ranks, [analysis.counts[key]]))) - 1
+        tok = _tokens(gaps)
+        mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
+    tok = _tokens(analysis.zig)
+    rows = model.row_of_key[analysis.keys.astype(np.int64)]
+    value = float(np.sum(VALUE_SCALE - np.log2(model.freq[rows, tok])) + _token_extra_bits(tok).sum())
+    return mask, value
+
+
+def describe_bits(entry: Entry, shared: dict, analysis: Analysis | None = None) -> dict:
+    """Bits per changed element for `deltarelay inspect`: in total, and split into mask and
+    values when the changes are known (inspect given the base)."""
     total_bits = 8 * (len(entry.params) + sum(len(s.stored) for s in entry.streams))
-    per = total_bits / entry.changes if entry.changes else 0.0
-    return {"bits_per_change": per}
+    n = max(entry.changes, 1)
+    out = {"bits_per_change": total_bits / n}
+    if analysis is not None:
+        mask, value = cost_split(entry, shared, analysis)
+        out["mask_bits_per_change"] = mask / n
+        out["value_bits_per_change"] = value / n
+    return out
