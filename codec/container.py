@@ -101,8 +101,17 @@ def pack(payload: Payload) -> bytes:
     index = zstandard.ZstdCompressor(level=9).compress(w.getvalue())
     body = b"".join(bytes(s.stored) for e in payload.entries for s in e.streams)
     rest = index + body
-    checksum = xxhash.xxh3_128_digest(rest)
-    return PREFIX.pack(MAGIC, payload.version, 0, len(index), checksum) + rest
+    head = PREFIX.pack(MAGIC, payload.version, 0, len(index), bytes(16))[:16]
+    return head + checksum(head, rest) + rest
+
+
+def checksum(head: bytes | memoryview, rest: bytes | memoryview) -> bytes:
+    """xxh3-128 over the prefix's first 16 bytes (magic, version, flags, index length) and
+    everything after the prefix: no byte of a payload escapes it."""
+    h = xxhash.xxh3_128()
+    h.update(head)
+    h.update(rest)
+    return h.digest()
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Payload:
@@ -110,7 +119,7 @@ def unpack(data: bytes | bytearray | memoryview) -> Payload:
     view = memoryview(data)
     if len(view) < PREFIX_SIZE:
         raise DeltaError(f"truncated payload: {len(view)} bytes, the prefix alone is {PREFIX_SIZE}")
-    magic, version, flags, index_len, checksum = PREFIX.unpack(view[:PREFIX_SIZE])
+    magic, version, flags, index_len, declared = PREFIX.unpack(view[:PREFIX_SIZE])
     if magic != MAGIC:
         raise DeltaError("not a deltarelay payload (bad magic)")
     if version not in SUPPORTED_VERSIONS:
@@ -118,7 +127,7 @@ def unpack(data: bytes | bytearray | memoryview) -> Payload:
     if flags != 0:
         raise DeltaError(f"unknown flags {flags:#x} in the prefix")
     rest = view[PREFIX_SIZE:]
-    if xxhash.xxh3_128_digest(rest) != checksum:
+    if checksum(view[:16], rest) != declared:
         raise DeltaError("payload checksum mismatch: the payload is corrupt or truncated")
     if index_len > len(rest):
         raise DeltaError(f"index length {index_len} exceeds the payload")

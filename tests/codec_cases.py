@@ -189,10 +189,10 @@ def assert_bit_exact(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.T
 # --- payload forgery ---------------------------------------------------------------------------
 
 def fix_checksum(data: bytes | bytearray) -> bytes:
-    """Recompute the container checksum (xxh3-128 over bytes[32:]) after tampering."""
+    """Recompute the container checksum (xxh3-128 over bytes[:16] + bytes[32:]) after tampering."""
     out = bytearray(data)
     if len(out) >= PREFIX.size:
-        out[CHECKSUM_SLICE] = xxhash.xxh3_128_digest(bytes(out[PREFIX.size:]))
+        out[CHECKSUM_SLICE] = xxhash.xxh3_128_digest(bytes(out[:16]) + bytes(out[PREFIX.size:]))
     return bytes(out)
 
 
@@ -207,4 +207,4 @@ def join_payload(version: int, index: bytes, body: bytes) -> bytes:
     """A payload with this raw index and body, correctly framed and checksummed."""
     packed = zstandard.ZstdCompressor(level=3).compress(index)
     rest = packed + body
-    return PREFIX.pack(b"DRDELTA\x00", version, 0, len(packed), xxhash.xxh3_128_digest(rest)) + rest
+    return fix_checksum(PREFIX.pack(b"DRDELTA\x00", version, 0, len(packed), bytes(16)) + rest)
