@@ -36,7 +36,8 @@ def load_corpus(path: Path) -> list[dict]:
     files = sorted(path.glob("step_*.safetensors"))
     if not files:
         raise SystemExit(f"{path}: no step_*.safetensors (build one with --make)")
-    return [checkpoint.load(f)[0] for f in files]
+    # private in-memory copies: a trainer publishes from RAM (or GPU), not from mmapped files
+    return [{k: v.clone() for k, v in checkpoint.load(f)[0].items()} for f in files]
 
 
 def make(out: Path, regime: str, steps: int, tiny: bool) -> None:
@@ -115,7 +116,12 @@ def main() -> int:
     p.add_argument("--k", type=int, nargs="+", default=[1, 5, 20])
     p.add_argument("--s3", action="store_true", help="publish through a moto S3 server on loopback")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (1: tensor copies do not spin against a busy machine)")
     args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     corpus = args.make or args.corpus
     if corpus is None:
         p.error("give --corpus or --make")
@@ -135,6 +141,7 @@ def main() -> int:
             if server is not None:
                 server.stop()
     result["corpus"] = str(corpus)
+    result["torch_threads"] = args.torch_threads
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
