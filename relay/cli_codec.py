@@ -91,7 +91,8 @@ def _table(rows: list[list[str]]) -> str:
 
 def _inspect(args: argparse.Namespace) -> int:
     payload = Path(args.delta).read_bytes()
-    info = codec.describe(payload)
+    base = checkpoint.load(args.base)[0] if args.base else None
+    info = codec.describe(payload, base=base)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -132,5 +133,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("inspect", help="per tensor: dtype, shape, changed fraction, method, bytes per stream")
     p.add_argument("delta", metavar="DELTA", help="delta file")
+    p.add_argument("--base", metavar="BASE", help="the base it applies to: also decode, verify, and split v2 bits per "
+                                                  "change into mask and values")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_inspect)

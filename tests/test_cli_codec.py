@@ -184,6 +184,19 @@ def test_encode_failures_leave_no_out(capsys, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_inspect_with_base_splits_mask_and_value_bits(capsys, single):
+    d, base, target = single
+    run(capsys, "encode", d / "base.safetensors", d / "target.safetensors", "-o", d / "delta.bin")
+    rc, out, err = run(capsys, "inspect", d / "delta.bin", "--base", d / "base.safetensors", "--json")
+    assert rc == 0, err
+    rows = [r for r in json.loads(out)["tensors"] if r["method"] == "conditional"]
+    assert rows, "the RL-style BF16 tensors should use the v2 method"
+    for r in rows:
+        split = r["mask_bits_per_change"] + r["value_bits_per_change"]
+        assert 0 < r["value_bits_per_change"] and 0 < r["mask_bits_per_change"]
+        assert split <= r["bits_per_change"] + 1e-9  # the stream also carries params and the final state
+
+
 def test_inspect_and_decode_of_a_missing_or_bad_delta(capsys, single):
     d, _, _ = single
     rc, _, err = run(capsys, "inspect", d / "nothing.bin")
