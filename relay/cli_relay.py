@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from relay import checkpoint, ops
 from relay.publisher import Publisher
@@ -46,15 +45,15 @@ def _publish(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     w = Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options))
-    if args.once:
-        step = w.sync(timeout=args.timeout)
-        print(f"{args.dest}: step {step}")
-        return 0
     try:
-        w.run(sync_timeout=args.timeout)
+        if args.once:
+            step = w.sync(timeout=args.timeout)
+            print(f"{args.dest}: step {step}")
+        else:
+            w.run(sync_timeout=args.timeout)
     except SyncError as exc:
-        print(f"deltarelay watch: {exc}; {args.dest} stays on step {w.step}", file=sys.stderr)
-        return 2
+        held = "no step yet" if w.step is None else f"step {w.step}"
+        raise SyncError(f"{exc}; {args.dest} stays on {held}") from None
     return 0
 
 

@@ -75,12 +75,14 @@ class Publisher:
     snapshot_every: a full snapshot when the step number is this far past the last one.
     snapshot_fraction: also snapshot when the delta bytes since the last snapshot exceed this fraction of it.
     max_shard_bytes: size cap of one snapshot file. background: upload deferrable snapshots in a thread.
-    resume: attach to an existing run at its head (its state is read back); without it the run must be empty.
+    resume: attach to an existing run at its head (its state is read back, waiting at most resume_timeout
+    seconds for objects that are not there yet); without it the run must be empty.
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
                  resume: bool = False, snapshot_fraction: float = 0.5, max_shard_bytes: int = 2 << 30,
-                 effort: str = "default", background: bool = True, upload_workers: int = 4) -> None:
+                 effort: str = "default", background: bool = True, upload_workers: int = 4,
+                 resume_timeout: float | None = 600.0) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
@@ -92,6 +94,7 @@ class Publisher:
         self.max_shard_bytes = max_shard_bytes
         self.effort = effort
         self.upload_workers = upload_workers
+        self.resume_timeout = resume_timeout
         self._commit_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
@@ -112,7 +115,7 @@ class Publisher:
     def _attach(self, m: Manifest) -> None:
         from relay.watcher import Reader  # reading back the head is the watcher's job
 
-        m, tensors, _ = Reader(self.store).reach(None, None)
+        m, tensors, _ = Reader(self.store).reach(None, None, timeout=self.resume_timeout)
         self.run = m.run
         self.prev, self.step = tensors, m.head
         snap = m.snapshots[-1]

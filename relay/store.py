@@ -236,7 +236,8 @@ class FsspecStore(Store):
             found = self.fs.find(self._path(prefix), detail=True)
         except FileNotFoundError:
             return {}
-        return {p[len(self.root.lstrip("/")) + 1:] if not p.startswith(self.root) else p[len(self.root) + 1:]: int(info.get("size") or 0)
+        root = self.root.strip("/") + "/"
+        return {p.lstrip("/")[len(root):]: int(info.get("size") or 0)
                 for p, info in found.items() if info.get("type", "file") == "file"}
 
     def read_manifest(self, if_none_match: str | None = None):

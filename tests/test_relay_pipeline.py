@@ -241,3 +241,43 @@ def test_crash_during_persist_keeps_last_step(file_run, trainer, bits_equal, tmp
     assert again.sync() == 1
     assert_holds(dest, 1, t.state(), bits_equal)
     assert not [p for p in dest.iterdir() if p.name.startswith(".current.tmp-")]
+
+
+def test_step_made_of_several_parts(s3_run, trainer, bits_equal, tmp_path):
+    """A step may be published as one delta per trainer shard; a reader applies them all."""
+    import codec
+    from relay.manifest import ObjRef, Part, Record, Step, delta_key, record_key, tensor_infos
+    from relay.store import content_tag
+
+    t = trainer(seed=9)
+    before = t.step()
+    with relay.Publisher(s3_run.url, storage_options=s3_run.options) as pub:
+        pub.publish(before, 0)
+        run_id = pub.run
+    w = relay.Watcher(s3_run.url, tmp_path / "w", storage_options=s3_run.options)
+    assert w.sync() == 0
+    after = t.step()
+    names = list(after)
+    shards = [names[: len(names) // 2], names[len(names) // 2:]]  # two trainer shards
+    store = open_store(s3_run.url, s3_run.options)
+    parts = []
+    for i, shard in enumerate(shards):
+        payload = codec.encode({k: before[k] for k in shard}, {k: after[k] for k in shard})
+        store.put_immutable(delta_key(1, i), payload)
+        parts.append(Part(ObjRef(delta_key(1, i), len(payload), content_tag(payload)), tuple(shard)))
+    rec = Record(run_id, 1, tensor_infos(after), {k: "model-00001-of-00001.safetensors" for k in names}).to_bytes()
+    store.put_immutable(record_key(1), rec)
+    got = store.read_manifest()
+    m = Manifest.parse(got.data)
+    m.steps.append(Step(1, ObjRef(record_key(1), len(rec), content_tag(rec)), 0, tuple(parts)))
+    m.head = 1
+    store.commit_manifest(m.to_bytes(), got.etag)
+    assert w.sync() == 1
+    assert_holds(w.dest, 1, after, bits_equal)
+
+    m.steps[-1] = Step(1, m.steps[-1].record, 0, tuple(parts[:1]))  # a manifest that forgot one part
+    store.commit_manifest(m.to_bytes(), store.read_manifest().etag)
+    w0 = relay.Watcher(s3_run.url, tmp_path / "w0", storage_options=s3_run.options)
+    with pytest.raises(relay.SyncError, match="no verified path"):
+        w0.sync()  # half the tensors would go unverified: refused
+    assert w0.step is None and not visible(w0.dest)
