@@ -29,8 +29,9 @@ from relay.fanout import Destination, Fanout
 
 
 def _dest_name(url: str, used: set[str]) -> str:
-    """A readable unique name for a destination given only by URL: its bucket or directory."""
-    stem = url.split("://", 1)[-1].strip("/").split("/")[0] or url
+    """A unique name for a destination given only by URL: its bucket, or the whole URL for local paths."""
+    scheme, _, rest = url.partition("://")
+    stem = rest.strip("/").split("/")[0] if rest and scheme not in ("file", "local", "") else url.rstrip("/")
     name, i = stem, 2
     while name in used:
         name, i = f"{stem}-{i}", i + 1

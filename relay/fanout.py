@@ -142,6 +142,7 @@ class _Region:
     head: int | None = None
     run: str | None = None
     synced_etag: str | None = None  # origin manifest version this region fully mirrors
+    synced_head: int | None = None  # and that version's head
     bytes_copied: int = 0
     objects_copied: int = 0
     failures: int = 0
@@ -309,7 +310,8 @@ class Fanout:
             log.warning("%s: regional head %d is ahead of the origin's %d; leaving it", region.dest.name,
                         current.head, m.head)
             with self._cond:
-                region.head, region.run, region.synced_etag = current.head, current.run, origin_etag
+                region.head, region.run = current.head, current.run
+                region.synced_etag, region.synced_head = origin_etag, m.head
             return True
         if region.known is None:
             listed: dict[str, int] = {}
@@ -336,7 +338,7 @@ class Fanout:
         if extra:
             self._commit(region, target, data, etag)
         with self._cond:
-            region.synced_etag = origin_etag
+            region.synced_etag, region.synced_head = origin_etag, m.head
         return True
 
     def _worker(self, region: _Region) -> None:
@@ -406,9 +408,10 @@ class Fanout:
             self._report(on_status, force=True)
 
     def sync_once(self, timeout: float | None = None, on_status: Any = None) -> bool:
-        """Bring every destination to the origin head seen at the start; True if all got there in time.
+        """Mirror the origin, as seen at the start or later, into every destination; True if all got there in time.
 
-        Destinations that fail keep retrying with their backoff until the deadline.
+        "Got there" means the head and the snapshots of that origin version, so new watchers find
+        them too. Destinations that fail keep retrying with their backoff until the deadline.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.poll_source() and self._origin is None:
@@ -421,7 +424,8 @@ class Fanout:
         self._start()
         try:
             while True:
-                if all(r.run == run and r.head is not None and r.head >= target for r in self.regions.values()):
+                if all(r.run == run and r.synced_head is not None and r.synced_head >= target
+                       for r in self.regions.values()):
                     return True
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
