@@ -155,7 +155,7 @@ def _policy_gradient_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ge
 def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: float | None = None,
                 weight_decay: float | None = None, master: str | None = None, seed: int = 0, steps: int = 6,
                 warmup: int = 4, batch: int | None = None, seq_len: int | None = None, tiny: bool = False,
-                log=None) -> list[Path]:
+                overwrite: bool = False, log=None) -> list[Path]:
     """Train and write `steps + 1` consecutive BF16 snapshots into `out_dir`; returns their paths.
 
     `regime` picks lr / weight decay / master precision from REGIMES; explicit arguments override
@@ -163,6 +163,7 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
     weight by about lr, and the changed fraction then decays as its moments settle (over tens of
     steps). The default of 4 puts MiniLM's per-step changed fraction where anchors.md measured
     it (fp32-lr1e-6 ~0.9 -> 0.64% over six steps; fp32-lr5e-6-wd ~3.4 -> 2.5%; bf16-lr3e-6 ~0.75 -> 0.5%).
+    `overwrite` replaces an earlier corpus in `out_dir` (its snapshots and corpus.json) instead of refusing.
     """
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
@@ -178,8 +179,11 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
     seq_len = seq_len or (16 if tiny else 32)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("step_*.safetensors")):
-        raise FileExistsError(f"{out}: already holds step_*.safetensors; use an empty directory")
+    old = sorted(out.glob("step_*.safetensors"))
+    if old and not overwrite:
+        raise FileExistsError(f"{out}: already holds step_*.safetensors; use an empty directory or overwrite")
+    for path in old + [out / CORPUS_JSON]:  # a corpus is regenerated whole, never mixed with an older run
+        path.unlink(missing_ok=True)
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -232,7 +236,7 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="output directory (created; must not hold snapshots yet)")
+    p.add_argument("--out", required=True, help="output directory (created; must not hold snapshots unless --overwrite)")
     p.add_argument("--regime", choices=sorted(REGIMES), help=f"preset (default {DEFAULT_REGIME})")
     p.add_argument("--lr", type=float, help="learning rate (overrides the regime)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (overrides the regime)")
@@ -243,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, help="sequences per step (default 8; tiny 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 32; tiny 16)")
     p.add_argument("--tiny", action="store_true", help="small torch model instead of MiniLM (tests)")
+    p.add_argument("--overwrite", action="store_true", help="replace a corpus already in --out")
     a = p.parse_args(argv)
     paths = make_corpus(a.out, regime=a.regime, lr=a.lr, weight_decay=a.weight_decay, master=a.master,
                         seed=a.seed, steps=a.steps, warmup=a.warmup, batch=a.batch, seq_len=a.seq_len,
-                        tiny=a.tiny, log=lambda m: print(m, file=sys.stderr))
+                        tiny=a.tiny, overwrite=a.overwrite, log=lambda m: print(m, file=sys.stderr))
     print(f"wrote {len(paths)} snapshots and {CORPUS_JSON} to {a.out}")
     return 0
 

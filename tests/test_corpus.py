@@ -84,8 +84,13 @@ def test_refuses_bad_settings_and_occupied_directories(tiny_corpus, tmp_path):
         mc.make_corpus(tiny_corpus[0], steps=1, tiny=True)
 
 
-def test_script_command_line(tmp_path, capsys):
-    assert mc.main(["--tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "8", "--out", str(tmp_path / "c")]) == 0
-    assert "wrote 2 snapshots" in capsys.readouterr().out
-    meta = json.loads((tmp_path / "c" / "corpus.json").read_text())
+def test_script_command_line_and_overwrite(tmp_path, capsys):
+    out = tmp_path / "c"
+    assert mc.main(["--tiny", "--steps", "2", "--warmup", "0", "--batch", "2", "--seq-len", "8", "--out", str(out)]) == 0
+    assert "wrote 3 snapshots" in capsys.readouterr().out
+    meta = json.loads((out / "corpus.json").read_text())
     assert (meta["batch"], meta["seq_len"], meta["warmup"], meta["tiny"]) == (2, 8, 0, True)
+    # regenerating replaces the whole corpus: no snapshot of the older, longer run is left behind
+    assert mc.main(["--tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "8", "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_0000.safetensors", "step_0001.safetensors"]
+    assert json.loads((out / "corpus.json").read_text())["steps"] == 1
