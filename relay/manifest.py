@@ -229,6 +229,18 @@ class Manifest:
             keys.update(f.key for f in snap.files)
         return keys
 
+    def trimmed(self, keep_snapshots: int) -> "Manifest | None":
+        """This manifest keeping only the newest `keep_snapshots` snapshots and the steps from the oldest
+        of them on (that step loses its delta: its parent is gone); None if nothing would change."""
+        if keep_snapshots < 1:
+            raise ValueError("keep_snapshots must be >= 1")
+        snaps = self.snapshots[-keep_snapshots:]
+        oldest = snaps[0].step
+        if len(snaps) == len(self.snapshots) and self.steps[0].step == oldest and self.steps[0].parts is None:
+            return None
+        steps = [Step(s.step, s.record) if s.step == oldest else s for s in self.steps if s.step >= oldest]
+        return Manifest(self.run, self.head, steps, snaps)
+
     def validate(self) -> "Manifest":
         where = "manifest"
         if not self.steps:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from relay.manifest import Manifest, Step, step_of_key
+from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
 from relay.store import ConflictError, Store, open_store
 from relay.watcher import Reader
@@ -78,8 +78,8 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None) -> di
 
     A watcher holding any step from the oldest kept snapshot on still has its chain to the head.
     The manifest is committed first, objects are deleted after, so no fresh manifest names a
-    deleted object. Unreferenced objects newer than the oldest kept snapshot are left alone: they
-    may belong to an upload in progress.
+    deleted object. Unreferenced objects above the head, and unreferenced snapshot files from the
+    oldest kept snapshot on, are left alone: they may belong to an upload in progress.
     """
     if keep_snapshots < 1:
         raise ValueError("keep_snapshots must be >= 1")
@@ -89,16 +89,7 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None) -> di
     def trim(m: Manifest) -> Manifest | None:
         before.clear()
         before.update(m.referenced())
-        if len(m.snapshots) <= keep_snapshots and m.steps[0].step == m.snapshots[0].step and m.steps[0].parts is None:
-            return None
-        snaps = m.snapshots[-keep_snapshots:]
-        oldest = snaps[0].step
-        steps = []
-        for s in m.steps:
-            if s.step < oldest:
-                continue
-            steps.append(Step(s.step, s.record) if s.step == oldest else s)
-        return Manifest(m.run, m.head, steps, snaps)
+        return m.trimmed(keep_snapshots)
 
     m = update_manifest(store, trim)
     oldest = m.snapshots[0].step
@@ -106,8 +97,19 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None) -> di
     listed: dict[str, int] = {}
     for prefix in ("deltas/", "records/", "snapshots/"):
         listed.update(store.list(prefix))
-    doomed = sorted(k for k in listed
-                    if k not in now and ((step_of_key(k) is not None and step_of_key(k) < oldest) or k in before))
+
+    def garbage(key: str) -> bool:
+        step = step_of_key(key)
+        if key in now or step is None:
+            return False
+        if step < oldest or key in before:
+            return True
+        # a delta or record of a committed step that the manifest no longer names (trimmed by a
+        # publisher's keep_snapshots, or left by a publisher that lost a race); snapshot files are
+        # spared: a background snapshot or a rebase may still be uploading them
+        return step <= m.head and not key.startswith("snapshots/")
+
+    doomed = sorted(k for k in listed if garbage(k))
     store.delete(doomed)
     freed = sum(listed[k] for k in doomed)
     log.info("%s: gc kept snapshots %s, deleted %d objects (%d bytes)", url, [s.step for s in m.snapshots],

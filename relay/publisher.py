@@ -77,12 +77,14 @@ class Publisher:
     max_shard_bytes: size cap of one snapshot file. background: upload deferrable snapshots in a thread.
     resume: attach to an existing run at its head (its state is read back, waiting at most resume_timeout
     seconds for objects that are not there yet); without it the run must be empty.
+    keep_snapshots: when set, each snapshot commit also drops older snapshots and steps from the
+    manifest (as `gc` does), so the manifest stays small; `gc` or lifecycle rules delete the objects.
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
                  resume: bool = False, snapshot_fraction: float = 0.5, max_shard_bytes: int = 2 << 30,
                  effort: str = "default", background: bool = True, upload_workers: int = 4,
-                 resume_timeout: float | None = 600.0) -> None:
+                 resume_timeout: float | None = 600.0, keep_snapshots: int | None = None) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
@@ -95,6 +97,9 @@ class Publisher:
         self.effort = effort
         self.upload_workers = upload_workers
         self.resume_timeout = resume_timeout
+        if keep_snapshots is not None and keep_snapshots < 1:
+            raise ValueError("keep_snapshots must be >= 1")
+        self.keep_snapshots = keep_snapshots
         self._commit_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
@@ -210,6 +215,8 @@ class Publisher:
                                                 f"was committed")
                         m.snapshots.append(snap)
                         m.snapshots.sort(key=lambda s: s.step)
+                        if self.keep_snapshots is not None:
+                            m = m.trimmed(self.keep_snapshots) or m
                 try:
                     self.store.commit_manifest(m.to_bytes(), expected)
                     return

@@ -281,3 +281,19 @@ def test_step_made_of_several_parts(s3_run, trainer, bits_equal, tmp_path):
     with pytest.raises(relay.SyncError, match="no verified path"):
         w0.sync()  # half the tensors would go unverified: refused
     assert w0.step is None and not visible(w0.dest)
+
+
+def test_publisher_keeps_manifest_small(file_run, trainer, bits_equal, tmp_path):
+    t = trainer(seed=15)
+    with relay.Publisher(file_run.url, snapshot_every=3, keep_snapshots=2) as pub:
+        for step in range(12):
+            pub.publish(t.step(), step)
+    m = manifest_of(file_run)
+    assert [s.step for s in m.snapshots] == [6, 9] and m.steps[0].step == 6 and m.steps[0].parts is None
+    assert len(m.steps) == 6
+    out = relay.gc(file_run.url, keep_snapshots=2)
+    assert out["snapshots"] == [6, 9] and out["deleted"] > 0  # the objects the publisher stopped naming
+    store = open_store(file_run.url)
+    assert {**store.list("deltas/"), **store.list("records/"), **store.list("snapshots/")}.keys() == m.referenced()
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    assert w.sync() == 11 and bits_equal(w.tensors, t.state())
