@@ -41,6 +41,10 @@ class ConflictError(RuntimeError):
 class ObjectMissing(FileNotFoundError):
     """An object is not (yet) in the store: replication lag, a gc, or a crashed writer."""
 
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
 
 class ObjectExists(FileExistsError):
     """A create-only write found the key already present."""
@@ -119,7 +123,7 @@ class LocalStore(Store):
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
-            raise ObjectMissing(f"{self.url}/{key}: no such object") from None
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
     def _tmp_write(self, directory: Path, data: bytes) -> str:
         directory.mkdir(parents=True, exist_ok=True)
@@ -215,7 +219,7 @@ class FsspecStore(Store):
         try:
             return self.fs.cat_file(self._path(key))
         except FileNotFoundError:
-            raise ObjectMissing(f"{self.url}/{key}: no such object") from None
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
     def put_new(self, key: str, data: bytes) -> None:
         with _PROCESS_LOCK:
@@ -308,7 +312,7 @@ class S3Store(Store):
         try:
             resp = self._get_object(key)
         except FileNotFoundError:
-            raise ObjectMissing(f"{self.url}/{key}: no such object") from None
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
         return self._read_body(resp)
 
     def put_new(self, key: str, data: bytes) -> None:

@@ -90,8 +90,10 @@ def plan_path(m: Manifest, held: int | None, excluded: set[str] = frozenset()) -
 class Reader:
     """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet."""
 
-    def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0) -> None:
+    def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
+                 reroute_after: float | None = 300.0) -> None:
         self.store = store
+        self.reroute_after = reroute_after
         self.workers = workers
         self.retry_initial = retry_initial
         self.retry_max = retry_max
@@ -177,7 +179,9 @@ class Reader:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = self.retry_initial
         refetched: set[str] = set()
-        excluded: set[str] = set()
+        excluded: set[str] = set()  # failed verification twice
+        missing_since: dict[str, float] = {}
+        rerouted: set[str] = set()  # missing for longer than reroute_after: try another complete path
         try:
             while True:
                 m = self.read_manifest()
@@ -193,7 +197,7 @@ class Reader:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
                                         m.head, held_step, held_step)
                         return m, None, None
-                    plan = plan_path(m, held_step, excluded)
+                    plan = plan_path(m, held_step, excluded | rerouted) or plan_path(m, held_step, excluded)
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification: {sorted(excluded)[:5]})")
@@ -202,6 +206,14 @@ class Reader:
                         return m, tensors, rec
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
+                        if exc.key is not None and self.reroute_after is not None:
+                            first = missing_since.setdefault(exc.key, time.monotonic())
+                            if exc.key not in rerouted and time.monotonic() - first >= self.reroute_after:
+                                rerouted.add(exc.key)
+                                log.warning("%s missing for %.0fs; looking for another complete path (a newer "
+                                            "snapshot), still waiting for it if there is none", exc,
+                                            time.monotonic() - first)
+                                continue
                     except _VerifyError as exc:
                         for key in exc.keys:
                             self._cache.pop(key, None)
@@ -237,19 +249,23 @@ class Watcher:
     it shows exactly one complete, verified step (safetensors in the published layout plus
     relay-state.json), or nothing before the first sync. It never moves to an older step.
     on_update(step, tensors) runs after each persisted step; `module` is updated in place too.
+    An object the manifest names but the store lacks is waited for (backoff from retry_initial to
+    retry_max seconds); after reroute_after seconds the watcher also considers other complete paths
+    (a newer snapshot) that avoid it. It never skips a step of a path or applies part of a chain.
     """
 
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
                  storage_options: dict | None = None, on_update: Callable[[int, dict], Any] | None = None,
                  module: torch.nn.Module | None = None, workers: int = 8, retry_initial: float = 0.2,
-                 retry_max: float = 5.0) -> None:
+                 retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
         self.url = url
         self.dest = Path(dest)
         self.poll_interval = poll_interval
         self.on_update = on_update
         self.module = module
         self.store = open_store(url, storage_options)
-        self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max)
+        self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
+                             reroute_after=reroute_after)
         self._stop = threading.Event()
         self.step: int | None = None
         self.run_id: str | None = None

@@ -157,3 +157,19 @@ def test_manifest_poll_is_conditional(s3_run, trainer):
     from relay.store import NOT_MODIFIED
 
     assert store.read_manifest(if_none_match=got.etag) is NOT_MODIFIED  # a 304, no body
+
+
+def test_long_missing_object_reroutes_through_a_snapshot(file_run, trainer, bits_equal, tmp_path, caplog):
+    t = trainer(seed=26)
+    with relay.Publisher(file_run.url, snapshot_every=3, background=False) as pub:
+        for step in range(2):
+            pub.publish(t.step(), step)
+        w = relay.Watcher(file_run.url, tmp_path / "w", retry_initial=0.02, retry_max=0.05, reroute_after=0.2)
+        assert w.sync() == 1
+        for step in range(2, 5):
+            pub.publish(t.step(), step)
+    open_store(file_run.url).delete(["deltas/2-0.drd"])  # a replication that failed for good
+    caplog.set_level(logging.WARNING, logger="relay")
+    assert w.sync(timeout=10) == 4  # snapshot 3 and delta 4, after waiting reroute_after for step 2
+    assert bits_equal(w.tensors, t.state())
+    assert "looking for another complete path" in caplog.text
