@@ -448,7 +448,7 @@ class Fanout:
         if on_status is None:
             return
         with self._cond:
-            sig = (self._origin_etag, tuple((r.head, r.objects_copied, r.errors, r.failures)
+            sig = (self._origin_etag, tuple((r.head, r.synced_etag, r.objects_copied, r.errors, r.failures)
                                             for r in self.regions.values()))
         if force or sig != self._last_sig:
             self._last_sig = sig
