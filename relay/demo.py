@@ -478,7 +478,7 @@ def save_chart(s: dict, path: str | os.PathLike) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.6))
     steps = sorted(s["delta_bytes"])
     ax1.plot(steps, [s["delta_bytes"][k] for k in steps], "o-", color="C0", label="deltarelay delta", zorder=3)
     ax1.axhline(s["full_bytes"], color="k", ls="--", label="full checkpoint (BF16)")
@@ -490,7 +490,7 @@ def save_chart(s: dict, path: str | os.PathLike) -> Path:
     ax1.set_xlabel("step")
     ax1.set_ylabel("bytes per step")
     ax1.set_title("What one step costs on the wire")
-    ax1.legend(fontsize=7, loc="center right")
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     ax1.grid(alpha=0.3, which="both")
     for i, (region, by_step) in enumerate(s["staleness_by_step"].items()):
         pts = sorted((k, v) for k, v in by_step.items() if v == v)
