@@ -113,60 +113,91 @@ def _unord(o):
     return (o ^ 0x8000) if o & 0x8000 else (o ^ 0xFFFF)
 
 
-@nb.njit(cache=True, nogil=True)
-def _analyze(b, t, cap):
-    """One pass: per-key element counts and the changes (position, key, rank within key, zigzag step).
+@nb.njit(inline="always", cache=True)
+def _zigzag(b, t):
+    s = _ord(np.int64(t)) - _ord(np.int64(b))
+    return 2 * s - 2 if s > 0 else -2 * s - 1
 
-    Counts are kept per sign-and-exponent (bits >> 7) so the scan needs no masking; a key's
-    rank adds both signs. Returns k > cap when the buffers were too small (retry with cap = k).
+
+@nb.njit(cache=True, nogil=True)
+def _analyze(b, t, cap, lanes):
+    """One pass: element counts per (lane, key) and the changes (position, key, rank within
+    (lane, key), zigzag step). Counts are kept per sign-and-exponent (bits >> 7) so the scan needs
+    no masking; a key adds both signs. Returns k > cap when the buffers were too small.
+
+    With 4 lanes, four consecutive elements update four different counter arrays, so the
+    counters never wait on each other (store-to-load forwarding) in the hot loop.
     """
     n = b.size
-    cnt = np.zeros(2 * N_KEYS, np.int64)
+    W = 2 * N_KEYS
+    cnt = np.zeros(lanes * W, np.int64)
     pos = np.empty(cap, np.int64)
     keys = np.empty(cap, np.uint8)
     ranks = np.empty(cap, np.int64)
     zig = np.empty(cap, np.int64)
     k = 0
-    i = 0
-    while True:
-        while i < n:
-            c = b[i] >> KEY_SHIFT
-            cnt[c] += 1
-            if t[i] != b[i]:
-                break
-            i += 1
-        if i >= n:
-            break
-        if k < cap:
-            bv = np.int64(b[i])
-            key = (bv >> KEY_SHIFT) & 0xFF
-            pos[k] = i
-            keys[k] = key
-            ranks[k] = cnt[key] + cnt[key + N_KEYS] - 1
-            s = _ord(np.int64(t[i])) - _ord(bv)
-            zig[k] = 2 * s - 2 if s > 0 else -2 * s - 1
-        k += 1
-        i += 1
-    return cnt[:N_KEYS] + cnt[N_KEYS:], pos, keys, ranks, zig, k
+    start = 0
+    if lanes == 4:
+        n4 = n - n % 4
+        for i in range(0, n4, 4):
+            b0 = b[i]
+            b1 = b[i + 1]
+            b2 = b[i + 2]
+            b3 = b[i + 3]
+            cnt[b0 >> KEY_SHIFT] += 1
+            cnt[W + (b1 >> KEY_SHIFT)] += 1
+            cnt[2 * W + (b2 >> KEY_SHIFT)] += 1
+            cnt[3 * W + (b3 >> KEY_SHIFT)] += 1
+            if (t[i] != b0) | (t[i + 1] != b1) | (t[i + 2] != b2) | (t[i + 3] != b3):
+                for j in range(4):
+                    if t[i + j] != b[i + j]:
+                        if k < cap:
+                            key = (np.int64(b[i + j]) >> KEY_SHIFT) & 0xFF
+                            pos[k] = i + j
+                            keys[k] = key
+                            ranks[k] = cnt[j * W + key] + cnt[j * W + key + N_KEYS] - 1
+                            zig[k] = _zigzag(b[i + j], t[i + j])
+                        k += 1
+        start = n4
+    for i in range(start, n):
+        lane = i % lanes
+        cnt[lane * W + (b[i] >> KEY_SHIFT)] += 1
+        if t[i] != b[i]:
+            if k < cap:
+                key = (np.int64(b[i]) >> KEY_SHIFT) & 0xFF
+                pos[k] = i
+                keys[k] = key
+                ranks[k] = cnt[lane * W + key] + cnt[lane * W + key + N_KEYS] - 1
+                zig[k] = _zigzag(b[i], t[i])
+            k += 1
+    counts = np.empty((lanes, N_KEYS), np.int64)
+    for lane in range(lanes):
+        for key in range(N_KEYS):
+            counts[lane, key] = cnt[lane * W + key] + cnt[lane * W + key + N_KEYS]
+    return counts, pos, keys, ranks, zig, k
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode(keys, ranks, zig, counts, ctx_of_key, level_of_ctx, mcum, mfreq, vcum, vfreq, vrow_of_key):
+def _encode(pos, keys, ranks, zig, counts, ctx_of_key, level_of_ctx, mcum, mfreq, vcum, vfreq, vrow_of_key):
+    """rANS-code the changes in reverse of the order `_decode` consumes them (see docs/FORMAT.md)."""
     nctx = level_of_ctx.size
+    lanes = counts.shape[0]
     k = keys.size
-    words = np.empty(8 * (k + nctx) + 16, np.int64)
+    words = np.empty(8 * (k + lanes * nctx) + 16, np.int64)
     nw = 0
     x = np.int64(rans.RANS_L)
-    last = np.empty(nctx, np.int64)
-    for c in range(N_KEYS):
-        if ctx_of_key[c] >= 0:
-            last[ctx_of_key[c]] = counts[c]
+    last = np.empty(lanes * nctx, np.int64)  # rank of the next change (or the count) per (lane, context)
+    for lane in range(lanes):
+        for key in range(N_KEYS):
+            if ctx_of_key[key] >= 0:
+                last[lane * nctx + ctx_of_key[key]] = counts[lane, key]
     for j in range(k - 1, -1, -1):
         key = keys[j]
         c = ctx_of_key[key]
+        slot = (pos[j] % lanes) * nctx + c
         r = ranks[j]
-        gap = last[c] - r - 1
-        last[c] = r
+        gap = last[slot] - r - 1
+        last[slot] = r
         lv = level_of_ctx[c]
         tok, nbits, extra = rans.tokenize(gap)
         x, nw = rans.enc_bits(x, words, nw, extra, nbits)
@@ -175,9 +206,9 @@ def _encode(keys, ranks, zig, counts, ctx_of_key, level_of_ctx, mcum, mfreq, vcu
         tok, nbits, extra = rans.tokenize(zig[j])
         x, nw = rans.enc_bits(x, words, nw, extra, nbits)
         x, nw = rans.enc_put(x, words, nw, vcum[row, tok], vfreq[row, tok], VALUE_SCALE)
-    for c in range(nctx - 1, -1, -1):
-        lv = level_of_ctx[c]
-        tok, nbits, extra = rans.tokenize(last[c])
+    for slot in range(lanes * nctx - 1, -1, -1):
+        lv = level_of_ctx[slot % nctx]
+        tok, nbits, extra = rans.tokenize(last[slot])
         x, nw = rans.enc_bits(x, words, nw, extra, nbits)
         x, nw = rans.enc_put(x, words, nw, mcum[lv, tok], mfreq[lv, tok], MASK_SCALE)
     return words, nw, x
@@ -191,67 +222,117 @@ def _dec_gap(x, words, pos, mcum, mfreq, mslot, lv):
     return base + extra, x, pos
 
 
+@nb.njit(inline="always", cache=True)
+def _on_change(i, slot, bv, x, words, pos, k, expected, rem, lv_of_slot, out_pos, out_val,
+               mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
+    """Decode the value of the change at element i and the gap to its context's next change.
+
+    Returns (x, pos, k, status)."""
+    if k >= expected:
+        return x, pos, k, 2
+    row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
+    if row < 0:
+        return x, pos, k, 3
+    tok, x, pos = rans.dec_symbol(x, words, pos, vcum[row], vfreq[row], vslot[row], VALUE_SCALE)
+    base, nbits = rans.token_base(tok)
+    u, x, pos = rans.dec_bits(x, words, pos, nbits)
+    u += base
+    s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
+    o = _ord(bv) + s
+    if o < 0 or o > 0xFFFF:
+        return x, pos, k, 4
+    out_pos[k] = i
+    out_val[k] = _unord(o)
+    gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, lv_of_slot[slot])
+    if pos == -2:
+        return x, pos, k + 1, 1
+    rem[slot] = gap + 1
+    return x, pos, k + 1, 0
+
+
 @nb.njit(cache=True, nogil=True)
-def _decode(b, words, x, lut, level_of_ctx, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, expected):
+def _decode(b, words, x, lut, level_of_ctx, lanes, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, expected):
     """Walk the base once, decoding changes where they fall. Returns (positions, values, status).
 
-    `lut` maps bits >> 7 (sign and exponent) to a context; keys without changes map to a
-    context whose next change never comes. The scan between changes is kept minimal: it is
-    the whole cost for the ~99% of elements that did not change.
+    `lut` maps bits >> 7 (sign and exponent) to a context; keys without changes map to the
+    last context of each lane, whose next change never comes. rem[slot] counts the elements of
+    a (lane, context) left to scan up to and including its next change. The scan between
+    changes is the whole cost for the ~99% of elements that did not change, so it is kept to a
+    few instructions, four lanes at a time.
     """
     nctx = level_of_ctx.size
+    S = nctx + 1
     out_pos = np.empty(expected, np.int64)
     out_val = np.empty(expected, np.uint16)
-    # rem[c]: elements of context c left to scan up to and including its next change;
-    # the last slot collects keys without changes and never reaches zero.
-    rem = np.full(nctx + 1, 1 << 62, np.int64)
+    rem = np.full(lanes * S, 1 << 62, np.int64)
+    lv_of_slot = np.zeros(lanes * S, np.int64)
     pos = words.size - 1
-    for c in range(nctx):
-        gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, level_of_ctx[c])
-        if pos == -2:
-            return out_pos, out_val, 1
-        rem[c] = gap + 1
+    for lane in range(lanes):
+        for c in range(nctx):
+            lv_of_slot[lane * S + c] = level_of_ctx[c]
+            gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, level_of_ctx[c])
+            if pos == -2:
+                return out_pos, out_val, 1
+            rem[lane * S + c] = gap + 1
     k = 0
     n = b.size
-    i = 0
-    while True:
-        c = 0
-        while i < n:
-            c = lut[b[i] >> KEY_SHIFT]
-            v = rem[c] - 1
-            rem[c] = v
-            if v == 0:
-                break
-            i += 1
-        if i >= n:
-            break
-        if k >= expected:
-            return out_pos, out_val, 2
-        bv = np.int64(b[i])
-        row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
-        if row < 0:
-            return out_pos, out_val, 3
-        tok, x, pos = rans.dec_symbol(x, words, pos, vcum[row], vfreq[row], vslot[row], VALUE_SCALE)
-        base, nbits = rans.token_base(tok)
-        u, x, pos = rans.dec_bits(x, words, pos, nbits)
-        u += base
-        s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
-        o = _ord(bv) + s
-        if o < 0 or o > 0xFFFF:
-            return out_pos, out_val, 4
-        out_pos[k] = i
-        out_val[k] = _unord(o)
-        k += 1
-        gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, level_of_ctx[c])
-        if pos == -2:
-            return out_pos, out_val, 1
-        rem[c] = gap + 1
-        i += 1
+    start = 0
+    status = 0
+    if lanes == 4:
+        n4 = n - n % 4
+        for i in range(0, n4, 4):
+            s0 = np.int64(lut[b[i] >> KEY_SHIFT])
+            s1 = S + lut[b[i + 1] >> KEY_SHIFT]
+            s2 = 2 * S + lut[b[i + 2] >> KEY_SHIFT]
+            s3 = 3 * S + lut[b[i + 3] >> KEY_SHIFT]
+            v0 = rem[s0] - 1
+            v1 = rem[s1] - 1
+            v2 = rem[s2] - 1
+            v3 = rem[s3] - 1
+            rem[s0] = v0
+            rem[s1] = v1
+            rem[s2] = v2
+            rem[s3] = v3
+            if (v0 == 0) | (v1 == 0) | (v2 == 0) | (v3 == 0):
+                if v0 == 0:
+                    x, pos, k, status = _on_change(i, s0, np.int64(b[i]), x, words, pos, k, expected, rem, lv_of_slot,
+                                                   out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key)
+                    if status:
+                        return out_pos, out_val, status
+                if v1 == 0:
+                    x, pos, k, status = _on_change(i + 1, s1, np.int64(b[i + 1]), x, words, pos, k, expected, rem,
+                                                   lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
+                                                   vslot, vrow_of_key)
+                    if status:
+                        return out_pos, out_val, status
+                if v2 == 0:
+                    x, pos, k, status = _on_change(i + 2, s2, np.int64(b[i + 2]), x, words, pos, k, expected, rem,
+                                                   lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
+                                                   vslot, vrow_of_key)
+                    if status:
+                        return out_pos, out_val, status
+                if v3 == 0:
+                    x, pos, k, status = _on_change(i + 3, s3, np.int64(b[i + 3]), x, words, pos, k, expected, rem,
+                                                   lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
+                                                   vslot, vrow_of_key)
+                    if status:
+                        return out_pos, out_val, status
+        start = n4
+    for i in range(start, n):
+        slot = (i % lanes) * S + lut[b[i] >> KEY_SHIFT]
+        v = rem[slot] - 1
+        rem[slot] = v
+        if v == 0:
+            x, pos, k, status = _on_change(i, slot, np.int64(b[i]), x, words, pos, k, expected, rem, lv_of_slot,
+                                           out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key)
+            if status:
+                return out_pos, out_val, status
     if k != expected:
         return out_pos, out_val, 5
-    for c in range(nctx):
-        if rem[c] != 1:
-            return out_pos, out_val, 6
+    for lane in range(lanes):
+        for c in range(nctx):
+            if rem[lane * S + c] != 1:
+                return out_pos, out_val, 6
     if x != rans.RANS_L or pos != -1:
         return out_pos, out_val, 7
     return out_pos, out_val, 0
@@ -271,22 +352,37 @@ _STATUS = {
 class Analysis:
     """What one pass over (base, target) learned: enough to pick a method and to code it."""
 
-    counts: np.ndarray  # elements per key
+    counts: np.ndarray  # elements per (lane, key): shape (lanes, 256)
     index: np.ndarray  # changed positions
-    keys: np.ndarray
-    ranks: np.ndarray
-    zig: np.ndarray
+    keys: np.ndarray  # base exponent of each change
+    ranks: np.ndarray  # rank of each change among the elements of its (lane, key)
+    zig: np.ndarray  # zigzagged ULP step of each change
 
     @property
     def changes(self) -> int:
         return int(self.index.size)
 
+    @property
+    def lanes(self) -> int:
+        return int(self.counts.shape[0])
+
+
+LANES = (1, 2, 4, 8)
+LANE_MIN_ELEMENTS = 1 << 16  # smaller tensors use one lane: 4 lanes cost a few more gap symbols
+
+
+def lanes_for(n: int) -> int:
+    """Element i belongs to lane i % lanes; each (lane, key) is its own context sequence, so the
+    decoder's counters for neighbouring elements are independent (4x fewer pipeline stalls)."""
+    return 4 if n >= LANE_MIN_ELEMENTS else 1
+
 
 def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
+    lanes = lanes_for(base.size)
     cap = max(1024, base.size // 16)
-    counts, pos, keys, ranks, zig, k = _analyze(base, target, cap)
+    counts, pos, keys, ranks, zig, k = _analyze(base, target, cap, lanes)
     if k > cap:
-        counts, pos, keys, ranks, zig, k = _analyze(base, target, k)
+        counts, pos, keys, ranks, zig, k = _analyze(base, target, k, lanes)
     return Analysis(counts, pos[:k], keys[:k], ranks[:k], zig[:k])
 
 
@@ -379,13 +475,14 @@ def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
     active = np.flatnonzero(key_changes)
     ctx_of_key = np.full(N_KEYS, -1, np.int64)
     ctx_of_key[active] = np.arange(active.size)
-    levels = _choose_levels(a.counts[active].astype(np.float64), key_changes[active].astype(np.float64))
+    levels = _choose_levels(a.counts.sum(axis=0)[active].astype(np.float64), key_changes[active].astype(np.float64))
     mfreq, mcum, _ = mask_tables()
-    words, nw, x = _encode(a.keys, a.ranks, a.zig, a.counts, ctx_of_key, levels, mcum, mfreq,
+    words, nw, x = _encode(a.index, a.keys, a.ranks, a.zig, a.counts, ctx_of_key, levels, mcum, mfreq,
                            model.cum, model.freq, model.row_of_key)
     data = rans.words_to_bytes(words, nw, int(x))
     w = Writer()
     w.u8(KEY_SHIFT)
+    w.u8(a.lanes)
     w.uvarint(active.size)
     prev = -1
     for key, lv in zip(active, levels):
@@ -397,10 +494,13 @@ def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
 
 # ---------------------------------------------------------------- decoder side
 
-def _params(entry: Entry) -> tuple[np.ndarray, np.ndarray]:
+def _params(entry: Entry) -> tuple[int, np.ndarray, np.ndarray]:
     r = Reader(entry.params, f"params of {entry.name!r}")
     if r.u8() != KEY_SHIFT:
         raise DeltaError("unsupported context key", tensor=entry.name)
+    lanes = r.u8()
+    if lanes not in LANES:
+        raise DeltaError(f"unsupported lane count {lanes}", tensor=entry.name)
     n = r.uvarint(N_KEYS)
     keys = np.zeros(n, np.int64)
     levels = np.zeros(n, np.int64)
@@ -412,7 +512,7 @@ def _params(entry: Entry) -> tuple[np.ndarray, np.ndarray]:
         keys[i] = key
         levels[i] = r.u8()
     r.expect_end()
-    return keys, levels
+    return lanes, keys, levels
 
 
 _MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
@@ -436,7 +536,7 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     if len(entry.streams) != 1:
         raise DeltaError(f"method expects 1 stream, index has {len(entry.streams)}", tensor=entry.name)
-    keys, levels = _params(entry)
+    lanes, keys, levels = _params(entry)
     model = _model(shared)
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
@@ -451,7 +551,7 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     mfreq, mcum, mslot = mask_tables()
     if levels.size and levels.max() >= N_LEVELS:
         raise DeltaError("mask level out of range", tensor=entry.name)
-    pos, val, status = _decode(base, words, np.int64(x), lut, levels, mcum, mfreq, mslot,
+    pos, val, status = _decode(base, words, np.int64(x), lut, levels, lanes, mcum, mfreq, mslot,
                                model.cum, model.freq, model.slots, model.row_of_key, entry.changes)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
@@ -472,15 +572,17 @@ def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, f
     The two are interleaved in one rANS stream, so the split is recomputed from the changes
     (which need the base): -log2 of each symbol's probability plus its raw bits.
     """
-    keys, levels = _params(entry)
+    lanes, keys, levels = _params(entry)
     model = _model(shared)
     mfreq, _, _ = mask_tables()
     mask = value = 0.0
+    lane_of = analysis.index % lanes
     for key, lv in zip(keys, levels):
-        ranks = analysis.ranks[analysis.keys == key]
-        gaps = np.diff(np.concatenate(([-1], ranks, [analysis.counts[key]]))) - 1
-        tok = _tokens(gaps)
-        mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
+        for lane in range(lanes):
+            ranks = analysis.ranks[(analysis.keys == key) & (lane_of == lane)]
+            gaps = np.diff(np.concatenate(([-1], ranks, [analysis.counts[lane, key]]))) - 1
+            tok = _tokens(gaps)
+            mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
     tok = _tokens(analysis.zig)
     rows = model.row_of_key[analysis.keys.astype(np.int64)]
     value = float(np.sum(VALUE_SCALE - np.log2(model.freq[rows, tok])) + _token_extra_bits(tok).sum())
