@@ -25,13 +25,13 @@ test: venv
 
 # The main job: build a real-model corpus (three RL regimes) and print the codec bench table.
 demo: venv-bench
-	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 4 --out corpus/minilm-fp32-lr1e-6
+	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 4 --out corpus/minilm-fp32-lr1e-6 --overwrite
 	$(PY) -m relay.cli bench corpus/minilm-fp32-lr1e-6 --chart out/bench-fp32-lr1e-6.png
 
 corpora: venv-bench
-	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 6 --out corpus/minilm-fp32-lr1e-6
-	$(PY) scripts/make_corpus.py --regime fp32-lr5e-6-wd --steps 6 --out corpus/minilm-fp32-lr5e-6-wd
-	$(PY) scripts/make_corpus.py --regime bf16-lr3e-6 --steps 6 --out corpus/minilm-bf16-lr3e-6
+	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 6 --out corpus/minilm-fp32-lr1e-6 --overwrite
+	$(PY) scripts/make_corpus.py --regime fp32-lr5e-6-wd --steps 6 --out corpus/minilm-fp32-lr5e-6-wd --overwrite
+	$(PY) scripts/make_corpus.py --regime bf16-lr3e-6 --steps 6 --out corpus/minilm-bf16-lr3e-6 --overwrite
 
 bench: corpora
 	$(PY) -m relay.cli bench corpus/minilm-fp32-lr1e-6 corpus/minilm-fp32-lr5e-6-wd corpus/minilm-bf16-lr3e-6 --chart out/bench.png
