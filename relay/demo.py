@@ -453,7 +453,9 @@ def format_summary(s: dict) -> str:
               f"snapshots at steps {s['snapshots']})",
               f"  every host pulls full checkpoints        {_fmt_bytes(naive_full):>12}   ({naive_full / total:.1f}x)",
               f"  every host pulls deltas from the origin   {_fmt_bytes(naive_delta):>12}   "
-              f"({naive_delta / total:.1f}x)"]
+              f"({naive_delta / total:.1f}x)",
+              f"  each extra host in a region adds: deltarelay 0 B, full checkpoints "
+              f"{_fmt_bytes(s['steps'] * s['full_bytes'])}, deltas from the origin {_fmt_bytes(s['naive_delta_bytes'])}"]
     for region, c in s["crossed"].items():
         st = (s["relay_status"].get(region) or {}).get("regions", {})
         copied = next(iter(st.values()), {}).get("bytes_copied") if st else None

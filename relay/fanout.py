@@ -5,7 +5,9 @@ once; the region's watchers then read it locally. S3 Cross-Region Replication ca
 but it gives no order between objects and works only S3 to S3. This relay works for any pair of
 fsspec stores and keeps each regional manifest consistent: it copies every object a regional
 manifest will name, verified against the hashes the origin manifest carries, and only then
-commits that manifest with the store's conditional write (docs/PROTOCOL.md section 8).
+commits that manifest with the store's conditional write (the writer rules of docs/PROTOCOL.md
+sections 3 and 4.1, applied to the regional store). It writes nothing but deltas/, records/,
+snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that).
 
 Each destination has its own worker thread, its own backoff and its own view of what it holds,
 so a slow or unreachable region never holds up the others. A destination's manifest is the

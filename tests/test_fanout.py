@@ -333,3 +333,25 @@ def test_cli_subprocess_per_url_options_and_exit_code(moto_regions, trainer, tmp
     lines = {line.split()[0]: line for line in failed.stdout.splitlines()}
     assert " ok " in lines[f"file://{tmp_path}/b/run"] and "BEHIND" in lines["gone"]
     assert (tmp_path / "b/run/manifest.json").exists()  # the reachable region got there anyway
+
+
+def test_two_relays_on_one_region_agree(trainer, bits_equal, tmp_path):
+    import threading
+
+    origin = f"file://{tmp_path}/origin/run"
+    dest = f"file://{tmp_path}/region/run"
+    t = trainer(seed=48)
+    pub = relay.Publisher(origin, snapshot_every=3, background=False)
+    publish_steps(pub, t, range(8))
+    fans = [Fanout(origin, [Destination("r", dest)], **FAST) for _ in range(2)]
+    results = []
+    threads = [threading.Thread(target=lambda f=f: results.append(f.sync_once(timeout=20))) for f in fans]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert results == [True, True]  # create-only objects and a compare-and-swap manifest: no loser corrupts
+    m = assert_complete(open_store(dest))
+    assert m.head == 7 and [s.step for s in m.snapshots] == [6]
+    w = relay.Watcher(dest, tmp_path / "w")
+    assert w.sync() == 7 and bits_equal(w.tensors, t.state())
