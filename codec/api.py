@@ -50,15 +50,19 @@ class _Candidate:
 
 def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, index: np.ndarray, effort: str,
                    analysis: conditional.Analysis | None, model: conditional.ValueModel | None) -> _Candidate:
-    """Per tensor, the smallest of the methods worth trying at this effort."""
+    """Per tensor, the smallest of the methods worth trying at this effort.
+
+    BF16 tensors try the conditional method alone unless their changes are dense (where the XOR
+    planes can win) or effort is "max": racing general-purpose compressors on ~100 small tensors
+    costs more encode time than the bytes it might save.
+    """
     cands: list[_Candidate] = []
     dense = index.size > DENSE_FRACTION * b.size
-    small = b.size <= 4096
     if analysis is not None and model is not None:
         cands.append(_Candidate(conditional.ID, *conditional.encode(analysis, model)))
-    if dt is tensors.BF16 and (analysis is None or dense or small or effort == "max"):
+    if dt is tensors.BF16 and (analysis is None or dense or effort == "max"):
         cands.append(_Candidate(sparse.ID, *sparse.encode(b, t, effort, index)))
-    if dt is not tensors.BF16 or dense or small or effort == "max":
+    if dt is not tensors.BF16 or dense or effort == "max":
         cands.append(_Candidate(xor_planes.ID, *xor_planes.encode(b, t, effort)))
     return min(cands, key=lambda c: c.size)
 

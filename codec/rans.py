@@ -115,11 +115,14 @@ def dec_renorm(x, words, pos):
 
 
 @nb.njit(inline="always", cache=True)
-def dec_symbol(x, words, pos, cum, freq, sym_of_slot, scale):
-    """Decode one symbol from a table row (`sym_of_slot` from `slot_table`). Returns (symbol, x, pos)."""
+def dec_symbol(x, words, pos, cum, freq, sym_of_slot, row, scale):
+    """Decode one symbol with row `row` of 2-D tables (`sym_of_slot` from `slot_table`).
+
+    Tables are indexed in place, never sliced: a row view would cost reference counting
+    (atomic operations) on every symbol. Returns (symbol, x, pos)."""
     slot = x & ((1 << scale) - 1)
-    s = sym_of_slot[slot]
-    x = freq[s] * (x >> scale) + slot - cum[s]
+    s = sym_of_slot[row, slot]
+    x = freq[row, s] * (x >> scale) + slot - cum[row, s]
     x, pos = dec_renorm(x, words, pos)
     return s, x, pos
 

@@ -148,7 +148,7 @@ def test_rans_tokens_and_raw_bits_round_trip(values):
     w, x0 = rans.bytes_to_words(rans.words_to_bytes(words, nw, int(x)))
     pos, x = len(w) - 1, x0
     for v, _ in values:
-        tok, x, pos = rans.dec_symbol(x, w, pos, cum[level], freq[level], slots[level], conditional.MASK_SCALE)
+        tok, x, pos = rans.dec_symbol(x, w, pos, cum, freq, slots, level, conditional.MASK_SCALE)
         base, nbits = rans.token_base(tok)
         extra, x, pos = rans.dec_bits(x, w, pos, nbits)
         assert base + extra == v

@@ -216,7 +216,7 @@ def _encode(pos, keys, ranks, zig, counts, ctx_of_key, level_of_ctx, mcum, mfreq
 
 @nb.njit(inline="always", cache=True)
 def _dec_gap(x, words, pos, mcum, mfreq, mslot, lv):
-    tok, x, pos = rans.dec_symbol(x, words, pos, mcum[lv], mfreq[lv], mslot[lv], MASK_SCALE)
+    tok, x, pos = rans.dec_symbol(x, words, pos, mcum, mfreq, mslot, lv, MASK_SCALE)
     base, nbits = rans.token_base(tok)
     extra, x, pos = rans.dec_bits(x, words, pos, nbits)
     return base + extra, x, pos
@@ -233,7 +233,7 @@ def _on_change(i, slot, bv, x, words, pos, k, expected, rem, lv_of_slot, out_pos
     row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
     if row < 0:
         return x, pos, k, 3
-    tok, x, pos = rans.dec_symbol(x, words, pos, vcum[row], vfreq[row], vslot[row], VALUE_SCALE)
+    tok, x, pos = rans.dec_symbol(x, words, pos, vcum, vfreq, vslot, row, VALUE_SCALE)
     base, nbits = rans.token_base(tok)
     u, x, pos = rans.dec_bits(x, words, pos, nbits)
     u += base
