@@ -86,7 +86,8 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"moto server for {self.region} on port {self.port} exited with {self.proc.returncode}"
+                raise RuntimeError(f"moto server for {self.region} on port {self.port} exited with "
+                                   f"{self.proc.returncode}"
                                    f"{f' (see {self.log_path})' if self.log_path else ''}")
             try:
                 with urllib.request.urlopen(self.endpoint + "/", timeout=2) as resp:
@@ -389,7 +390,8 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
     sampled = sorted(baseline_sizes[next(iter(BASELINES))])
     summary = {
         "model": trainer.name, "parameters": params, "regime": trainer.regime, "full_bytes": full_bytes,
-        "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1, "regions": names, "watchers_per_region": watchers,
+        "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1,
+        "regions": names, "watchers_per_region": watchers,
         "store": "file" if store else "s3 (moto on loopback)", "checks": checks, "check_failures": failures,
         "problems": problems, "delta_bytes": delta_sizes, "publish_seconds": publish_s,
         "baselines": {k: {"label": BASELINES[k].label, "sizes": v} for k, v in baseline_sizes.items()},
@@ -419,7 +421,8 @@ def format_summary(s: dict) -> str:
     mean_delta = statistics.fmean(deltas) if deltas else 0.0
     hosts = len(s["regions"]) * s["watchers_per_region"]
     lines = [
-        f"deltarelay demo: {s['model']}, {s['parameters'] / 1e6:.1f}M parameters, {_fmt_bytes(s['full_bytes'])} in BF16;"
+        f"deltarelay demo: {s['model']}, {s['parameters'] / 1e6:.1f}M parameters, "
+        f"{_fmt_bytes(s['full_bytes'])} in BF16;"
         f" {s['steps']} steps published (0..{s['steps'] - 1}), regime {s['regime']}",
         f"stores: {s['store']}; origin + {len(s['regions'])} regions ({', '.join(s['regions'])}), one relay and "
         f"{s['watchers_per_region']} watcher processes per region; {s['seconds']:.0f}s in all",
@@ -455,7 +458,8 @@ def format_summary(s: dict) -> str:
               f"  every host pulls deltas from the origin   {_fmt_bytes(naive_delta):>12}   "
               f"({naive_delta / total:.1f}x)",
               f"  each extra host in a region adds: deltarelay 0 B, full checkpoints "
-              f"{_fmt_bytes(s['steps'] * s['full_bytes'])}, deltas from the origin {_fmt_bytes(s['naive_delta_bytes'])}"]
+              f"{_fmt_bytes(s['steps'] * s['full_bytes'])}, deltas from the origin "
+              f"{_fmt_bytes(s['naive_delta_bytes'])}"]
     for region, c in s["crossed"].items():
         st = (s["relay_status"].get(region) or {}).get("regions", {})
         copied = next(iter(st.values()), {}).get("bytes_copied") if st else None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, Step
-from relay.store import NOT_MODIFIED, ConflictError, ObjectMissing, Store, content_tag, open_store
+from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, Store, content_tag, open_store
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ class _Region:
     last_error: str | None = None
     next_try: float = 0.0
     last_check: float = 0.0  # monotonic time of the last sync attempt
+    last_read: float = 0.0  # monotonic time the regional manifest was last read from the store
+    manifest: ManifestRead | None = None  # the regional manifest as last read or committed by us
     last_commit: float | None = None  # wall clock
     delays: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds from seen at origin to here)
     thread: threading.Thread | None = None
@@ -253,7 +255,8 @@ class Fanout:
             for r in missing:
                 self._copy(region, r)
             return
-        with ThreadPoolExecutor(min(self.workers, len(missing)), thread_name_prefix=f"fanout-{region.dest.name}") as pool:
+        with ThreadPoolExecutor(min(self.workers, len(missing)),
+                                thread_name_prefix=f"fanout-{region.dest.name}") as pool:
             for f in [pool.submit(self._copy, region, r) for r in missing]:
                 f.result()
 
@@ -264,9 +267,11 @@ class Fanout:
         try:
             tag = region.store.commit_manifest(data, etag)
         except ConflictError:
-            # Another relay (or a regional gc) committed in between: re-read and redo next round.
-            region.known = None
+            # Another relay (or a regional gc) committed in between, or the bucket was emptied:
+            # re-read and redo next round.
+            region.known, region.manifest = None, None
             raise
+        region.manifest = ManifestRead(data, tag)
         now_mono, now_wall = time.monotonic(), time.time()
         with self._cond:
             before = region.head if region.run == new.run else None
@@ -291,7 +296,12 @@ class Fanout:
             m, origin_etag = self._origin, self._origin_etag
         if m is None:
             return False
-        got = region.store.read_manifest()
+        # Our own last commit stands for the regional manifest (saving a cross-region round trip per
+        # step); a conditional commit on a stale one fails and forces a read, and so does recheck_interval.
+        if region.manifest is None or time.monotonic() - region.last_read >= self.recheck_interval:
+            got = region.store.read_manifest()
+            region.manifest, region.last_read = got, time.monotonic()
+        got = region.manifest
         current = None
         if got is not None:
             try:
@@ -364,7 +374,8 @@ class Fanout:
             except Exception as exc:  # noqa: BLE001 - this region backs off; the others carry on
                 region.failures += 1
                 region.errors += 1
-                region.known = None  # its contents may have changed (restarted server, emptied bucket)
+                # Its contents may have changed (a restarted server, an emptied bucket): look again.
+                region.known = region.manifest = None
                 delay = min(self.retry_initial * 2 ** (region.failures - 1), self.retry_max)
                 region.next_try = time.monotonic() + delay
                 region.last_error = f"{type(exc).__name__}: {exc}"

@@ -325,7 +325,8 @@ def test_cli_subprocess_per_url_options_and_exit_code(moto_regions, trainer, tmp
 
     dead = fast_fail({"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "testing", "secret": "testing"})
     cmd = [sys.executable, "-m", "relay.cli", "relay", "--source", origin, "--poll-interval", "0.05", "--once",
-           "--dest", f"file://{tmp_path}/b/run", "--dest", "s3://gone/run", "--storage-options", json.dumps(east.options),
+           "--dest", f"file://{tmp_path}/b/run", "--dest", "s3://gone/run",
+           "--storage-options", json.dumps(east.options),
            "--storage-options", "{}", "--storage-options", json.dumps(dead), "--timeout", "3"]
     failed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert failed.returncode == 2, failed.stderr
