@@ -182,31 +182,40 @@ def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
     return patch
 
 
-def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payload) -> torch.Tensor:
+    elems = _base_view(entry, base.get(entry.name))
+    if entry.method == same.ID:
+        if not _base_matches(entry, elems):
+            raise DeltaError(_WRONG_BASE, tensor=entry.name)
+        _patch(entry, elems, parsed)  # validates the record
+        new = elems.copy()
+    else:
+        try:
+            patch = _patch(entry, elems, parsed)
+        except DeltaError as exc:
+            raise _explain(entry, elems, exc) from None
+        new = elems.copy()
+        new[patch.index] = patch.values
+        if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
+            raise _explain(entry, elems, DeltaError("reconstruction does not match the target digest", tensor=entry.name))
+    return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
+
+
+def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
+           workers: int = 1) -> dict[str, torch.Tensor]:
     """The target checkpoint, every tensor verified against the trainer's digest.
 
     Raises DeltaError, producing nothing, if the payload is corrupt or made for another base.
+    `workers` > 1 decodes tensors on that many threads (the compiled kernels release the GIL).
     """
     parsed = _parse(base, payload)
-    out: dict[str, torch.Tensor] = {}
-    for entry in parsed.entries:
-        elems = _base_view(entry, base.get(entry.name))
-        if entry.method == same.ID:
-            if not _base_matches(entry, elems):
-                raise DeltaError(_WRONG_BASE, tensor=entry.name)
-            _patch(entry, elems, parsed)  # validates the record
-            new = elems.copy()
-        else:
-            try:
-                patch = _patch(entry, elems, parsed)
-            except DeltaError as exc:
-                raise _explain(entry, elems, exc) from None
-            new = elems.copy()
-            new[patch.index] = patch.values
-            if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
-                raise _explain(entry, elems, DeltaError("reconstruction does not match the target digest", tensor=entry.name))
-        out[entry.name] = tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
-    return out
+    if workers <= 1:
+        return {entry.name: _decode_entry(base, entry, parsed) for entry in parsed.entries}
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        # largest first, so one big tensor does not start last
+        order = sorted(parsed.entries, key=lambda e: -e.numel)
+        done = dict(zip((e.name for e in order), pool.map(lambda e: _decode_entry(base, e, parsed), order)))
+    return {entry.name: done[entry.name] for entry in parsed.entries}
 
 
 class _InPlace:

@@ -153,3 +153,12 @@ def test_rans_tokens_and_raw_bits_round_trip(values):
         extra, x, pos = rans.dec_bits(x, w, pos, nbits)
         assert base + extra == v
     assert x == rans.RANS_L and pos == -1
+
+
+def test_workers_give_the_same_payload_and_target(rl_pair):
+    base, target = rl_pair
+    one = codec.encode(base, target)
+    assert codec.encode(base, target, workers=3) == one
+    out = codec.decode(base, one, workers=3)
+    assert list(out) == list(target)
+    assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
