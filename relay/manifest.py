@@ -2,11 +2,18 @@
 
 Parsing is strict: an unknown version, a missing or extra field, a wrong type or an inconsistent
 chain is refused with a ManifestError naming the field, so a reader never acts on a manifest it
-half understands. docs/PROTOCOL.md is the normative description; this module implements it.
+half understands. Input is hostile until proven otherwise: documents are size-capped before
+parsing, any JSON failure (nesting, huge numbers) becomes a ManifestError, and every name that
+can become a path (object keys, shard file names) must be one safe component. docs/PROTOCOL.md
+is the normative description; this module implements it.
+
+A signed manifest (docs/SECURITY.md) carries `signatures` over `signed_payload()`, canonical JSON
+of everything else, and a `sha256` in every object reference; relay/signing.py makes and checks them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -17,7 +24,16 @@ RECORD_FORMAT = "deltarelay.record"
 VERSION = 1
 
 INDEX_NAME = "model.safetensors.index.json"
-_KEY_STEP = re.compile(r"^(?:deltas/(\d+)-\d+\.drd|records/(\d+)\.json|snapshots/(\d+)/.+)$")
+MAX_MANIFEST_BYTES = 64 << 20  # ~100k steps; refused before json.loads so a hostile store cannot make us allocate
+MAX_RECORD_BYTES = 64 << 20  # ~300k tensors
+MAX_SIGNATURES = 16
+SIGNED_PAYLOAD_PREFIX = b"deltarelay.manifest signed payload v1\n"  # domain separation for the signing key
+
+# One path component that is safe on every filesystem we write to: no separator, no leading dot
+# (dot names are the watcher's and the store's own), no NUL or control characters, bounded length.
+_SAFE_NAME = r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}"
+_SAFE_NAME_RE = re.compile(_SAFE_NAME)
+_KEY_STEP = re.compile(r"^(?:deltas/(\d{1,20})-\d{1,9}\.drd|records/(\d{1,20})\.json|snapshots/(\d{1,20})/" + _SAFE_NAME + ")$")
 
 
 class ManifestError(ValueError):
@@ -36,9 +52,19 @@ def snapshot_prefix(step: int) -> str:
     return f"snapshots/{step}/"
 
 
+def safe_file_name(name: object) -> bool:
+    """True for a name that can be written as one file inside a directory and nowhere else."""
+    return isinstance(name, str) and _SAFE_NAME_RE.fullmatch(name) is not None
+
+
+def safe_shard_name(name: object) -> bool:
+    """A shard file a watcher may create in DEST: a safe file name ending in .safetensors."""
+    return safe_file_name(name) and name.endswith(".safetensors")
+
+
 def step_of_key(key: str) -> int | None:
     """The step an object key belongs to, or None for keys outside the layout."""
-    m = _KEY_STEP.match(key)
+    m = _KEY_STEP.fullmatch(key)
     if not m:
         return None
     return int(next(g for g in m.groups() if g is not None))
@@ -68,30 +94,102 @@ def _step_int(value: Any, where: str) -> int:
     return value
 
 
+def _load_json(data: Any, where: str, limit: int) -> Any:
+    """json.loads of a size-capped document; every failure is a ManifestError."""
+    if not isinstance(data, (bytes, bytearray, memoryview, str)):
+        raise ManifestError(f"{where}: expected bytes, got {type(data).__name__}")
+    if len(data) > limit:
+        raise ManifestError(f"{where}: {len(data)} bytes, more than the {limit} this reader accepts")
+    try:
+        return json.loads(bytes(data) if isinstance(data, memoryview) else data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{where}: not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # integers over the digit limit, absurd nesting
+        raise ManifestError(f"{where}: not acceptable JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 @dataclass(frozen=True)
 class ObjRef:
-    """An immutable object: its key under the run prefix, byte size and xxh3-128 (hex) of its bytes."""
+    """An immutable object: its key under the run prefix, byte size and xxh3-128 (hex) of its bytes.
+
+    `sha256` (hex) is set in signed manifests: xxh3 is not collision resistant, SHA-256 is what the
+    signature vouches for."""
 
     key: str
     size: int
     xxh3: str
+    sha256: str | None = None
+
+    @classmethod
+    def of(cls, key: str, data: bytes, strong: bool = False) -> "ObjRef":
+        """The reference to `data` stored under `key` (with its SHA-256 when `strong`)."""
+        import xxhash
+
+        return cls(key, len(data), xxhash.xxh3_128_hexdigest(data), sha256_hex(data) if strong else None)
 
     def to_json(self) -> dict:
-        return {"key": self.key, "size": self.size, "xxh3": self.xxh3}
+        out = {"key": self.key, "size": self.size, "xxh3": self.xxh3}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
+
+    def matches(self, data: bytes) -> str | None:
+        """None if `data` is this object (size, xxh3 and, when set, SHA-256); else what differs."""
+        import xxhash
+
+        if len(data) != self.size:
+            return f"{len(data)} bytes, manifest says {self.size}"
+        tag = xxhash.xxh3_128_hexdigest(data)
+        if tag != self.xxh3:
+            return f"xxh3 {tag}, manifest says {self.xxh3}"
+        if self.sha256 is not None and sha256_hex(data) != self.sha256:
+            return f"sha256 {sha256_hex(data)}, manifest says {self.sha256}"
+        return None
 
     @classmethod
     def parse(cls, obj: Any, where: str, extra: set[str] = frozenset()) -> "ObjRef":
-        _only(obj, {"key", "size", "xxh3"} | set(extra), where)
+        _only(obj, {"key", "size", "xxh3", "sha256"} | set(extra), where)
         key = _need(obj, "key", str, where)
         if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
-            raise ManifestError(f"{where}.key: {key!r} is not a deltas/, records/ or snapshots/ key")
+            raise ManifestError(f"{where}.key: {key[:300]!r} is not a deltas/, records/ or snapshots/ key")
         size = _need(obj, "size", int, where)
         if size < 0:
             raise ManifestError(f"{where}.size: negative")
         digest = _need(obj, "xxh3", str, where)
         if not re.fullmatch(r"[0-9a-f]{32}", digest):
             raise ManifestError(f"{where}.xxh3: expected 32 hex digits")
-        return cls(key, size, digest)
+        strong = None
+        if "sha256" in obj:
+            strong = _need(obj, "sha256", str, where)
+            if not re.fullmatch(r"[0-9a-f]{64}", strong):
+                raise ManifestError(f"{where}.sha256: expected 64 hex digits")
+        return cls(key, size, digest, strong)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One Ed25519 signature over Manifest.signed_payload(): the signer's key id and the base64 signature."""
+
+    key_id: str
+    sig: str
+
+    def to_json(self) -> dict:
+        return {"key_id": self.key_id, "sig": self.sig}
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> "Signature":
+        _only(obj, {"key_id", "sig"}, where)
+        kid = _need(obj, "key_id", str, where)
+        if not re.fullmatch(r"[0-9a-f]{16}", kid):
+            raise ManifestError(f"{where}.key_id: expected 16 hex digits")
+        sig = _need(obj, "sig", str, where)
+        if not re.fullmatch(r"[A-Za-z0-9+/]{86}==", sig):
+            raise ManifestError(f"{where}.sig: expected a base64 Ed25519 signature (64 bytes)")
+        return cls(kid, sig)
 
 
 @dataclass(frozen=True)
@@ -185,6 +283,7 @@ class Manifest:
     head: int
     steps: list[Step] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
+    signatures: tuple[Signature, ...] = ()  # as parsed; to_bytes() writes fresh ones (or none)
 
     @property
     def base(self) -> int:
@@ -218,6 +317,13 @@ class Manifest:
 
     def chain_since_base(self) -> list[Step]:
         return [s for s in self.steps if s.step > self.base]
+
+    def refs(self) -> list[ObjRef]:
+        """Every object reference, records first, then deltas, then snapshot files."""
+        out = [s.record for s in self.steps]
+        out += [p.ref for s in self.steps for p in s.parts or ()]
+        out += [r for snap in self.snapshots for r in (snap.index, *snap.files)]
+        return out
 
     def referenced(self) -> set[str]:
         keys = set()
@@ -264,20 +370,33 @@ class Manifest:
                 raise ManifestError(f"{where}: step {s.step} names parent {s.parent}, which is not listed")
         return self
 
-    def to_bytes(self) -> bytes:
+    def _doc(self) -> dict:
+        return {"format": MANIFEST_FORMAT, "version": VERSION, "run": self.run, "head": self.head,
+                "base": self.base, "snapshots": [s.to_json() for s in self.snapshots],
+                "steps": [s.to_json() for s in self.steps]}
+
+    def signed_payload(self) -> bytes:
+        """What a signature covers: a domain prefix, then canonical JSON (sorted keys, no spaces, ASCII)
+        of every field but `signatures`, so it is the same bytes for whoever re-serialises the parse."""
         self.validate()
-        doc = {"format": MANIFEST_FORMAT, "version": VERSION, "run": self.run, "head": self.head,
-               "base": self.base, "snapshots": [s.to_json() for s in self.snapshots],
-               "steps": [s.to_json() for s in self.steps]}
+        canon = json.dumps(self._doc(), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        return SIGNED_PAYLOAD_PREFIX + canon.encode("ascii")
+
+    def to_bytes(self, signer: Any = None) -> bytes:
+        """The manifest as stored. With `signer` (relay.signing.Signer) it carries fresh signatures over
+        `signed_payload()`; without, none: signatures parsed earlier may not cover an edited manifest."""
+        self.validate()
+        doc = self._doc()
+        if signer is not None:
+            if any(r.sha256 is None for r in self.refs()):
+                raise ValueError("a signed manifest needs a sha256 in every object reference")
+            doc["signatures"] = [s.to_json() for s in signer.sign(self.signed_payload())]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str = "manifest") -> "Manifest":
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"{where}: not JSON ({exc})") from None
-        _only(doc, {"format", "version", "run", "head", "base", "snapshots", "steps"}, where)
+        doc = _load_json(data, where, MAX_MANIFEST_BYTES)
+        _only(doc, {"format", "version", "run", "head", "base", "snapshots", "steps", "signatures"}, where)
         if doc.get("format") != MANIFEST_FORMAT:
             raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
         version = _need(doc, "version", int, where)
@@ -288,7 +407,13 @@ class Manifest:
         base = _step_int(_need(doc, "base", int, where), f"{where}.base")
         snaps = [Snapshot.parse(s, f"{where}.snapshots[{i}]") for i, s in enumerate(_need(doc, "snapshots", list, where))]
         steps = [Step.parse(s, f"{where}.steps[{i}]") for i, s in enumerate(_need(doc, "steps", list, where))]
-        m = cls(run, head, steps, snaps).validate()
+        sigs: tuple[Signature, ...] = ()
+        if "signatures" in doc:
+            raw = _need(doc, "signatures", list, where)
+            if not 1 <= len(raw) <= MAX_SIGNATURES:
+                raise ManifestError(f"{where}.signatures: expected 1 to {MAX_SIGNATURES} signatures, got {len(raw)}")
+            sigs = tuple(Signature.parse(s, f"{where}.signatures[{i}]") for i, s in enumerate(raw))
+        m = cls(run, head, steps, snaps, sigs).validate()
         if m.base != base:
             raise ManifestError(f"{where}.base: {base} but the newest snapshot is {m.base}")
         return m
@@ -318,10 +443,7 @@ class Record:
 
     @classmethod
     def parse(cls, data: bytes, where: str = "record") -> "Record":
-        try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"{where}: not JSON ({exc})") from None
+        doc = _load_json(data, where, MAX_RECORD_BYTES)
         _only(doc, {"format", "version", "run", "step", "tensors", "weight_map"}, where)
         if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
             raise ManifestError(f"{where}: not a {RECORD_FORMAT} v{VERSION} document")
@@ -330,12 +452,16 @@ class Record:
             w = f"{where}.tensors[{name!r}]"
             _only(t, {"dtype", "shape", "digest"}, w)
             shape = _need(t, "shape", list, w)
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63 for d in shape):
                 raise ManifestError(f"{w}.shape: expected non-negative integers")
             tensors[name] = TensorInfo(_need(t, "dtype", str, w), tuple(shape), _need(t, "digest", str, w))
         weight_map = _need(doc, "weight_map", dict, where)
-        if set(weight_map) != set(tensors) or not all(isinstance(v, str) and "/" not in v for v in weight_map.values()):
+        if set(weight_map) != set(tensors):
             raise ManifestError(f"{where}.weight_map: must map every tensor to a shard file name")
+        bad = [v for v in weight_map.values() if not safe_shard_name(v)]
+        if bad:  # a watcher creates these files in DEST: one plain component, nothing else
+            raise ManifestError(f"{where}.weight_map: {str(bad[0])[:300]!r} is not a safe shard file name "
+                                f"(one path component of [A-Za-z0-9._+-], not starting with '.', ending in .safetensors)")
         return cls(_need(doc, "run", str, where), _step_int(_need(doc, "step", int, where), f"{where}.step"),
                    tensors, dict(weight_map))
 
