@@ -37,14 +37,15 @@ def _add_options(p: argparse.ArgumentParser, many: bool = False) -> None:
 def _publish(args: argparse.Namespace) -> int:
     tensors, _ = checkpoint.load(args.checkpoint)
     with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=_options(args.storage_options),
-                   resume=args.resume, background=False) as pub:
+                   resume=args.resume, background=False, signing_key=args.signing_key) as pub:
         pub.publish(tensors, args.step)
     print(f"published step {args.step} to {args.url}")
     return 0
 
 
 def _watch(args: argparse.Namespace) -> int:
-    w = Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options))
+    w = Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options),
+                trusted_keys=args.trusted_key)
     try:
         if args.once:
             step = w.sync(timeout=args.timeout)
@@ -58,13 +59,13 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _rebase(args: argparse.Namespace) -> int:
-    step = ops.rebase(args.url, _options(args.storage_options))
+    step = ops.rebase(args.url, _options(args.storage_options), signing_key=args.signing_key)
     print(f"{args.url}: base is now step {step}")
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
-    out = ops.gc(args.url, args.keep_snapshots, _options(args.storage_options))
+    out = ops.gc(args.url, args.keep_snapshots, _options(args.storage_options), signing_key=args.signing_key)
     print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects ({out['freed_bytes']} bytes)")
     return 0
 
@@ -94,6 +95,18 @@ def _status(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def add_signing_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--signing-key", action="append", metavar="PATH",
+                   help="sign the manifest with this Ed25519 private key (PEM, deltarelay keygen); repeat during a "
+                        "key rotation; required to change a signed run")
+
+
+def add_trusted_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trusted-key", action="append", metavar="PATH",
+                   help="act only on manifests signed by this Ed25519 public key (PEM); repeat to trust several "
+                        "(key rotation)")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("publish", help="publish a safetensors checkpoint as a step of a run")
     p.add_argument("url", help="run prefix: s3://bucket/run, file:///path, memory://run")
@@ -101,6 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
     p.add_argument("--snapshot-every", type=int, default=25)
+    add_signing_key(p)
     _add_options(p)
     p.set_defaults(func=_publish)
 
@@ -111,17 +125,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true", help="sync to the head once and exit")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="give up a sync after S seconds (exit non-zero, DIR stays on its last good step)")
+    add_trusted_key(p)
     _add_options(p)
     p.set_defaults(func=_watch)
 
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
     p.add_argument("url")
+    add_signing_key(p)
     _add_options(p)
     p.set_defaults(func=_rebase)
 
     p = subparsers.add_parser("gc", help="delete objects the last K snapshots no longer need")
     p.add_argument("url")
     p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
+    add_signing_key(p)
     _add_options(p)
     p.set_defaults(func=_gc)
 

@@ -6,10 +6,11 @@ when a publisher commits in between, so operators can act on a live run.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
+from relay.signing import Signer, strengthen
 from relay.store import ConflictError, Store, open_store
 from relay.watcher import Reader
 
@@ -18,21 +19,34 @@ log = logging.getLogger(__name__)
 ATTEMPTS = 20
 
 
-def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None]) -> Manifest:
+def _signer(signing_key: Any) -> Signer | None:
+    return None if signing_key is None or isinstance(signing_key, Signer) else Signer(signing_key)
+
+
+def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None], signer: Signer | None = None) -> Manifest:
     """Apply `change` to the current manifest and commit it conditionally, re-reading on a lost race.
 
-    `change` returns the new manifest, or None when there is nothing to do.
+    `change` returns the new manifest, or None when there is nothing to do. A signed run is only
+    changed with a `signer` (the result is re-signed): an unsigned commit would stop every watcher
+    that checks signatures.
     """
     for _ in range(ATTEMPTS):
         got = store.read_manifest()
         if got is None:
             raise FileNotFoundError(f"{store.url}/manifest.json: no run here")
         m = Manifest.parse(got.data, f"{store.url}/manifest.json")
+        if signer is not None and m.signatures:
+            signer.trusted().verify(m, f"{store.url}/manifest.json")  # never re-sign what we did not sign
+        elif m.signatures:
+            raise ValueError(f"{store.url}: the run is signed; changing its manifest needs the signing key "
+                             f"(--signing-key)")
         new = change(m)
         if new is None:
             return m
+        if signer is not None:
+            new = strengthen(store, new)
         try:
-            store.commit_manifest(new.to_bytes(), got.etag)
+            store.commit_manifest(new.to_bytes(signer=signer), got.etag)
             return new
         except ConflictError:
             log.info("%s: manifest changed while updating it, re-reading", store.url)
@@ -40,14 +54,19 @@ def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None])
 
 
 def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: int | None = None,
-           timeout: float | None = None) -> int:
+           timeout: float | None = None, signing_key: Any = None) -> int:
     """Materialise the head from the base and its chain (verified), store it as a snapshot, make it the base.
 
     Returns the step that now has a snapshot. The snapshot keeps the layout the trainer recorded
     for that step unless `max_shard_bytes` asks for another cap.
     """
     store = open_store(url, storage_options)
-    m, tensors, rec = Reader(store).reach(None, None, timeout=timeout)
+    signer = _signer(signing_key)
+    got = store.read_manifest()
+    signed = got is not None and bool(Manifest.parse(got.data, f"{url}/manifest.json").signatures)
+    # a signed run is read back only through manifests our key signed: we are about to sign its head
+    trusted = signer.trusted() if signer is not None and signed else None
+    m, tensors, rec = Reader(store, trusted_keys=trusted).reach(None, None, timeout=timeout)
     if m.snapshot(rec.step) is not None:
         log.info("%s: step %d already has a snapshot", url, rec.step)
         return rec.step
@@ -56,7 +75,7 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
         from relay.checkpoint import shard_plan
 
         weight_map = shard_plan(tensors, max_shard_bytes)
-    snap = upload_snapshot(store, rec.step, tensors, weight_map)
+    snap = upload_snapshot(store, rec.step, tensors, weight_map, strong=signer is not None)
 
     def add(cur: Manifest) -> Manifest | None:
         if cur.run != m.run:
@@ -68,12 +87,12 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
         cur.snapshots = sorted([*cur.snapshots, snap], key=lambda s: s.step)
         return cur
 
-    update_manifest(store, add)
+    update_manifest(store, add, signer)
     log.info("%s: rebased onto a snapshot of step %d (%d bytes)", url, snap.step, snap.bytes)
     return snap.step
 
 
-def gc(url: str, keep_snapshots: int, storage_options: dict | None = None) -> dict:
+def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, signing_key: Any = None) -> dict:
     """Keep the newest `keep_snapshots` snapshots and the steps from the oldest of them on; delete the rest.
 
     A watcher holding any step from the oldest kept snapshot on still has its chain to the head.
@@ -91,7 +110,7 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None) -> di
         before.update(m.referenced())
         return m.trimmed(keep_snapshots)
 
-    m = update_manifest(store, trim)
+    m = update_manifest(store, trim, _signer(signing_key))
     oldest = m.snapshots[0].step
     now = m.referenced()
     listed: dict[str, int] = {}

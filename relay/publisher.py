@@ -24,7 +24,8 @@ import codec
 from relay.checkpoint import shard_plan
 from relay.manifest import (INDEX_NAME, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
                             snapshot_prefix, step_of_key, tensor_infos)
-from relay.store import ConflictError, Store, content_tag, open_store
+from relay.store import ConflictError, Store, open_store
+from relay.signing import Signer, strengthen
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +60,12 @@ def snapshot_objects(step: int, tensors: dict[str, torch.Tensor], weight_map: di
 
 
 def upload_snapshot(store: Store, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str],
-                    workers: int = 4) -> Snapshot:
-    """Write every snapshot file (in parallel), then return its manifest entry."""
+                    workers: int = 4, strong: bool = False) -> Snapshot:
+    """Write every snapshot file (in parallel), then return its manifest entry (with SHA-256s when `strong`)."""
     objects = snapshot_objects(step, tensors, weight_map)
     with ThreadPoolExecutor(max(1, min(workers, len(objects)))) as pool:
         list(pool.map(lambda kv: store.put_immutable(*kv), objects.items()))
-    refs = {k: ObjRef(k, len(v), content_tag(v)) for k, v in objects.items()}
+        refs = dict(zip(objects, pool.map(lambda kv: ObjRef.of(kv[0], kv[1], strong), objects.items())))
     index_key = snapshot_prefix(step) + INDEX_NAME
     return Snapshot(step, refs.pop(index_key), tuple(refs[k] for k in sorted(refs)))
 
@@ -79,12 +80,16 @@ class Publisher:
     seconds for objects that are not there yet); without it the run must be empty.
     keep_snapshots: when set, each snapshot commit also drops older snapshots and steps from the
     manifest (as `gc` does), so the manifest stays small; `gc` or lifecycle rules delete the objects.
+    signing_key: a PEM private key path (or several during a key rotation, or Ed25519PrivateKey
+    objects): every manifest commit is signed and every object carries its SHA-256 (docs/SECURITY.md).
+    A publisher without a key refuses to extend a signed run (it would strip the signatures).
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
                  resume: bool = False, snapshot_fraction: float = 0.5, max_shard_bytes: int = 2 << 30,
                  effort: str = "default", background: bool = True, upload_workers: int = 4,
-                 resume_timeout: float | None = 600.0, keep_snapshots: int | None = None) -> None:
+                 resume_timeout: float | None = 600.0, keep_snapshots: int | None = None,
+                 signing_key: Any = None) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
@@ -100,6 +105,7 @@ class Publisher:
         if keep_snapshots is not None and keep_snapshots < 1:
             raise ValueError("keep_snapshots must be >= 1")
         self.keep_snapshots = keep_snapshots
+        self.signer = None if signing_key is None else Signer(signing_key)
         self._commit_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
@@ -120,7 +126,9 @@ class Publisher:
     def _attach(self, m: Manifest) -> None:
         from relay.watcher import Reader  # reading back the head is the watcher's job
 
-        m, tensors, _ = Reader(self.store).reach(None, None, timeout=self.resume_timeout)
+        # a signed run is read back as a watcher would: only the manifest our own keys signed
+        trusted = self.signer.trusted() if self.signer is not None and m.signatures else None
+        m, tensors, _ = Reader(self.store, trusted_keys=trusted).reach(None, None, timeout=self.resume_timeout)
         self.run = m.run
         self.prev, self.step = tensors, m.head
         snap = m.snapshots[-1]
@@ -157,11 +165,12 @@ class Publisher:
                 payload = codec.encode(self.prev, tensors, effort=self.effort)
             except codec.CheckpointMismatchError as exc:
                 log.info("%s: step %d changes the tensor set (%s); publishing a full snapshot", self.url, step, exc)
+        strong = self.signer is not None
         record_bytes = record.to_bytes()
-        rec_ref = ObjRef(record_key(step), len(record_bytes), content_tag(record_bytes))
+        rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
         self.store.put_immutable(rec_ref.key, record_bytes)
         if payload is not None:
-            ref = ObjRef(delta_key(step, 0), len(payload), content_tag(payload))
+            ref = ObjRef.of(delta_key(step, 0), payload, strong)
             self.store.put_immutable(ref.key, payload)
             entry = Step(step, rec_ref, self.step, (Part(ref),))
             self._chain_bytes += len(payload)
@@ -171,13 +180,14 @@ class Publisher:
                or self._chain_bytes > self.snapshot_fraction * self._last_snapshot_bytes)
         if payload is None:  # only a snapshot reaches this step: upload it before the manifest names the step
             self.flush()
-            snap = upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers)
+            snap = upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers, strong)
             self._commit(entry, snap)
         else:
             self._commit(entry, None)
             if due:
                 if self._pool is None:
-                    self._commit(None, upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers))
+                    self._commit(None, upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers,
+                                                       strong))
                 else:
                     self._pending.append(self._pool.submit(self._background_snapshot, step, tensors, record.weight_map))
         if due:
@@ -187,7 +197,8 @@ class Publisher:
         self.prev, self.step = tensors, step
 
     def _background_snapshot(self, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str]) -> None:
-        self._commit(None, upload_snapshot(self.store, step, tensors, weight_map, self.upload_workers))
+        self._commit(None, upload_snapshot(self.store, step, tensors, weight_map, self.upload_workers,
+                                           self.signer is not None))
         log.info("%s: snapshot %d committed", self.url, step)
 
     def _commit(self, entry: Step | None, snap: Snapshot | None) -> None:
@@ -203,6 +214,18 @@ class Publisher:
                     m, expected = Manifest.parse(current.data, f"{self.url}/manifest.json"), current.etag
                     if m.run != self.run:
                         raise ConflictError(f"{self.url}: another publisher started run {m.run} here")
+                    if entry is not None and m.step(entry.step) == entry and (
+                            snap is None or m.snapshot(snap.step) == snap):
+                        # our earlier conditional write landed although the store (or the network) reported a
+                        # failure: a 5xx after the write, a reset, a timeout. It is ours, not a lost race.
+                        log.warning("%s: the manifest already holds our step %d (a commit reported as failed had "
+                                    "landed); carrying on", self.url, entry.step)
+                        return
+                    if m.signatures and self.signer is None:
+                        raise ValueError(f"{self.url}: the run is signed; publishing without signing_key would "
+                                         f"leave every watcher that checks signatures behind")
+                    if self.signer is not None:
+                        m = strengthen(self.store, m)  # a run signed from now on: vouch for its older objects too
                     if entry is not None:
                         if m.head != self.step:
                             raise ConflictError(f"{self.url}: head is step {m.head}, this publisher last committed "
@@ -218,7 +241,7 @@ class Publisher:
                         if self.keep_snapshots is not None:
                             m = m.trimmed(self.keep_snapshots) or m
                 try:
-                    self.store.commit_manifest(m.to_bytes(), expected)
+                    self.store.commit_manifest(m.to_bytes(signer=self.signer), expected)
                     return
                 except ConflictError:
                     log.info("%s: manifest changed under us (gc/rebase?), re-reading", self.url)

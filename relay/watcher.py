@@ -26,8 +26,10 @@ from safetensors.torch import load as st_load
 
 import codec
 from relay import checkpoint
-from relay.manifest import Manifest, ManifestError, ObjRef, Record, Snapshot, Step, TensorInfo, mismatches
-from relay.store import NOT_MODIFIED, ObjectMissing, Store, content_tag, open_store
+from relay.manifest import (Manifest, ManifestError, ObjRef, Record, Snapshot, Step, TensorInfo, mismatches,
+                            safe_shard_name)
+from relay.signing import TrustedKeys
+from relay.store import NOT_MODIFIED, ObjectMissing, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +93,9 @@ class Reader:
     """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet."""
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
-                 reroute_after: float | None = 300.0) -> None:
+                 reroute_after: float | None = 300.0, trusted_keys: Any = None) -> None:
         self.store = store
+        self.trusted = TrustedKeys.from_option(trusted_keys)
         self.reroute_after = reroute_after
         self.workers = workers
         self.retry_initial = retry_initial
@@ -102,8 +105,15 @@ class Reader:
         self._cache: dict[str, bytes] = {}
 
     def read_manifest(self) -> Manifest | None:
+        """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
         got = self.store.read_manifest()
-        return None if got is None else Manifest.parse(got.data, f"{self.store.url}/manifest.json")
+        if got is None:
+            return None
+        where = f"{self.store.url}/manifest.json"
+        m = Manifest.parse(got.data, where)
+        if self.trusted is not None:
+            self.trusted.verify(m, where)
+        return m
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref.key in self._cache:
@@ -111,9 +121,9 @@ class Reader:
         data = self.store.get(ref.key)
         with self._count_lock:
             self.bytes_downloaded += len(data)
-        if len(data) != ref.size or content_tag(data) != ref.xxh3:
-            raise _VerifyError([ref.key], f"{ref.key}: {len(data)} bytes with xxh3 {content_tag(data)}, manifest "
-                                          f"says {ref.size} bytes with xxh3 {ref.xxh3}")
+        problem = ref.matches(data)  # size, xxh3 and, in a signed manifest, SHA-256: before any byte is used
+        if problem:
+            raise _VerifyError([ref.key], f"{ref.key}: {problem}")
         self._cache[ref.key] = data
         return data
 
@@ -249,6 +259,8 @@ class Watcher:
     it shows exactly one complete, verified step (safetensors in the published layout plus
     relay-state.json), or nothing before the first sync. It never moves to an older step.
     on_update(step, tensors) runs after each persisted step; `module` is updated in place too.
+    With `trusted_keys` (PEM paths or Ed25519 public keys) only manifests signed by one of them are
+    acted on, and every object is checked against the SHA-256 the signed manifest gives it.
     An object the manifest names but the store lacks is waited for (backoff from retry_initial to
     retry_max seconds); after reroute_after seconds the watcher also considers other complete paths
     (a newer snapshot) that avoid it. It never skips a step of a path or applies part of a chain.
@@ -257,7 +269,7 @@ class Watcher:
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
                  storage_options: dict | None = None, on_update: Callable[[int, dict], Any] | None = None,
                  module: torch.nn.Module | None = None, workers: int = 8, retry_initial: float = 0.2,
-                 retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
+                 retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None) -> None:
         self.url = url
         self.dest = Path(dest)
         self.poll_interval = poll_interval
@@ -265,7 +277,7 @@ class Watcher:
         self.module = module
         self.store = open_store(url, storage_options)
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
-                             reroute_after=reroute_after)
+                             reroute_after=reroute_after, trusted_keys=trusted_keys)
         self._stop = threading.Event()
         self.step: int | None = None
         self.run_id: str | None = None
@@ -310,6 +322,9 @@ class Watcher:
                 p.unlink()
 
     def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor]) -> None:
+        bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
+        if bad or set(rec.weight_map) != set(tensors):  # Record.parse refuses these; never write outside DEST
+            raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} in {self.dest}")
         versions = self.dest / ".versions"
         versions.mkdir(exist_ok=True)
         name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
@@ -348,6 +363,9 @@ class Watcher:
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout)
         if tensors is None:
             return self.step
+        if self.step is not None and (rec.step <= self.step or m.run != self.run_id):
+            raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step {self.step} "
+                            f"of run {self.run_id} and never moves back or across runs")
         self._persist(m, rec, tensors)
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
