@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "relay.bench",  # bench
     "relay.cli_relay",  # publish, watch, rebase, gc, status
     "relay.cli_fanout",  # relay, demo
+    "relay.cli_security",  # keygen, verify
 )
 
 

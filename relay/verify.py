@@ -1,0 +1,299 @@
+"""`deltarelay verify`: the store's fsck (as restic's `check`).
+
+A watcher only finds a damaged object when it needs it, typically when a host restarts or falls
+behind, which is the worst moment. `verify` reads everything the manifest reaches and says what is
+wrong before a reader does: every named object exists and matches its size, xxh3 and (signed runs)
+SHA-256; records, snapshot indexes and delta headers parse and agree with the manifest; every step
+can be reached; with trusted keys, the signature holds. `deep` also rebuilds every reachable step,
+from its snapshot and through each delta, and checks it against the trainer's record.
+
+It never writes to the store. Problems are collected, never raised, so one run lists all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+
+import codec
+from relay.manifest import INDEX_NAME, Manifest, ManifestError, ObjRef, Record, mismatches, step_of_key
+from relay.signing import SignatureError, TrustedKeys
+from relay.store import MANIFEST_KEY, ObjectMissing, Store, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Report:
+    """What `verify` found. `problems` empty means the run is sound (as far as the checks asked go)."""
+
+    url: str
+    run: str | None = None
+    head: int | None = None
+    base: int | None = None
+    steps: int = 0
+    snapshots: int = 0
+    objects_checked: int = 0
+    bytes_checked: int = 0
+    signed_by: list[str] = field(default_factory=list)
+    signature: str = "not checked"
+    deep: bool = False
+    steps_rebuilt: int = 0
+    unreferenced: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"ok": self.ok}
+
+    def text(self) -> str:
+        lines = [f"{self.url}: run {self.run}, head {self.head}, base {self.base}, {self.steps} steps, "
+                 f"{self.snapshots} snapshots",
+                 f"  objects: {self.objects_checked} checked ({self.bytes_checked} bytes)",
+                 f"  signature: {self.signature}" + (f" (keys {', '.join(self.signed_by)})" if self.signed_by else "")]
+        if self.deep:
+            lines.append(f"  deep: {self.steps_rebuilt} of {self.steps} steps rebuilt and matched their records")
+        if self.unreferenced:
+            lines.append(f"  {self.unreferenced} objects the manifest does not name (gc removes those at or below "
+                         f"the head; above it they may be an upload in progress)")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.problems:
+            lines.append(f"{len(self.problems)} problem(s):")
+            lines += [f"  - {p}" for p in self.problems]
+        else:
+            lines.append("no problems found")
+        return "\n".join(lines)
+
+
+class _Checker:
+    def __init__(self, store: Store, m: Manifest, report: Report, workers: int) -> None:
+        self.store, self.m, self.report, self.workers = store, m, report, workers
+        self.bad: set[str] = set()  # keys missing or not matching their reference
+        self.records: dict[int, Record] = {}
+        self._lock = threading.Lock()
+
+    def problem(self, text: str) -> None:
+        with self._lock:
+            self.report.problems.append(text)
+
+    def fetch(self, ref: ObjRef) -> bytes | None:
+        """The object if it exists and matches its reference; else None (and the problem is noted once)."""
+        try:
+            data = self.store.get(ref.key)
+        except ObjectMissing:
+            self._bad(ref.key, f"{ref.key}: missing")
+            return None
+        except Exception as exc:  # noqa: BLE001 - an unreadable object is a finding, not a crash
+            self._bad(ref.key, f"{ref.key}: unreadable ({type(exc).__name__}: {exc})")
+            return None
+        with self._lock:
+            self.report.objects_checked += 1
+            self.report.bytes_checked += len(data)
+        problem = ref.matches(data)
+        if problem:
+            self._bad(ref.key, f"{ref.key}: corrupt ({problem})")
+            return None
+        return data
+
+    def _bad(self, key: str, text: str) -> None:
+        with self._lock:
+            if key not in self.bad:
+                self.bad.add(key)
+                self.report.problems.append(text)
+
+    # -- shallow: every object, and what each says about the others ---------------------------------
+    def check_object(self, ref: ObjRef) -> None:
+        data = self.fetch(ref)
+        if data is None:
+            return
+        kind = ref.key.split("/")[0]
+        if kind == "records":
+            step = step_of_key(ref.key)
+            try:
+                rec = Record.parse(data, ref.key)
+            except ManifestError as exc:
+                self._bad(ref.key, f"{ref.key}: {exc}")
+                return
+            if rec.run != self.m.run or rec.step != step:
+                self._bad(ref.key, f"{ref.key}: record of run {rec.run} step {rec.step}, the manifest lists it "
+                                   f"for run {self.m.run} step {step}")
+                return
+            with self._lock:
+                self.records[step] = rec
+        elif kind == "deltas":
+            try:
+                codec.describe(data)
+            except codec.DeltaError as exc:
+                self._bad(ref.key, f"{ref.key}: not a valid delta payload ({exc})")
+        elif ref.key.endswith("/" + INDEX_NAME):
+            self._check_index(ref, data)
+
+    def _check_index(self, ref: ObjRef, data: bytes) -> None:
+        snap = self.m.snapshot(step_of_key(ref.key))
+        try:
+            index = json.loads(data)
+            weight_map = index["weight_map"]
+            files = set(weight_map.values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._bad(ref.key, f"{ref.key}: not a safetensors index ({type(exc).__name__}: {exc})")
+            return
+        listed = {f.key.rsplit("/", 1)[1] for f in snap.files}
+        if files != listed:
+            self.problem(f"{ref.key}: names shard files {sorted(files)[:5]}, the manifest lists {sorted(listed)[:5]}")
+
+    def shallow(self) -> None:
+        refs = list({r.key: r for r in self.m.refs()}.values())
+        with ThreadPoolExecutor(max(1, min(self.workers, len(refs)))) as pool:
+            list(pool.map(self.check_object, refs))
+        snaps = {s.step for s in self.m.snapshots}
+        for s in self.m.steps:
+            if s.parts is None and s.step not in snaps:
+                self.problem(f"step {s.step}: unreachable (no delta from a parent and no snapshot)")
+            for p in s.parts or ():
+                if p.tensors is not None and s.step in self.records:
+                    unknown = set(p.tensors) - set(self.records[s.step].tensors)
+                    if unknown:
+                        self.problem(f"{p.ref.key}: covers tensors the record does not have {sorted(unknown)[:5]}")
+
+    # -- deep: rebuild every step -------------------------------------------------------------------
+    def _snapshot_state(self, step: int) -> dict[str, torch.Tensor] | None:
+        snap = self.m.snapshot(step)
+        if any(r.key in self.bad for r in (snap.index, *snap.files)):
+            return None
+        tensors: dict[str, torch.Tensor] = {}
+        for ref in snap.files:
+            data = self.fetch(ref)
+            if data is None:
+                return None
+            try:
+                tensors.update(st_load(data))
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
+                self._bad(ref.key, f"{ref.key}: not a safetensors file ({exc})")
+                return None
+        return tensors
+
+    def _matches_record(self, step: int, tensors: dict[str, torch.Tensor], what: str) -> bool:
+        rec = self.records.get(step)
+        if rec is None:
+            return False  # record missing or bad: already a problem
+        bad = mismatches(tensors, rec.tensors)
+        if bad:
+            self.problem(f"step {step}: {what} does not match the trainer's record (tensors {bad[:5]})")
+            return False
+        return True
+
+    def deep(self) -> None:
+        state: dict[str, torch.Tensor] | None = None
+        prev: int | None = None
+        unbuilt: list[int] = []
+        for s in self.m.steps:
+            carried = None
+            if state is not None and s.parts is not None and s.parent == prev:
+                if any(p.ref.key in self.bad for p in s.parts):
+                    state = None
+                else:
+                    carried = self._apply(s, state)
+            if carried is not None and not self._matches_record(s.step, carried, "the state rebuilt through its delta"):
+                carried = None
+            from_snapshot = None
+            if self.m.snapshot(s.step) is not None:
+                from_snapshot = self._snapshot_state(s.step)
+                if from_snapshot is not None and not self._matches_record(s.step, from_snapshot, "the snapshot"):
+                    from_snapshot = None
+            state = carried if carried is not None else from_snapshot
+            prev = s.step
+            if state is None:
+                unbuilt.append(s.step)
+            else:
+                self.report.steps_rebuilt += 1
+        if unbuilt:
+            self.report.notes.append(f"{len(unbuilt)} step(s) could not be rebuilt because of the problems above: "
+                                     f"{_ranges(unbuilt)}")
+
+    def _apply(self, s: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        tensors = {k: v.clone() for k, v in state.items()}
+        covered: set[str] = set()
+        for part in s.parts:
+            data = self.fetch(part.ref)
+            if data is None:
+                return None
+            target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
+            try:
+                codec.apply_(target, data)
+            except codec.DeltaError as exc:
+                self._bad(part.ref.key, f"{part.ref.key}: does not apply to step {s.parent} ({exc})")
+                return None
+            covered.update(target)
+        if covered != set(tensors):
+            self.problem(f"step {s.step}: its parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
+            return None
+        return tensors
+
+
+def _ranges(steps: list[int]) -> str:
+    out, start, prev = [], steps[0], steps[0]
+    for n in steps[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(out)
+
+
+def verify(url: str, storage_options: dict | None = None, *, deep: bool = False, trusted_keys: Any = None,
+           workers: int = 4) -> Report:
+    """Check a run (see the module docstring); returns a Report whose `problems` list every finding."""
+    report = Report(url.rstrip("/"), deep=deep)
+    trusted = TrustedKeys.from_option(trusted_keys)
+    store = open_store(url, storage_options)
+    where = f"{store.url}/{MANIFEST_KEY}"
+    got = store.read_manifest()
+    if got is None:
+        report.problems.append(f"{where}: missing (no run here)")
+        return report
+    try:
+        m = Manifest.parse(got.data, where)
+    except ManifestError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.run, report.head, report.base = m.run, m.head, m.base
+    report.steps, report.snapshots = len(m.steps), len(m.snapshots)
+    report.signed_by = [s.key_id for s in m.signatures]
+    if trusted is not None:
+        try:
+            report.signature = f"valid, by trusted key {trusted.verify(m, where).key_id}"
+        except SignatureError as exc:
+            report.signature = "INVALID"
+            report.problems.append(str(exc))
+    elif m.signatures:
+        report.signature = "present, not checked (give --trusted-key)"
+    else:
+        report.signature = "unsigned"
+    checker = _Checker(store, m, report, workers)
+    checker.shallow()
+    if deep:
+        checker.deep()
+    try:
+        listed: dict[str, int] = {}
+        for prefix in ("deltas/", "records/", "snapshots/"):
+            listed.update(store.list(prefix))
+        report.unreferenced = len(set(listed) - m.referenced())
+    except Exception as exc:  # noqa: BLE001 - listing is informational
+        report.notes.append(f"could not list the store ({type(exc).__name__}: {exc})")
+    return report
+
+
+__all__ = ["verify", "Report"]
