@@ -1,0 +1,295 @@
+"""Hostile stores: whoever can write the bucket controls every byte a watcher reads before it checks a
+signature. The parsers must fail only with ManifestError (no other exception, no hang, no allocation
+driven by the input), and no name from a manifest, record or payload may create a file outside DEST."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relay.manifest import (MAX_MANIFEST_BYTES, MAX_RECORD_BYTES, Manifest, ManifestError, ObjRef, Record, Step,
+                            TensorInfo, safe_shard_name, step_of_key)
+from relay.publisher import Publisher
+from relay.store import open_store
+from relay.watcher import SyncError, Watcher
+
+from conftest import Trainer, same_bits
+
+H32, H64 = "a" * 32, "b" * 64
+
+
+def _ref(key, size=10, strong=False):
+    return {"key": key, "size": size, "xxh3": H32, **({"sha256": H64} if strong else {})}
+
+
+def valid_manifest_doc(signed: bool = False) -> dict:
+    doc = {"format": "deltarelay.manifest", "version": 1, "run": "r" * 32, "head": 2, "base": 0,
+           "snapshots": [{"step": 0, "index": _ref("snapshots/0/model.safetensors.index.json", strong=signed),
+                          "files": [_ref("snapshots/0/model-00001-of-00001.safetensors", 99, signed)]}],
+           "steps": [{"step": 0, "record": _ref("records/0.json", strong=signed), "parent": None, "parts": None},
+                     {"step": 1, "record": _ref("records/1.json", strong=signed), "parent": 0,
+                      "parts": [{**_ref("deltas/1-0.drd", strong=signed), "tensors": None}]},
+                     {"step": 2, "record": _ref("records/2.json", strong=signed), "parent": 1,
+                      "parts": [{**_ref("deltas/2-0.drd", strong=signed), "tensors": ["w", "b"]}]}]}
+    if signed:
+        doc["signatures"] = [{"key_id": "c" * 16, "sig": "A" * 86 + "=="}]
+    return doc
+
+
+def valid_record_doc() -> dict:
+    return {"format": "deltarelay.record", "version": 1, "run": "r" * 32, "step": 2,
+            "tensors": {"w": {"dtype": "BF16", "shape": [4, 2], "digest": H32},
+                        "b": {"dtype": "F32", "shape": [4], "digest": H32}},
+            "weight_map": {"w": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=-2**70, max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30)
+    | st.sampled_from(["../../etc/x", "/etc/passwd", "snapshots/0/../../x", "records/1.json", "a\x00b",
+                       "deltas/99999999999999999999999-0.drd", "x" * 300, H32, H64]),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12)
+
+
+def mutate(doc, data) -> object:
+    """Replace, delete or add one value somewhere in `doc` (a random walk from the root)."""
+    doc = copy.deepcopy(doc)
+    parent, key, node = None, None, doc
+    while isinstance(node, (dict, list)) and node and data.draw(st.booleans(), label="descend"):
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        parent, key = node, data.draw(st.sampled_from(keys), label="key")
+        node = parent[key]
+    action = data.draw(st.sampled_from(["replace", "delete", "add"]), label="action")
+    if parent is None:
+        return data.draw(json_values, label="root") if action == "replace" else doc
+    if action == "replace":
+        parent[key] = data.draw(json_values, label="value")
+    elif action == "delete":
+        del parent[key]
+    elif isinstance(parent, dict):
+        parent[data.draw(st.text(max_size=10), label="new key")] = data.draw(json_values, label="value")
+    else:
+        parent.append(data.draw(json_values, label="value"))
+    return doc
+
+
+def parse_only_manifest_errors(parse, data: bytes) -> None:
+    start = time.monotonic()
+    try:
+        parse(data)
+    except ManifestError:
+        pass
+    assert time.monotonic() - start < 2.0, "parser took too long on a small input"
+
+
+# -- parsers ---------------------------------------------------------------------------------------
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(data=st.data(), signed=st.booleans(), rounds=st.integers(1, 3))
+def test_fuzz_manifest_mutations(data, signed, rounds):
+    doc = valid_manifest_doc(signed)
+    for _ in range(rounds):
+        doc = mutate(doc, data)
+    parse_only_manifest_errors(Manifest.parse, json.dumps(doc).encode())
+
+
+@FUZZ
+@given(data=st.data(), rounds=st.integers(1, 3))
+def test_fuzz_record_mutations(data, rounds):
+    doc = valid_record_doc()
+    for _ in range(rounds):
+        doc = mutate(doc, data)
+    parse_only_manifest_errors(Record.parse, json.dumps(doc).encode())
+
+
+@FUZZ
+@given(raw=st.binary(max_size=400) | st.text(max_size=200).map(str.encode))
+def test_fuzz_raw_bytes(raw):
+    parse_only_manifest_errors(Manifest.parse, raw)
+    parse_only_manifest_errors(Record.parse, raw)
+
+
+@pytest.mark.parametrize("data", [
+    b"[" * 200_000 + b"]" * 200_000,  # nesting beyond the interpreter's recursion limit
+    b'{"head": ' + b"9" * 50_000 + b"}",  # an integer beyond Python's digit limit
+    b'{"format": "deltarelay.manifest", "version": 1e999}',
+    b'{"a": NaN, "b": -Infinity}',
+    b"\xef\xbb\xbf{}",  # a byte order mark
+    b"\x00" * 100,
+    "{\"run\": \"\udcff\"}".encode("utf-8", "surrogatepass"),
+])
+def test_pathological_json(data):
+    for parse in (Manifest.parse, Record.parse):
+        with pytest.raises(ManifestError):
+            parse(data)
+
+
+def test_size_cap_before_parsing():
+    """A 64 MiB+ manifest is refused by its length alone: json.loads never sees it."""
+    big = b" " * (MAX_MANIFEST_BYTES + 1)
+    start = time.monotonic()
+    with pytest.raises(ManifestError, match="more than the"):
+        Manifest.parse(big)
+    with pytest.raises(ManifestError, match="more than the"):
+        Record.parse(b" " * (MAX_RECORD_BYTES + 1))
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("key", [
+    "../records/1.json", "/records/1.json", "records/../../../etc/passwd", "snapshots/0/../../x.safetensors",
+    "snapshots/0/sub/model.safetensors", "snapshots/0/.hidden", "snapshots/0/a\x00b", "snapshots/0/a\\b",
+    "snapshots/0/" + "x" * 300, "deltas/" + "9" * 30 + "-0.drd", "records/1.json\n", "snapshots/0/",
+    "snapshots/0/ model.safetensors", "records/+1.json", "snapshots/0/caf\u00e9.safetensors",
+])
+def test_object_keys_that_could_escape_are_refused(key):
+    assert step_of_key(key) is None
+    doc = valid_manifest_doc()
+    doc["steps"][1]["record"]["key"] = key
+    with pytest.raises(ManifestError, match="is not a deltas/, records/ or snapshots/ key"):
+        Manifest.parse(json.dumps(doc).encode())
+
+
+BAD_SHARDS = ["../../escaped.safetensors", "../../../escaped.safetensors", "/tmp/abs.safetensors", "..", ".",
+              "", ".current", ".versions", "relay-state.json", "model.safetensors.index.json",
+              "a/b.safetensors", "a\x00b.safetensors", "x" * 300 + ".safetensors", "model.bin",
+              ".hidden.safetensors", "a\nb.safetensors", "a b.safetensors", "C:\\x.safetensors"]
+
+
+@pytest.mark.parametrize("name", BAD_SHARDS)
+def test_record_refuses_unsafe_shard_names(name):
+    assert not safe_shard_name(name)
+    doc = valid_record_doc()
+    doc["weight_map"]["w"] = name
+    with pytest.raises(ManifestError, match="weight_map"):
+        Record.parse(json.dumps(doc).encode())
+
+
+def test_too_many_signatures():
+    doc = valid_manifest_doc(signed=True)
+    doc["signatures"] = doc["signatures"] * 17
+    with pytest.raises(ManifestError, match="signatures"):
+        Manifest.parse(json.dumps(doc).encode())
+
+
+# -- the watcher writes only inside DEST --------------------------------------------------------------
+def files_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def held_dest(tmp_path, steps=2, ahead=0):
+    """A file:// run with `steps` steps and a watcher DEST on the last, then `ahead` more steps published;
+    returns (store, manifest, watcher, states)."""
+    url = f"file://{tmp_path}/store/run"
+    t = Trainer(seed=4)
+    states = []
+    with Publisher(url, background=False) as pub:
+        for step in range(steps):
+            states.append(t.state() if step == 0 else t.step())
+            pub.publish(states[-1], step)
+    w = Watcher(url, tmp_path / "dest", retry_initial=0.01)
+    assert w.sync(timeout=10) == steps - 1
+    if ahead:
+        with Publisher(url, background=False, resume=True) as pub:
+            for step in range(steps, steps + ahead):
+                states.append(t.step())
+                pub.publish(states[-1], step)
+    store = open_store(url)
+    return store, Manifest.parse(store.read_manifest().data), w, states
+
+
+@pytest.mark.parametrize("name", ["../../escaped.safetensors", "../../../escaped.safetensors",
+                                  "/tmp/deltarelay-abs-escape.safetensors", "relay-state.json", ".current",
+                                  "a\x00b.safetensors", "x" * 300 + ".safetensors"])
+def test_forged_record_cannot_write_outside_dest(tmp_path, name):
+    """An attacker adds step 2 with the real delta but a record whose weight_map points outside DEST
+    (tags recomputed, manifest unsigned): the watcher refuses the record and DEST keeps step 1."""
+    store, m, w, states = held_dest(tmp_path, steps=2, ahead=1)
+    head = m.step(2)
+    rec = Record.parse(store.get(head.record.key))
+    doc = json.loads(rec.to_bytes())
+    first = next(iter(doc["weight_map"]))
+    doc["weight_map"][first] = name
+    forged = json.dumps(doc).encode()
+    store.delete([head.record.key])
+    store.put_new(head.record.key, forged)
+    m.steps[-1] = Step(2, ObjRef.of(head.record.key, forged), head.parent, head.parts)
+    store.commit_manifest(m.to_bytes(), store.read_manifest().etag)
+    w2 = Watcher(w.url, tmp_path / "dest2", retry_initial=0.01)
+    before = files_under(tmp_path)
+    for watcher in (w, w2):
+        with pytest.raises(SyncError, match="no verified path"):
+            watcher.sync(timeout=10)
+    assert files_under(tmp_path) - before <= {"dest2/.versions"}
+    assert not Path("/tmp/deltarelay-abs-escape.safetensors").exists()
+    assert w.step == 1 and same_bits(Watcher(w.url, tmp_path / "dest").tensors, states[1])
+
+
+def test_persist_refuses_unsafe_names_even_past_the_parser(tmp_path):
+    """Defence in depth at the point of writing: a Record built in code (not parsed) is checked again."""
+    store, m, w, states = held_dest(tmp_path)
+    tensors = states[1]
+    rec = Record(m.run, 5, {k: TensorInfo("BF16", tuple(v.shape), "0" * 32) for k, v in tensors.items()},
+                 {k: "../../escaped.safetensors" for k in tensors})
+    before = files_under(tmp_path)
+    with pytest.raises(SyncError, match="refusing to write shard names"):
+        w._persist(m, rec, tensors)
+    assert files_under(tmp_path) == before
+
+
+def test_path_like_tensor_names_stay_inside_dest(tmp_path):
+    """Tensor names are data, never paths: a state whose names look like paths (carried in payload headers,
+    records and safetensors headers) is published, relayed and persisted with only safe file names."""
+    url = f"file://{tmp_path}/store/run"
+    names = ["../../evil", "/etc/passwd", "a/b/../../c", "..", "name\x00nul", "\u202egnp.exe"]
+    gen = torch.Generator().manual_seed(0)
+    state = {n: torch.randn(8, 4, generator=gen).to(torch.bfloat16) for n in names}
+    with Publisher(url, background=False) as pub:
+        pub.publish(state, 0)
+        state = {k: v + 0.25 for k, v in state.items()}
+        pub.publish(state, 1)
+    dest = tmp_path / "dest"
+    w = Watcher(url, dest)
+    assert w.sync(timeout=10) == 1 and same_bits(w.tensors, state)
+    outside = files_under(tmp_path) - {p for p in files_under(tmp_path) if p.startswith(("store", "dest"))}
+    assert outside == set()
+    visible = sorted(p.name for p in dest.iterdir() if not p.name.startswith("."))
+    assert visible == ["model-00001-of-00001.safetensors", "model.safetensors.index.json", "relay-state.json"]
+    assert same_bits(Watcher(url, dest).tensors, state)
+
+
+def test_claimed_huge_sizes_do_not_allocate(tmp_path):
+    """A manifest may claim any size; the reader compares what it got, it never allocates what was claimed."""
+    store, m, w, states = held_dest(tmp_path, steps=2, ahead=1)
+    head = m.step(2)
+    part = head.parts[0]
+    from relay.manifest import Part
+
+    m.steps[-1] = Step(2, head.record, head.parent, (Part(ObjRef(part.ref.key, 1 << 60, part.ref.xxh3)),))
+    store.commit_manifest(m.to_bytes(), store.read_manifest().etag)
+    with pytest.raises(SyncError, match="no verified path"):
+        w.sync(timeout=10)
+    assert w.step == 1
+
+
+def test_dest_symlink_planted_by_another_user_is_not_followed(tmp_path):
+    """A visible name in DEST that is a regular file (not the watcher's symlink) stops the persist instead of
+    writing through it."""
+    store, m, w, states = held_dest(tmp_path, steps=2, ahead=1)
+    dest = tmp_path / "dest"
+    shard = dest / "model-00001-of-00001.safetensors"
+    shard.unlink()
+    shard.write_bytes(b"planted")
+    with pytest.raises(SyncError, match="regular file"):
+        w.sync(timeout=10)
+    assert shard.read_bytes() == b"planted" and os.readlink(dest / ".current").startswith(".versions/1-")
