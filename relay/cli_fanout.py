@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from relay.cli_relay import _options
+from relay.cli_relay import _options, add_trusted_key
 from relay.fanout import Destination, Fanout
 
 
@@ -121,7 +121,7 @@ def _status_writer(path: str | None):
 def _relay(args: argparse.Namespace) -> int:
     source, source_options, dests = _from_args(args)
     fan = Fanout(source, dests, source_options=source_options, poll_interval=args.poll_interval,
-                 workers=args.workers, retry_max=args.retry_max)
+                 workers=args.workers, retry_max=args.retry_max, trusted_keys=args.trusted_key)
     on_status = _status_writer(args.status_file)
     if not args.once:
         try:
@@ -169,6 +169,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-max", type=float, default=30.0, metavar="S", help="longest backoff of a failing region")
     p.add_argument("--status-file", metavar="PATH", help="keep per-region lag and bytes in this JSON file")
     p.add_argument("--status-every", type=float, default=30.0, metavar="S", help="log per-region lag this often")
+    add_trusted_key(p)
     p.set_defaults(func=_relay)
 
     p = subparsers.add_parser("demo", help="the whole pipeline on local S3 servers: train, publish, relay, watch")

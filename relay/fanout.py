@@ -16,6 +16,12 @@ from the origin's newest snapshot, not from its whole history. New snapshots are
 deltas of the head, so a multi-megabyte snapshot never delays the next step. Everything is
 idempotent: objects are create-only and compared on collision, the manifest is a compare-and-swap,
 so a restart at any point (or two relays on one destination) is safe.
+
+Signed runs (docs/SECURITY.md): a signature covers the whole origin manifest, so a region cannot
+be given a trimmed copy. When the origin manifest is signed the relay copies every object it
+names (each checked against its SHA-256) and then commits the origin's bytes unchanged,
+signatures included. With `trusted_keys` the relay also refuses an origin manifest that is
+unsigned or not signed by one of them, so a forged origin never reaches the regions.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, Step
-from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, Store, content_tag, open_store
+from relay.signing import TrustedKeys
+from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +113,12 @@ class _SourceCache:
             data = self.store.get(ref.key)
             with self._lock:
                 self.bytes_read += len(data)
-            if len(data) == ref.size and content_tag(data) == ref.xxh3:
+            problem = ref.matches(data)  # size, xxh3 and, in a signed manifest, SHA-256
+            if problem is None:
                 return data
-            log.warning("%s/%s: %d bytes with xxh3 %s, manifest says %d bytes with xxh3 %s (%s)", self.store.url,
-                        ref.key, len(data), content_tag(data), ref.size, ref.xxh3,
+            log.warning("%s/%s: %s (%s)", self.store.url, ref.key, problem,
                         "refetching" if attempt == 0 else "giving up")
-        raise CopyError(f"{self.store.url}/{ref.key}: does not match the origin manifest "
-                        f"({len(data)} bytes, xxh3 {content_tag(data)}; expected {ref.size}, {ref.xxh3})")
+        raise CopyError(f"{self.store.url}/{ref.key}: does not match the origin manifest ({ref.matches(data)})")
 
     def get(self, ref: ObjRef) -> bytes:
         with self._lock:
@@ -167,11 +173,13 @@ class Fanout:
     retry_initial / retry_max: per-destination backoff after a failure.
     recheck_interval: a region in sync re-reads its own manifest this often, so an emptied or
     recreated bucket is re-seeded even while the origin is idle.
+    trusted_keys: Ed25519 public keys (PEM paths): only origin manifests signed by one of them are mirrored.
     """
 
     def __init__(self, source: str | Store, destinations: list[Destination], *, source_options: dict | None = None,
                  poll_interval: float = 1.0, workers: int = 4, cache_bytes: int = 1 << 30,
-                 retry_initial: float = 0.5, retry_max: float = 30.0, recheck_interval: float = 30.0) -> None:
+                 retry_initial: float = 0.5, retry_max: float = 30.0, recheck_interval: float = 30.0,
+                 trusted_keys: Any = None) -> None:
         if not destinations:
             raise ValueError("the relay needs at least one destination")
         names = [d.name for d in destinations]
@@ -185,6 +193,7 @@ class Fanout:
         self.retry_initial = retry_initial
         self.retry_max = retry_max
         self.recheck_interval = recheck_interval
+        self.trusted = TrustedKeys.from_option(trusted_keys)
         self._cache = _SourceCache(self.source, cache_bytes)
         self.regions: dict[str, _Region] = {
             d.name: _Region(d, d.store if d.store is not None else open_store(d.url, d.storage_options))
@@ -193,6 +202,7 @@ class Fanout:
         self._stop = threading.Event()
         self._origin: Manifest | None = None
         self._origin_etag: str | None = None
+        self._origin_data: bytes | None = None  # the origin manifest's bytes: a signed one is mirrored as is
         self._seen: dict[int, tuple[float, float]] = {}  # origin head -> (monotonic, wall) when first seen
         self._source_error: str | None = None
         self._last_sig: tuple | None = None
@@ -213,7 +223,9 @@ class Fanout:
             return False
         try:
             m = Manifest.parse(got.data, f"{self.source.url}/manifest.json")
-        except ManifestError as exc:
+            if self.trusted is not None:
+                self.trusted.verify(m, f"{self.source.url}/manifest.json")
+        except ManifestError as exc:  # SignatureError included: a forged origin goes no further
             log.error("%s: refusing the origin manifest: %s", self.source.url, exc)
             return False
         now = (time.monotonic(), time.time())
@@ -226,7 +238,7 @@ class Fanout:
             self._seen.setdefault(m.head, now)
             while len(self._seen) > 10000:
                 del self._seen[min(self._seen)]
-            self._origin, self._origin_etag = m, got.etag
+            self._origin, self._origin_etag, self._origin_data = m, got.etag, got.data
             self._cond.notify_all()
         return True
 
@@ -260,8 +272,9 @@ class Fanout:
             for f in [pool.submit(self._copy, region, r) for r in missing]:
                 f.result()
 
-    def _commit(self, region: _Region, new: Manifest, current_data: bytes | None, etag: str | None) -> str | None:
-        data = new.to_bytes()
+    def _commit(self, region: _Region, new: Manifest, current_data: bytes | None, etag: str | None,
+                raw: bytes | None = None) -> str | None:
+        data = new.to_bytes() if raw is None else raw
         if data == current_data:
             return etag
         try:
@@ -293,7 +306,7 @@ class Fanout:
         Returns False early when the origin moves on during a snapshot copy (the head comes first).
         """
         with self._cond:
-            m, origin_etag = self._origin, self._origin_etag
+            m, origin_etag, origin_data = self._origin, self._origin_etag, self._origin_data
         if m is None:
             return False
         # Our own last commit stands for the regional manifest (saving a cross-region round trip per
@@ -330,6 +343,13 @@ class Fanout:
             for prefix in LAYOUT_PREFIXES:
                 listed.update(region.store.list(prefix))
             region.known = listed
+        if m.signatures:  # a signature covers the whole manifest: mirror it as is, after every object it names
+            self._ensure(region, _manifest_refs(m))
+            self._commit(region, m, None if got is None else got.data, None if got is None else got.etag,
+                         raw=origin_data)
+            with self._cond:
+                region.synced_etag, region.synced_head = origin_etag, m.head
+            return True
         target = trim(m, choose_floor(m, current))
         floor = target.snapshots[0].step
         extra = {s.step for s in target.snapshots

@@ -289,3 +289,47 @@ def test_cli_publish_and_watch_with_keys(tmp_path, trainer, keys, capsys):
     assert cli_main(["gc", url, "--keep-snapshots", "1"]) == 1
     assert "signing key" in capsys.readouterr().err
     assert cli_main(["gc", url, "--keep-snapshots", "1", "--signing-key", str(keys["a"][0])]) == 0
+
+
+# -- the regional relay --------------------------------------------------------------------------------
+def test_relay_mirrors_signed_manifests_unchanged(file_run, trainer, keys, tmp_path):
+    from relay.fanout import Destination, Fanout
+
+    states = publish_steps(file_run.url, trainer, 5, signing_key=keys["a"][0])
+    origin = open_store(file_run.url)
+    regions = [Destination("keys", f"file://{tmp_path}/eu/run"), Destination("nokeys", f"file://{tmp_path}/ap/run")]
+    assert Fanout(file_run.url, regions[:1], trusted_keys=[keys["a"][1]], poll_interval=0.05).sync_once(timeout=30)
+    assert Fanout(file_run.url, regions[1:], poll_interval=0.05).sync_once(timeout=30)  # no keys: still verbatim
+    for d in regions:
+        assert open_store(d.url).read_manifest().data == origin.read_manifest().data
+        w = Watcher(d.url, tmp_path / f"dest-{d.name}", trusted_keys=[keys["a"][1]])
+        assert w.sync(timeout=10) == 4 and same_bits(w.tensors, states[4])
+
+
+def test_relay_with_keys_refuses_forged_or_unsigned_origin(file_run, trainer, keys, tmp_path, caplog):
+    from relay.fanout import Destination, Fanout
+
+    publish_steps(file_run.url, trainer, 3, signing_key=keys["a"][0])
+    region = Destination("eu", f"file://{tmp_path}/eu/run")
+    assert Fanout(file_run.url, [region], trusted_keys=[keys["a"][1]], poll_interval=0.05).sync_once(timeout=30)
+    good = open_store(region.url).read_manifest().data
+    origin = open_store(file_run.url)
+    m = Manifest.parse(origin.read_manifest().data)
+    for forged, why in ((m.to_bytes(signer=Signer(keys["b"][0])), "none of them trusted"), (m.to_bytes(), "unsigned")):
+        commit_raw(origin, forged)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            assert not Fanout(file_run.url, [region], trusted_keys=[keys["a"][1]],
+                              poll_interval=0.05).sync_once(timeout=0.5)
+        assert "refusing the origin manifest" in caplog.text and why in caplog.text
+        assert open_store(region.url).read_manifest().data == good
+
+
+def test_relay_cli_trusted_key(file_run, trainer, keys, tmp_path, capsys):
+    publish_steps(file_run.url, trainer, 2, signing_key=keys["a"][0])
+    dest = f"file://{tmp_path}/eu/run"
+    base = ["relay", "--source", file_run.url, "--dest", dest, "--once", "--poll-interval", "0.05"]
+    assert cli_main(base + ["--timeout", "0.5", "--trusted-key", str(keys["b"][1])]) != 0
+    assert open_store(dest).read_manifest() is None
+    assert cli_main(base + ["--timeout", "30", "--trusted-key", str(keys["a"][1])]) == 0
+    assert open_store(dest).read_manifest().data == open_store(file_run.url).read_manifest().data
