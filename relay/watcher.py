@@ -70,23 +70,48 @@ class Plan:
 
 
 def plan_path(m: Manifest, held: int | None, excluded: set[str] = frozenset()) -> Plan | None:
-    """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain."""
-    options = []
-    if held is not None:
-        chain = m.chain(held)
-        if chain is not None:
-            options.append(Plan(None, chain, 0))
+    """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
+
+    Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
+    cannot stall the reader: trying m.chain() from every snapshot would be quadratic. Ties go to
+    the held step, then to the oldest snapshot.
+    """
+    steps = m.steps
+    n = len(steps)
+    index = {s.step: i for i, s in enumerate(steps)}
+    lowest = n - 1  # a chain from steps[i] reaches the head iff i >= lowest
+    while lowest > 0 and steps[lowest].parts is not None and steps[lowest].parent == steps[lowest - 1].step:
+        lowest -= 1
+    tail = [0] * n  # bytes of the parts of every step after i
+    for i in range(n - 1, 0, -1):
+        parts = steps[i].parts or ()
+        tail[i - 1] = tail[i] + sum(p.ref.size for p in parts)
+        if i > lowest and any(p.ref.key in excluded for p in parts):
+            lowest = i  # chains that apply an excluded part are out
+    head = steps[-1].record
+    best: Plan | None = None
+    best_i = -1
+
+    def consider(snap: Snapshot | None, i: int) -> None:
+        nonlocal best, best_i
+        if i < lowest:
+            return
+        refs = [] if snap is None else [snap.index, *snap.files, steps[i].record]
+        if i < n - 1:
+            refs.append(head)
+        if any(r.key in excluded for r in refs):
+            return
+        cost = tail[i] + sum(r.size for r in refs)
+        if best is None or cost < best.cost:
+            best, best_i = Plan(snap, [], cost), i
+
+    if held is not None and held in index:
+        consider(None, index[held])
     for snap in m.snapshots:
-        chain = m.chain(snap.step)
-        if chain is not None:
-            options.append(Plan(snap, chain, 0))
-    good = []
-    for p in options:
-        refs = p.keys(m)
-        if not any(r.key in excluded for r in refs):
-            p.cost = sum(r.size for r in refs)
-            good.append(p)
-    return min(good, key=lambda p: p.cost) if good else None
+        consider(snap, index[snap.step])
+    if best is not None:
+        best.steps = steps[best_i + 1:]
+    return best
 
 
 class Reader:
@@ -328,6 +353,22 @@ class Watcher:
         versions = self.dest / ".versions"
         versions.mkdir(exist_ok=True)
         name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._write_version(m, rec, tensors, versions, name)
+        except BaseException:
+            # A failed write (disk full, I/O error) must not leave a partial version behind: it would hold
+            # the space the next attempt needs until a restart. Past the swap the new version is DEST's.
+            if os.path.realpath(self.dest / ".current") != os.path.realpath(versions / name):
+                shutil.rmtree(versions / f".{name}.tmp", ignore_errors=True)
+                shutil.rmtree(versions / name, ignore_errors=True)
+                for p in self.dest.glob(".current.tmp-*"):
+                    p.unlink(missing_ok=True)
+                self._drop_dangling()
+            raise
+
+    def _write_version(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], versions: Path,
+                       name: str) -> None:
+        """Write the step as .versions/<name>, then make it DEST's step with one atomic swap of .current."""
         tmp = versions / f".{name}.tmp"
         tmp.mkdir()
         checkpoint.write_dir(tensors, tmp, checkpoint.Layout(True, rec.weight_map, {"step": str(rec.step)}))
