@@ -293,3 +293,82 @@ def test_dest_symlink_planted_by_another_user_is_not_followed(tmp_path):
     with pytest.raises(SyncError, match="regular file"):
         w.sync(timeout=10)
     assert shard.read_bytes() == b"planted" and os.readlink(dest / ".current").startswith(".versions/1-")
+
+
+# -- planning is linear in the manifest ------------------------------------------------------------------
+def reference_plan(m: Manifest, held, excluded):
+    """The plain definition: every candidate (the held chain, each snapshot and its chain), the cheapest wins."""
+    options = []
+    if held is not None and m.chain(held) is not None:
+        options.append((None, m.chain(held)))
+    options += [(snap, m.chain(snap.step)) for snap in m.snapshots if m.chain(snap.step) is not None]
+    best = None
+    for snap, chain in options:
+        refs = [] if snap is None else [snap.index, *snap.files, m.step(snap.step).record]
+        refs += [p.ref for s in chain for p in s.parts]
+        refs += [chain[-1].record] if chain else []
+        if any(r.key in excluded for r in refs):
+            continue
+        cost = sum(r.size for r in refs)
+        if best is None or cost < best[0]:
+            best = (cost, snap, [s.step for s in chain])
+    return best
+
+
+@st.composite
+def manifests(draw):
+    from relay.manifest import Part, Snapshot
+
+    n = draw(st.integers(1, 12))
+    nums = sorted(draw(st.sets(st.integers(0, 40), min_size=n, max_size=n)))
+    snap_at = {nums[0]} | {x for x in nums if draw(st.booleans())}
+    steps, snaps = [], []
+    for i, x in enumerate(nums):
+        rec = ObjRef(f"records/{x}.json", draw(st.integers(1, 50)), H32)
+        linked = i > 0 and (x not in snap_at or draw(st.booleans())) and draw(st.integers(0, 5)) > 0
+        parts = tuple(Part(ObjRef(f"deltas/{x}-{j}.drd", draw(st.integers(0, 500)), H32))
+                      for j in range(draw(st.integers(1, 2)))) if linked else None
+        if not linked:
+            snap_at.add(x)
+        steps.append(Step(x, rec, nums[i - 1] if linked else None, parts))
+        if x in snap_at:
+            files = tuple(ObjRef(f"snapshots/{x}/m{j}.safetensors", draw(st.integers(1, 3000)), H32)
+                          for j in range(draw(st.integers(1, 2))))
+            snaps.append(Snapshot(x, ObjRef(f"snapshots/{x}/model.safetensors.index.json", 5, H32), files))
+    m = Manifest("r", nums[-1], steps, snaps).validate()
+    keys = sorted(m.referenced())
+    excluded = set(draw(st.lists(st.sampled_from(keys), max_size=3)))
+    held = draw(st.none() | st.sampled_from(nums) | st.integers(0, 45))
+    return m, held, excluded
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=manifests())
+def test_plan_matches_the_definition(case):
+    from relay.watcher import plan_path
+
+    m, held, excluded = case
+    want = reference_plan(m, held, excluded)
+    got = plan_path(m, held, excluded)
+    if want is None:
+        assert got is None
+    else:
+        assert (got.cost, got.snapshot, [s.step for s in got.steps]) == want
+
+
+def test_long_manifest_plans_in_linear_time():
+    """10k steps each with a snapshot: trying every snapshot's chain would be 10^8 steps of Python."""
+    from relay.manifest import Part, Snapshot
+    from relay.watcher import plan_path
+
+    n = 10_000
+    steps = [Step(0, ObjRef("records/0.json", 1, H32))] + [
+        Step(i, ObjRef(f"records/{i}.json", 1, H32), i - 1, (Part(ObjRef(f"deltas/{i}-0.drd", 1000, H32)),))
+        for i in range(1, n)]
+    snaps = [Snapshot(i, ObjRef(f"snapshots/{i}/model.safetensors.index.json", 1, H32),
+                      (ObjRef(f"snapshots/{i}/m.safetensors", 10**9, H32),)) for i in range(n)]
+    m = Manifest("r", n - 1, steps, snaps)
+    start = time.monotonic()
+    plan = plan_path(m, 3)
+    assert time.monotonic() - start < 5.0
+    assert plan.snapshot is None and len(plan.steps) == n - 4
