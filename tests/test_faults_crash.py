@@ -1,0 +1,288 @@
+"""Crash safety of the watcher's directory: SIGKILL at random times and at each point of download, apply
+and persist, then a restart; and a destination disk that fills up.
+
+The watcher runs as a real process (`python -m relay.cli watch ...`) against a moto server. Kills at a
+chosen point use a `sitecustomize` placed on PYTHONPATH for that process only: once `relay.watcher` is
+imported it installs a profile hook that sends SIGKILL to its own process when the named function (or
+builtin, such as os.replace) is called from the named caller. No relay code is changed or mocked. After
+every kill DEST must show the old step or the new one, complete and bit-exact, never a mix; a restarted
+watcher must clean up what the crash left and reach the head.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save as st_save
+
+import relay
+from faultproxy import FaultProxy, Oracle
+from relay import checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH = 384  # ~170k BF16 parameters: big enough that a sync spans several requests and writes
+
+SITECUSTOMIZE = r'''
+import os, signal, sys, threading
+_spec = os.environ.get("RELAY_KILL_AT")  # event:function:callers:count; callers "a|b", or "*" for any
+if _spec:
+    _event, _name, _caller, _count = _spec.split(":")
+    _count, _seen, _lock = int(_count), [0], threading.Lock()
+
+    def _hook(frame, event, arg):
+        if event != _event:
+            return
+        if event.startswith("c_"):
+            name, caller = getattr(arg, "__name__", ""), frame.f_code.co_name
+        else:
+            name, caller = frame.f_code.co_name, frame.f_back.f_code.co_name if frame.f_back else ""
+        if name != _name or (_caller != "*" and caller not in _caller.split("|")):
+            return
+        with _lock:
+            _seen[0] += 1
+            if _seen[0] == _count:
+                with open(os.environ["RELAY_KILL_MARK"], "w") as f:
+                    f.write(_spec)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    class _Arm:
+        def find_spec(self, name, path=None, target=None):
+            if name == "relay.watcher":  # imported on the main thread: arm it and every later thread
+                sys.meta_path.remove(self)
+                sys.setprofile(_hook)
+                threading.setprofile(_hook)
+            return None
+
+    sys.meta_path.insert(0, _Arm())
+'''
+
+# (label, event, function, caller, count, step DEST must show after the kill: "old" or "new")
+KILL_POINTS = [
+    ("download: between object GETs", "call", "_fetch_one", "*", 2, "old"),
+    ("apply: codec.apply_ of the delta", "call", "apply_", "_execute", 1, "old"),
+    ("persist: writing the shards", "call", "save_file", "write_dir", 1, "old"),
+    ("persist: fsync of the new version", "c_call", "fsync", "_persist|_write_version", 1, "old"),
+    ("persist: rename of the finished version", "c_call", "rename", "_persist|_write_version", 1, "old"),
+    ("persist: visible symlinks created", "c_call", "symlink", "_persist|_write_version", 1, "old"),
+    ("persist: just before the .current swap", "c_call", "replace", "_persist|_write_version", 1, "old"),
+    ("persist: just after the .current swap", "c_return", "replace", "_persist|_write_version", 1, "new"),
+    ("persist: removing the old version", "call", "rmtree", "_persist|_write_version", 1, "new"),
+]
+
+
+def watch_cmd(url: str, dest: Path, options: dict) -> list[str]:
+    return [sys.executable, "-m", "relay.cli", "watch", url, "--dest", str(dest), "--poll-interval", "0.05",
+            "--storage-options", json.dumps(options)]
+
+
+def leftovers(dest: Path) -> list[str]:
+    """What a crash may leave and a restart must remove: extra or temporary versions, swap links, dangling names."""
+    out = []
+    versions = dest / ".versions"
+    if versions.is_dir():
+        current = os.path.basename(os.readlink(dest / ".current")) if (dest / ".current").is_symlink() else None
+        out += [f".versions/{v.name}" for v in versions.iterdir() if v.name != current]
+    out += [p.name for p in dest.glob(".current.tmp-*")]
+    out += [p.name for p in dest.iterdir() if p.is_symlink() and not p.name.startswith(".") and not p.exists()]
+    return sorted(out)
+
+
+@pytest.fixture
+def run(s3_run):
+    return s3_run
+
+
+@pytest.mark.slow
+def test_sigkill_at_each_point_of_download_apply_persist(run, trainer, tmp_path, record_property):
+    """For each point of a sync (a GET, the delta's apply, the shard writes, fsync, rename, symlinks, just before
+    and after the atomic swap, the cleanup), a watcher process holding step k is SIGKILLed there while reaching
+    k+1: DEST shows k before the swap and k+1 after it, complete and bit-exact; a restart tidies and converges."""
+    oracle, t = Oracle(), trainer(seed=30, width=WIDTH)
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook_dir), str(ROOT)])}
+    pub = relay.Publisher(run.url, storage_options=run.options, snapshot_every=100, background=False)
+    step = 0
+    oracle.published(step, state := t.step())
+    pub.publish(state, step)
+    rows = []
+    for i, (label, event, name, caller, count, expect) in enumerate(KILL_POINTS):
+        dest = tmp_path / f"dest{i}"
+        relay.Watcher(run.url, dest, storage_options=run.options).sync()  # holds the head, k
+        old = step
+        step += 1
+        oracle.published(step, state := t.step())
+        pub.publish(state, step)
+        mark = tmp_path / f"killed{i}"
+        proc = subprocess.run(watch_cmd(run.url, dest, run.options), cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env={**env, "RELAY_KILL_AT": f"{event}:{name}:{caller}:{count}",
+                                                "RELAY_KILL_MARK": str(mark)})
+        assert proc.returncode == -signal.SIGKILL and mark.exists(), (label, proc.returncode, proc.stderr[-2000:])
+        shown = oracle.dest(dest, allowed={old if expect == "old" else step})
+        left = leftovers(dest)
+        w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.hook(f"dest{i}"))
+        assert leftovers(dest) == [] and w.step == shown, (label, leftovers(dest))
+        assert w.sync() == step and oracle.dest(dest) == step
+        rows.append(f"{label}: showed {shown}, left {len(left)}")
+    pub.close()
+    oracle.ok()
+    record_property("injected", f"SIGKILL at {len(KILL_POINTS)} points of one sync")
+    record_property("observed", "; ".join(rows))
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_times(run, trainer, tmp_path, record_property):
+    """A watcher process behind a slow link is SIGKILLed at a random moment of each of 6 syncs and restarted:
+    after every kill DEST holds the step it held or the new one, complete and bit-exact; it ends on the head."""
+    rng = random.Random(31)
+    oracle, t = Oracle(), trainer(seed=32, width=WIDTH)
+    proxy = FaultProxy(run.region.endpoint, seed=33).start()
+    proxy.add("delay", methods=("GET",), key=r"/(deltas|snapshots|records)/", seconds=0.08)
+    opts = proxy.options(run.options)
+    dest = tmp_path / "dest"
+    pub = relay.Publisher(run.url, storage_options=run.options, snapshot_every=3, background=False)
+    step, shown, outcomes = 0, None, []
+    try:
+        for rnd in range(6):
+            proc = subprocess.Popen(watch_cmd(run.url, dest, opts), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                if rnd > 0:  # wait until it is idle on the head, so the kill lands in the next sync
+                    deadline = time.monotonic() + 60
+                    while oracle.dest(dest) != step:
+                        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr and proc.stderr.read()
+                        time.sleep(0.05)
+                    step += 1
+                old = oracle.dest(dest)
+                oracle.published(step, state := t.step())
+                pub.publish(state, step)
+                time.sleep(rng.uniform(0.0, 0.5))
+            finally:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                proc.stderr.close()
+            shown = oracle.dest(dest, allowed={old, step} - {None} or None)
+            outcomes.append("old" if shown == old else "new")
+        w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.on_update)
+        assert leftovers(dest) == [] and w.sync() == step and oracle.dest(dest) == step
+    finally:
+        proxy.stop()
+        pub.close()
+    oracle.ok()
+    record_property("injected", f"SIGKILL x{len(outcomes)} at random times (0-0.5 s after a publish)")
+    record_property("observed", f"DEST showed old step x{outcomes.count('old')}, new step x{outcomes.count('new')}, "
+                                f"never a mix; restart reached the head")
+
+
+class DiskQuota:
+    """A destination disk of `capacity` bytes, for the writes the watcher's persist path makes.
+
+    Why not a real full filesystem: no small tmpfs or loop device is available to an unprivileged test, and
+    filling the shared disk would hurt everything else on the machine. So the real code path runs and only
+    its write primitives are wrapped: safetensors' save_file (the shards, via relay.checkpoint),
+    Path.write_text (index and state file) and os.symlink under DEST. A write that does not fit writes what
+    fits, then raises ENOSPC, as a filling disk does; nothing outside DEST is affected.
+    """
+
+    def __init__(self, dest: Path, capacity: int) -> None:
+        self.dest = str(dest.resolve())
+        self.capacity = capacity
+        self.refusals = 0
+        self._save_file = checkpoint.save_file
+        self._write_text = Path.write_text
+        self._symlink = os.symlink
+
+    def used(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.dest):
+            for f in files:
+                p = os.path.join(root, f)
+                if not os.path.islink(p):
+                    total += os.path.getsize(p)
+        return total
+
+    def _mine(self, path) -> bool:
+        return os.path.abspath(os.fspath(path)).startswith(self.dest + os.sep)
+
+    def _write(self, path, data: bytes) -> None:
+        room = self.capacity - self.used()
+        with open(path, "wb") as f:
+            f.write(data[:max(room, 0)])
+        if len(data) > room:
+            self.refusals += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+
+    def save_file(self, tensors, filename, metadata=None):
+        if not self._mine(filename):
+            return self._save_file(tensors, filename, metadata=metadata)
+        self._write(filename, st_save(tensors, metadata=metadata))
+
+    def write_text(self, path_self, data, encoding=None, errors=None, newline=None):
+        if not self._mine(path_self):
+            return self._write_text(path_self, data, encoding=encoding, errors=errors, newline=newline)
+        self._write(path_self, data.encode(encoding or "utf-8"))
+        return len(data)
+
+    def symlink(self, src, dst, *a, **kw):
+        if self._mine(dst) and self.used() >= self.capacity:
+            self.refusals += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(dst))
+        return self._symlink(src, dst, *a, **kw)
+
+    def install(self, monkeypatch) -> "DiskQuota":
+        monkeypatch.setattr(checkpoint, "save_file", self.save_file)
+        monkeypatch.setattr(Path, "write_text", lambda path, *a, **kw: self.write_text(path, *a, **kw))
+        monkeypatch.setattr(os, "symlink", self.symlink)
+        return self
+
+
+def test_destination_disk_full(run, trainer, tmp_path, monkeypatch, caplog, record_property):
+    """DEST's disk has room for the held step and half of the next: each sync fails with ENOSPC, is logged,
+    leaves the held step readable and no partial version behind, and never calls on_update. Once there is room
+    for exactly one more version, the watcher converges."""
+    caplog.set_level(logging.INFO, logger="relay")
+    oracle, t = Oracle(), trainer(seed=34, width=WIDTH)
+    dest = tmp_path / "dest"
+    pub = relay.Publisher(run.url, storage_options=run.options, snapshot_every=100, background=False)
+    for step in range(3):
+        oracle.published(step, state := t.step())
+        pub.publish(state, step)
+    w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.on_update, poll_interval=0.02)
+    assert w.sync() == 2
+    size = DiskQuota(dest, 0).used()
+    quota = DiskQuota(dest, capacity=size + size // 2).install(monkeypatch)
+    for step in (3, 4):
+        oracle.published(step, state := t.step())
+        pub.publish(state, step)
+        for _ in range(3):  # the watcher retries at every poll; the disk stays full
+            with pytest.raises(OSError) as err:
+                w.sync()
+            assert err.value.errno == errno.ENOSPC
+            assert oracle.dest(dest) == 2 and w.step == 2
+            assert leftovers(dest) == [], "a failed persist left a partial version taking the space"
+    runner = threading.Thread(target=w.run, daemon=True)  # as a rollout host runs it: failures are logged
+    runner.start()
+    time.sleep(0.3)
+    w.stop()
+    runner.join(10)
+    assert "sync failed, keeping step 2" in caplog.text and "No space left on device" in caplog.text
+    assert oracle.updates.get("watcher") == [2] and w.step == 2 and leftovers(dest) == []
+    quota.capacity = 2 * size + size // 10  # room for the held version and one more, not for leftovers
+    assert w.sync() == 4 and oracle.dest(dest) == 4 and leftovers(dest) == []
+    pub.close()
+    oracle.ok()
+    record_property("injected", f"ENOSPC x{quota.refusals} on DEST writes (quota of 1.5 versions)")
+    record_property("observed", "held step 2 through 6 failed syncs, no partial version left; reached 4 once "
+                                "there was room for one version")
