@@ -146,10 +146,6 @@ class Signer:
         """The matching public keys (a resumed publisher checks the run it continues)."""
         return TrustedKeys([k.public_key() for k in self.keys])
 
-    def sign_manifest(self, m: Manifest) -> bytes:
-        """The manifest's bytes with a signature per key over its signed payload (SHA-256 of every object included)."""
-        return m.to_bytes(signer=self)
-
 
 @dataclass(frozen=True)
 class Verified:
