@@ -114,27 +114,40 @@ def test_sigkill_at_each_point_of_download_apply_persist(run, trainer, tmp_path,
     (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook_dir), str(ROOT)])}
     pub = relay.Publisher(run.url, storage_options=run.options, snapshot_every=100, background=False)
-    step = 0
-    oracle.published(step, state := t.step())
-    pub.publish(state, step)
-    rows = []
-    for i, (label, event, name, caller, count, expect) in enumerate(KILL_POINTS):
-        dest = tmp_path / f"dest{i}"
-        relay.Watcher(run.url, dest, storage_options=run.options).sync()  # holds the head, k
-        old = step
-        step += 1
+    for step in range(2):
         oracle.published(step, state := t.step())
         pub.publish(state, step)
-        mark = tmp_path / f"killed{i}"
-        proc = subprocess.run(watch_cmd(run.url, dest, run.options), cwd=ROOT, capture_output=True, text=True,
-                              timeout=60, env={**env, "RELAY_KILL_AT": f"{event}:{name}:{caller}:{count}",
-                                                "RELAY_KILL_MARK": str(mark)})
-        assert proc.returncode == -signal.SIGKILL and mark.exists(), (label, proc.returncode, proc.stderr[-2000:])
-        shown = oracle.dest(dest, allowed={old if expect == "old" else step})
+    dests = [tmp_path / f"dest{i}" for i in range(len(KILL_POINTS))]
+    for dest in dests:
+        relay.Watcher(run.url, dest, storage_options=run.options).sync()  # each holds step 1
+    oracle.published(2, state := t.step())
+    pub.publish(state, 2)
+    rows = []
+    for batch in range(0, len(KILL_POINTS), 3):  # three processes at a time: independent DESTs, one head
+        procs = {}
+        for i in range(batch, min(batch + 3, len(KILL_POINTS))):
+            label, event, name, caller, count, _ = KILL_POINTS[i]
+            procs[i] = subprocess.Popen(
+                watch_cmd(run.url, dests[i], run.options), cwd=ROOT, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, text=True,
+                env={**env, "RELAY_KILL_AT": f"{event}:{name}:{caller}:{count}",
+                     "RELAY_KILL_MARK": str(tmp_path / f"killed{i}")})
+        for i, proc in procs.items():
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            label = KILL_POINTS[i][0]
+            assert proc.returncode == -signal.SIGKILL and (tmp_path / f"killed{i}").exists(), \
+                (label, proc.returncode, err[-2000:])
+    for i, (label, *_, expect) in enumerate(KILL_POINTS):
+        dest = dests[i]
+        shown = oracle.dest(dest, allowed={1 if expect == "old" else 2})
         left = leftovers(dest)
         w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.hook(f"dest{i}"))
         assert leftovers(dest) == [] and w.step == shown, (label, leftovers(dest))
-        assert w.sync() == step and oracle.dest(dest) == step
+        assert w.sync() == 2 and oracle.dest(dest) == 2
         rows.append(f"{label}: showed {shown}, left {len(left)}")
     pub.close()
     oracle.ok()

@@ -134,7 +134,7 @@ FAULT_MIXES = {
                             ("error_after", {"methods": ("PUT",), "status": 500, "code": "InternalError",
                                              "probability": 0.05}),
                             ("reset_after", {"methods": ("PUT",), "probability": 0.03})],
-    "timeouts": [("delay", {"seconds": 1.2, "probability": 0.06})],
+    "timeouts": [("delay", {"seconds": 1.0, "probability": 0.05})],
 }
 
 
@@ -152,21 +152,20 @@ def test_random_faults_publisher_and_watcher(origin, trainer, tmp_path, logs, re
     failures = 0
     with relay.Publisher(origin.url, storage_options=pub_opts, snapshot_every=4) as pub:
         follower = Follower(origin.url, tmp_path / "dest", w_opts, oracle)
-        for step in range(12):
+        for step in range(9):
             failures += publish(pub, oracle, t.step(), step)
             oracle.dest(follower.watcher.dest)
         for p in (pub_proxy, w_proxy):
             p.clear()
         pub.flush()
-    follower.wait(11)
+    follower.wait(8)
     follower.stop()
-    assert oracle.dest(tmp_path / "dest") == 11
+    assert oracle.dest(tmp_path / "dest") == 8
     oracle.ok()
     m = assert_store_complete(origin.store())
-    assert m.head == 11
+    assert m.head == 8
     assert pub_proxy.log and w_proxy.log, "no fault was injected"
-    text = logs.text
-    assert "Retryable error" in text or "maybe retryable" in text or "sync failed" in text or "publish" in text
+    assert any(s in logs.text for s in ("(SlowDown)", "(InternalError)", "Retryable error", "sync failed", "landed"))
     note(record_property, [pub_proxy, w_proxy], publish_failures=failures, watcher_updates=oracle.update_count,
          requests=pub_proxy.requests + w_proxy.requests)
 
