@@ -22,6 +22,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = "manifest.json"
+BODY_ATTEMPTS = 5  # S3 GETs whose body breaks off after the headers (s3fs retries only the request)
 
 
 class ConflictError(RuntimeError):
@@ -308,12 +310,27 @@ class S3Store(Store):
 
         return fsspec.asyn.sync(self.fs.loop, read)
 
+    def _get_with_body(self, key: str, **kw: Any) -> tuple[dict, bytes]:
+        """GetObject and its body. s3fs retries the request but not the body that follows it, so a body that
+        breaks off (a reset, a truncated response, a read timeout) is fetched again here, with s3fs's backoff."""
+        from s3fs.core import S3_RETRYABLE_ERRORS
+
+        for attempt in range(BODY_ATTEMPTS):
+            resp = self._get_object(key, **kw)
+            try:
+                return resp, self._read_body(resp)
+            except S3_RETRYABLE_ERRORS as exc:
+                if attempt == BODY_ATTEMPTS - 1:
+                    raise
+                log.info("%s/%s: the response body broke off (%s); fetching it again", self.url, key, exc)
+                time.sleep(min(0.1 * 1.7 ** attempt, 2.0))
+        raise AssertionError("unreachable")
+
     def get(self, key: str) -> bytes:
         try:
-            resp = self._get_object(key)
+            return self._get_with_body(key)[1]
         except FileNotFoundError:
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
-        return self._read_body(resp)
 
     def put_new(self, key: str, data: bytes) -> None:
         try:
@@ -346,7 +363,7 @@ class S3Store(Store):
     def read_manifest(self, if_none_match: str | None = None):
         kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
         try:
-            resp = self._get_object(MANIFEST_KEY, **kw)
+            resp, body = self._get_with_body(MANIFEST_KEY, **kw)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -354,7 +371,7 @@ class S3Store(Store):
             if status == 304 or code in ("304", "NotModified"):
                 return NOT_MODIFIED
             raise
-        return ManifestRead(self._read_body(resp), resp["ETag"])
+        return ManifestRead(body, resp["ETag"])
 
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
         cond = {"IfMatch": expected_etag} if expected_etag else {"IfNoneMatch": "*"}
