@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q -c constraints.txt
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-bench test demo bench corpora clean
+.PHONY: venv venv-bench test demo bench bench-fanout corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,9 @@ venv-bench: $(VENV)/.bench
 test: venv
 	$(PY) -m pytest -q
 
-# The main job: build a real-model corpus (three RL regimes) and print the codec bench table.
+# The main job: the whole pipeline on local S3 servers (origin + 3 regions), real pretrained model.
 demo: venv-bench
-	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 4 --out corpus/minilm-fp32-lr1e-6 --overwrite
-	$(PY) -m relay.cli bench corpus/minilm-fp32-lr1e-6 --chart out/bench-fp32-lr1e-6.png
+	$(PY) -m relay.cli demo --chart out/demo.png
 
 corpora: venv-bench
 	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 6 --out corpus/minilm-fp32-lr1e-6 --overwrite
@@ -34,7 +33,10 @@ corpora: venv-bench
 	$(PY) scripts/make_corpus.py --regime bf16-lr3e-6 --steps 6 --out corpus/minilm-bf16-lr3e-6 --overwrite
 
 bench: corpora
-	$(PY) -m relay.cli bench corpus/minilm-fp32-lr1e-6 corpus/minilm-fp32-lr5e-6-wd corpus/minilm-bf16-lr3e-6 --chart out/bench.png
+	$(PY) -m relay.cli bench corpus/minilm-fp32-lr1e-6 corpus/minilm-fp32-lr5e-6-wd corpus/minilm-bf16-lr3e-6 --workers 2 --chart out/bench.png
+
+bench-fanout: venv
+	$(PY) scripts/bench_fanout.py
 
 clean:
 	rm -rf $(VENV) corpus out
