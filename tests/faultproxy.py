@@ -38,6 +38,7 @@ import random
 import re
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -162,7 +163,7 @@ class FaultProxy:
         class Handler(_Handler):
             owner = proxy
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True, name="faultproxy")
@@ -236,6 +237,16 @@ def _flip(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     out = bytearray(data)
     out[pos // 8] ^= 1 << (pos % 8)
     return bytes(out), f"bit {pos % 8} of byte {pos // 8} of {len(data)}"
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that gave up (its timeout) while we stall or send: expected here, not worth a traceback."""
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
