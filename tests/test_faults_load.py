@@ -105,7 +105,7 @@ def test_burst_of_200_steps_slow_region(s3_run, trainer, tmp_path, record_proper
 
 
 def test_publisher_under_throttling(s3_run, trainer, tmp_path, caplog, record_property):
-    """503 SlowDown on 35% of the publisher's PUTs and 15% of its GETs for 15 steps, then every PUT of one delta
+    """503 SlowDown on 35% of the publisher's PUTs and 15% of its GETs for 10 steps, then every PUT of one delta
     throttled until the retries run out: requests are retried with growing waits; a publish that fails leaves the
     manifest naming only objects that were written (checked after every attempt); the same step then succeeds."""
     caplog.set_level(logging.DEBUG, logger="s3fs")
@@ -118,7 +118,7 @@ def test_publisher_under_throttling(s3_run, trainer, tmp_path, caplog, record_pr
     proxy.add("error", methods=("PUT",), status=503, code="SlowDown", probability=0.35)
     proxy.add("error", methods=("GET",), status=503, code="SlowDown", probability=0.15)
     try:
-        for step in range(15):
+        for step in range(10):
             oracle.published(step, state := t.step())
             while True:
                 attempts += 1
@@ -140,24 +140,24 @@ def test_publisher_under_throttling(s3_run, trainer, tmp_path, caplog, record_pr
         throttled = len(proxy.injected("error"))
 
         # hard throttling of one object: every try refused until s3fs's retries run out
-        proxy.add("error", methods=("PUT",), key=r"/deltas/15-0\.drd$", status=503, code="SlowDown", times=5)
-        oracle.published(15, state := t.step())
+        proxy.add("error", methods=("PUT",), key=r"/deltas/10-0\.drd$", status=503, code="SlowDown", times=5)
+        oracle.published(10, state := t.step())
         with pytest.raises(OSError, match="reduce your request rate"):
-            pub.publish(state, 15)
+            pub.publish(state, 10)
         m = named_objects_present(direct)
-        assert m.head == 14 and m.step(15) is None
-        tries = [i.at for i in proxy.injected("error", r"/deltas/15-0\.drd$")]
+        assert m.head == 9 and m.step(10) is None
+        tries = [i.at for i in proxy.injected("error", r"/deltas/10-0\.drd$")]
         gaps = [b - a for a, b in zip(tries, tries[1:])]
         assert len(tries) == 5 and all(b > a for a, b in zip(gaps, gaps[1:])), gaps  # exponential backoff
-        pub.publish(state, 15)  # the throttling is over: the same step goes through
+        pub.publish(state, 10)  # the throttling is over: the same step goes through
         pub.flush()
     finally:
         pub.close()
         proxy.stop()
     m = named_objects_present(direct)
-    assert m.head == 15
+    assert m.head == 10
     w = relay.Watcher(s3_run.url, tmp_path / "dest", storage_options=s3_run.options, on_update=oracle.on_update)
-    assert w.sync() == 15
+    assert w.sync() == 10
     oracle.ok()
     assert "SlowDown" in caplog.text or "reduce your request rate" in caplog.text
     record_property("injected", f"503 SlowDown x{throttled} at random, then x5 in a row on one delta")

@@ -327,8 +327,9 @@ def test_manifest_bit_flips(origin, trainer, record_property):
 
 
 def test_lost_write_and_deleted_object(origin, trainer, tmp_path, logs, record_property):
-    """A PUT the store acknowledged but never kept (deltas/5) and a snapshot shard deleted afterwards: watchers
-    wait (logged), hold their step, route around once a complete path exists, and never apply part of a chain."""
+    """A PUT the store acknowledged but never kept (deltas/5): the watcher waits (logged), holds its step, and
+    routes around it once a later snapshot gives a complete path. Then a shard of that snapshot vanishes: a new
+    host finds no complete path, shows nothing rather than part of a chain, and converges once the shard is back."""
     proxy, opts = origin.proxy(seed=15)
     proxy.add("drop", methods=("PUT",), key=r"/deltas/5-0\.drd$", times=1)
     oracle, t = Oracle(), trainer(seed=16)
