@@ -22,6 +22,7 @@ RANS_L = 1 << 31
 WORD_MASK = (1 << 32) - 1
 DIRECT = 8  # values below this are their own token
 SUB_BITS = 2
+COARSE_BITS = 8  # decode guess table: 256 entries per row
 
 
 def token_count(max_bits: int) -> int:
@@ -115,13 +116,17 @@ def dec_renorm(x, words, pos):
 
 
 @nb.njit(inline="always", cache=True)
-def dec_symbol(x, words, pos, cum, freq, sym_of_slot, row, scale):
-    """Decode one symbol with row `row` of 2-D tables (`sym_of_slot` from `slot_table`).
+def dec_symbol(x, words, pos, cum, freq, coarse, row, scale):
+    """Decode one symbol with row `row` of 2-D tables (`coarse` from `coarse_table`).
 
-    Tables are indexed in place, never sliced: a row view would cost reference counting
-    (atomic operations) on every symbol. Returns (symbol, x, pos)."""
+    The symbol is found from a 256-entry guess per row plus a short forward scan over `cum`:
+    full slot->symbol tables (2**scale bytes per row) miss the cache on every symbol, which
+    cost more than the rest of the decoder. Tables are indexed in place, never sliced (a row
+    view would cost reference counting per symbol). Returns (symbol, x, pos)."""
     slot = x & ((1 << scale) - 1)
-    s = sym_of_slot[row, slot]
+    s = coarse[row, slot >> (scale - COARSE_BITS)]
+    while cum[row, s + 1] <= slot:
+        s += 1
     x = freq[row, s] * (x >> scale) + slot - cum[row, s]
     x, pos = dec_renorm(x, words, pos)
     return s, x, pos
@@ -181,14 +186,17 @@ def normalize(counts: np.ndarray, scale: int, floor_all: bool) -> np.ndarray:
     return freq
 
 
-def slot_table(freq: np.ndarray) -> np.ndarray:
-    """Symbol of every slot in [0, 2**scale) for each table row: decoding is one lookup."""
-    rows = np.atleast_2d(freq)
-    out = np.stack([np.repeat(np.arange(r.size, dtype=np.uint8), r) for r in rows])
-    return out.reshape(freq.shape[:-1] + (out.shape[-1],))
+def coarse_table(cum: np.ndarray, scale: int) -> np.ndarray:
+    """Per row, the symbol holding slot `j << (scale - COARSE_BITS)` for each j: a 256-byte guess
+    that `dec_symbol` refines with a forward scan."""
+    rows = np.atleast_2d(cum)
+    starts = np.arange(1 << COARSE_BITS, dtype=np.int64) << (scale - COARSE_BITS)
+    out = np.stack([np.searchsorted(r, starts, side="right") - 1 for r in rows]).astype(np.uint8)
+    return out.reshape(cum.shape[:-1] + (1 << COARSE_BITS,))
 
 
 def cumulative(freq: np.ndarray) -> np.ndarray:
+    """Cumulative frequencies (int32: small tables stay in cache), one more column than `freq`."""
     cum = np.zeros(freq.shape[:-1] + (freq.shape[-1] + 1,), np.int64)
     np.cumsum(freq, axis=-1, out=cum[..., 1:])
-    return cum
+    return cum.astype(np.int32)

@@ -84,7 +84,8 @@ def _geometric_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     probs = powers[:, :-1] - powers[:, 1:]
     probs[:, -1] = powers[:, -2]  # the last token takes the whole tail
     freq = np.stack([rans.normalize(row, MASK_SCALE, floor_all=True) for row in probs])
-    return freq, rans.cumulative(freq), rans.slot_table(freq)
+    cum = rans.cumulative(freq)
+    return freq.astype(np.int32), cum, rans.coarse_table(cum, MASK_SCALE)
 
 
 def _token_base_py(tok: int) -> tuple[int, int]:
@@ -280,44 +281,40 @@ def _decode(b, words, x, lut, level_of_ctx, lanes, mcum, mfreq, mslot, vcum, vfr
     start = 0
     status = 0
     if lanes == 4:
+        # Two loops on purpose: the scan stays a few instructions long (one copy of the change
+        # handling, out of line) and leaves only when a group of four holds a change.
         n4 = n - n % 4
-        for i in range(0, n4, 4):
-            s0 = np.int64(lut[b[i] >> KEY_SHIFT])
-            s1 = S + lut[b[i + 1] >> KEY_SHIFT]
-            s2 = 2 * S + lut[b[i + 2] >> KEY_SHIFT]
-            s3 = 3 * S + lut[b[i + 3] >> KEY_SHIFT]
-            v0 = rem[s0] - 1
-            v1 = rem[s1] - 1
-            v2 = rem[s2] - 1
-            v3 = rem[s3] - 1
-            rem[s0] = v0
-            rem[s1] = v1
-            rem[s2] = v2
-            rem[s3] = v3
-            if (v0 == 0) | (v1 == 0) | (v2 == 0) | (v3 == 0):
-                if v0 == 0:
-                    x, pos, k, status = _on_change(i, s0, np.int64(b[i]), x, words, pos, k, expected, rem, lv_of_slot,
-                                                   out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key)
-                    if status:
-                        return out_pos, out_val, status
-                if v1 == 0:
-                    x, pos, k, status = _on_change(i + 1, s1, np.int64(b[i + 1]), x, words, pos, k, expected, rem,
+        i = 0
+        while True:
+            hit = False
+            while i < n4:
+                s0 = np.int64(lut[b[i] >> KEY_SHIFT])
+                s1 = S + lut[b[i + 1] >> KEY_SHIFT]
+                s2 = 2 * S + lut[b[i + 2] >> KEY_SHIFT]
+                s3 = 3 * S + lut[b[i + 3] >> KEY_SHIFT]
+                v0 = rem[s0] - 1
+                v1 = rem[s1] - 1
+                v2 = rem[s2] - 1
+                v3 = rem[s3] - 1
+                rem[s0] = v0
+                rem[s1] = v1
+                rem[s2] = v2
+                rem[s3] = v3
+                if (v0 == 0) | (v1 == 0) | (v2 == 0) | (v3 == 0):
+                    hit = True
+                    break
+                i += 4
+            if not hit:
+                break
+            for j in range(4):
+                slot = j * S + lut[b[i + j] >> KEY_SHIFT]
+                if rem[slot] == 0:
+                    x, pos, k, status = _on_change(i + j, slot, np.int64(b[i + j]), x, words, pos, k, expected, rem,
                                                    lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
                                                    vslot, vrow_of_key)
                     if status:
                         return out_pos, out_val, status
-                if v2 == 0:
-                    x, pos, k, status = _on_change(i + 2, s2, np.int64(b[i + 2]), x, words, pos, k, expected, rem,
-                                                   lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
-                                                   vslot, vrow_of_key)
-                    if status:
-                        return out_pos, out_val, status
-                if v3 == 0:
-                    x, pos, k, status = _on_change(i + 3, s3, np.int64(b[i + 3]), x, words, pos, k, expected, rem,
-                                                   lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
-                                                   vslot, vrow_of_key)
-                    if status:
-                        return out_pos, out_val, status
+            i += 4
         start = n4
     for i in range(start, n):
         slot = (i % lanes) * S + lut[b[i] >> KEY_SHIFT]
@@ -391,9 +388,9 @@ class ValueModel:
     """One value-token table per key, shared by every conditional tensor of a payload."""
 
     def __init__(self, freq: np.ndarray, keys: np.ndarray) -> None:
-        self.freq = freq  # (rows, VALUE_TOKENS)
+        self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
-        self.slots = rans.slot_table(freq) if freq.shape[0] else np.zeros((0, 1 << VALUE_SCALE), np.uint8)
+        self.slots = rans.coarse_table(self.cum, VALUE_SCALE) if freq.shape[0] else np.zeros((0, 1 << rans.COARSE_BITS), np.uint8)
         self.row_of_key = np.full(N_KEYS, -1, np.int64)
         self.row_of_key[keys] = np.arange(keys.size)
         self.keys = keys
