@@ -364,7 +364,7 @@ def test_lost_write_and_deleted_object(origin, trainer, tmp_path, logs, record_p
     note(record_property, [proxy], live_held=held, fresh_before_restore=None, fresh_after=9)
 
 
-def test_replication_delayed_and_out_of_order(origin, moto_regions, trainer, tmp_path, record_property):
+def test_replication_delayed_and_out_of_order(origin, moto_regions, trainer, tmp_path, logs, record_property):
     """A replica bucket in another region receives the manifest first and the objects late and in reverse
     order (what CRR allows). A watcher polling the replica throughout never shows a wrong or partial step and
     reaches the head."""
@@ -395,6 +395,7 @@ def test_replication_delayed_and_out_of_order(origin, moto_regions, trainer, tmp
     follower.wait(9)
     follower.stop()
     oracle.ok()
+    assert "no such object" in logs.text  # the replica's manifest named objects not there yet, and it said so
     note(record_property, [], objects_replicated=len(copied), polls_behind=behind,
          updates=oracle.update_count)
 
@@ -451,7 +452,7 @@ def test_replayed_manifest_is_refused(origin, moto_regions, trainer, tmp_path, l
 # -- racing publishers ----------------------------------------------------------------------------
 
 
-def test_two_publishers_race_under_faults(origin, trainer, tmp_path, record_property):
+def test_two_publishers_race_under_faults(origin, trainer, tmp_path, logs, record_property):
     """Two resumed publishers race for each of 6 steps while a third of the manifest PUTs come back 500 after
     the store applied them: exactly one wins each step, and the watcher holds exactly the winner's state."""
     proxy, opts = origin.proxy(seed=21)
@@ -462,7 +463,7 @@ def test_two_publishers_race_under_faults(origin, trainer, tmp_path, record_prop
     proxy.add("error_after", methods=("PUT",), key=r"/manifest\.json$", probability=0.35, status=500,
               code="InternalError")
     w = relay.Watcher(origin.url, tmp_path / "dest", storage_options=origin.options, on_update=oracle.on_update)
-    wins = []
+    wins, losses = [], []
     for step in range(1, 7):
         states = [a.step(), b.step()]
         pubs = [relay.Publisher(origin.url, storage_options=opts, resume=True, background=False) for _ in states]
@@ -484,12 +485,17 @@ def test_two_publishers_race_under_faults(origin, trainer, tmp_path, record_prop
             th.join(60)
         winners = [i for i, o in outcome.items() if o == "won"]
         assert len(winners) == 1, outcome
+        losses += [str(o) for o in outcome.values() if o != "won"]
         wins.append("ab"[winners[0]])
         oracle.published(step, states[winners[0]])
         assert origin.manifest().head == step
         assert w.sync() == step
     oracle.ok()
-    note(record_property, [proxy], winners="".join(wins))
+    said = " ".join(losses)  # each loser's error names why it lost: the head moved, or the step's record differs
+    assert all(("another publisher" in m or "already exists with other content" in m) for m in losses), said
+    note(record_property, [proxy], winners="".join(wins),
+         losers_told=f"{sum('another publisher' in m for m in losses)} head moved, "
+                     f"{sum('already exists' in m for m in losses)} record exists")
 
 
 # -- regional relay ---------------------------------------------------------------------------------
