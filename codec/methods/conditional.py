@@ -180,37 +180,42 @@ def _analyze(b, t, cap, lanes):
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode(pos, keys, ranks, zig, counts, ctx_of_key, level_of_ctx, mcum, mfreq, vcum, vfreq, vrow_of_key):
-    """rANS-code the changes in reverse of the order `_decode` consumes them (see docs/FORMAT.md)."""
+def _encode(pos, keys, ranks, zig, lanes, ctx_of_key, level_of_ctx, mcum, mfreq, vcum, vfreq, vrow_of_key):
+    """rANS-code the changes in reverse of the order `_decode` consumes them (docs/FORMAT.md):
+    first every context's gaps (context by context), then every value in tensor order."""
     nctx = level_of_ctx.size
-    lanes = counts.shape[0]
     k = keys.size
-    words = np.empty(8 * (k + lanes * nctx) + 16, np.int64)
+    words = np.empty(8 * k + 16, np.int64)
     nw = 0
     x = np.int64(rans.RANS_L)
-    last = np.empty(lanes * nctx, np.int64)  # rank of the next change (or the count) per (lane, context)
-    for lane in range(lanes):
-        for key in range(N_KEYS):
-            if ctx_of_key[key] >= 0:
-                last[lane * nctx + ctx_of_key[key]] = counts[lane, key]
-    for j in range(k - 1, -1, -1):
-        key = keys[j]
-        c = ctx_of_key[key]
-        slot = (pos[j] % lanes) * nctx + c
-        r = ranks[j]
-        gap = last[slot] - r - 1
-        last[slot] = r
-        lv = level_of_ctx[c]
-        tok, nbits, extra = rans.tokenize(gap)
-        x, nw = rans.enc_bits(x, words, nw, extra, nbits)
-        x, nw = rans.enc_put(x, words, nw, mcum[lv, tok], mfreq[lv, tok], MASK_SCALE)
-        row = vrow_of_key[key]
+    for j in range(k - 1, -1, -1):  # values, last change first
+        row = vrow_of_key[keys[j]]
         tok, nbits, extra = rans.tokenize(zig[j])
         x, nw = rans.enc_bits(x, words, nw, extra, nbits)
         x, nw = rans.enc_put(x, words, nw, vcum[row, tok], vfreq[row, tok], VALUE_SCALE)
-    for slot in range(lanes * nctx - 1, -1, -1):
-        lv = level_of_ctx[slot % nctx]
-        tok, nbits, extra = rans.tokenize(last[slot])
+    # gaps, grouped by context: order changes by (slot, rank), a stable counting sort by slot
+    nslots = lanes * nctx
+    slots = np.empty(k, np.int64)
+    start = np.zeros(nslots + 1, np.int64)
+    for j in range(k):
+        q = (pos[j] % lanes) * nctx + ctx_of_key[keys[j]]
+        slots[j] = q
+        start[q + 1] += 1
+    for q in range(nslots):
+        start[q + 1] += start[q]
+    order = np.empty(k, np.int64)
+    for j in range(k):
+        q = slots[j]
+        order[start[q]] = j
+        start[q] += 1
+    for jj in range(k - 1, -1, -1):
+        j = order[jj]
+        prev = -1
+        if jj > 0 and slots[order[jj - 1]] == slots[j]:
+            prev = ranks[order[jj - 1]]
+        gap = ranks[j] - prev - 1
+        lv = level_of_ctx[slots[j] % nctx]
+        tok, nbits, extra = rans.tokenize(gap)
         x, nw = rans.enc_bits(x, words, nw, extra, nbits)
         x, nw = rans.enc_put(x, words, nw, mcum[lv, tok], mfreq[lv, tok], MASK_SCALE)
     return words, nw, x
@@ -224,113 +229,113 @@ def _dec_gap(x, words, pos, mcum, mfreq, mslot, lv):
     return base + extra, x, pos
 
 
-@nb.njit(inline="always", cache=True)
-def _on_change(i, slot, bv, x, words, pos, k, expected, rem, lv_of_slot, out_pos, out_val,
-               mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
-    """Decode the value of the change at element i and the gap to its context's next change.
-
-    Returns (x, pos, k, status)."""
-    if k >= expected:
-        return x, pos, k, 2
-    row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
-    if row < 0:
-        return x, pos, k, 3
-    tok, x, pos = rans.dec_symbol(x, words, pos, vcum, vfreq, vslot, row, VALUE_SCALE)
-    base, nbits = rans.token_base(tok)
-    u, x, pos = rans.dec_bits(x, words, pos, nbits)
-    u += base
-    s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
-    o = _ord(bv) + s
-    if o < 0 or o > 0xFFFF:
-        return x, pos, k, 4
-    out_pos[k] = i
-    out_val[k] = _unord(o)
-    gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, lv_of_slot[slot])
-    if pos == -2:
-        return x, pos, k + 1, 1
-    rem[slot] = gap + 1
-    return x, pos, k + 1, 0
-
-
 @nb.njit(cache=True, nogil=True)
-def _decode(b, words, x, lut, level_of_ctx, lanes, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, expected):
-    """Walk the base once, decoding changes where they fall. Returns (positions, values, status).
-
-    `lut` maps bits >> 7 (sign and exponent) to a context; keys without changes map to the
-    last context of each lane, whose next change never comes. rem[slot] counts the elements of
-    a (lane, context) left to scan up to and including its next change. The scan between
-    changes is the whole cost for the ~99% of elements that did not change, so it is kept to a
-    few instructions, four lanes at a time.
-    """
+def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
+    """Decode in three tight phases, none waiting on another's memory traffic:
+    1. every context's change ranks from the gap symbols (rANS, tables hot in cache);
+    2. one scan over the base turning ranks into positions (counters only, no entropy decoding);
+    3. the values, in tensor order (rANS again).
+    `slot_counts[lane * nctx + c]` = changes of (lane, context c); `lut` maps bits >> 7 to c, keys
+    without changes to nctx. Returns (positions, values, status)."""
     nctx = level_of_ctx.size
+    nslots = slot_counts.size
+    lanes = nslots // nctx if nctx else 1
     S = nctx + 1
+    expected = 0
+    for q in range(nslots):
+        expected += slot_counts[q]
     out_pos = np.empty(expected, np.int64)
     out_val = np.empty(expected, np.uint16)
-    rem = np.full(lanes * S, 1 << 62, np.int64)
-    lv_of_slot = np.zeros(lanes * S, np.int64)
+    ranks = np.empty(expected, np.int64)
+    first = np.zeros(nslots + 1, np.int64)
     pos = words.size - 1
+    j = 0
+    for q in range(nslots):
+        first[q] = j
+        lv = level_of_ctx[q % nctx]
+        r = -1
+        for _ in range(slot_counts[q]):
+            gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, lv)
+            r += gap + 1
+            if r >= b.size:  # a rank beyond the tensor (also keeps r from overflowing)
+                return out_pos, out_val, 6
+            ranks[j] = r
+            j += 1
+        if pos == -2:
+            return out_pos, out_val, 1
+    first[nslots] = j
+    # rem[lane * S + c]: elements of the context left to scan up to and including its next change
+    rem = np.full(lanes * S, 1 << 62, np.int64)
+    nxt = np.zeros(lanes * S, np.int64)  # index into ranks of that next change
+    end = np.zeros(lanes * S, np.int64)
     for lane in range(lanes):
         for c in range(nctx):
-            lv_of_slot[lane * S + c] = level_of_ctx[c]
-            gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, level_of_ctx[c])
-            if pos == -2:
-                return out_pos, out_val, 1
-            rem[lane * S + c] = gap + 1
+            q = lane * nctx + c
+            w = lane * S + c
+            nxt[w] = first[q]
+            end[w] = first[q + 1]
+            if first[q] < first[q + 1]:
+                rem[w] = ranks[first[q]] + 1
     k = 0
     n = b.size
     start = 0
-    status = 0
     if lanes == 4:
-        # Two loops on purpose: the scan stays a few instructions long (one copy of the change
-        # handling, out of line) and leaves only when a group of four holds a change.
         n4 = n - n % 4
-        i = 0
-        while True:
-            hit = False
-            while i < n4:
-                s0 = np.int64(lut[b[i] >> KEY_SHIFT])
-                s1 = S + lut[b[i + 1] >> KEY_SHIFT]
-                s2 = 2 * S + lut[b[i + 2] >> KEY_SHIFT]
-                s3 = 3 * S + lut[b[i + 3] >> KEY_SHIFT]
-                v0 = rem[s0] - 1
-                v1 = rem[s1] - 1
-                v2 = rem[s2] - 1
-                v3 = rem[s3] - 1
-                rem[s0] = v0
-                rem[s1] = v1
-                rem[s2] = v2
-                rem[s3] = v3
-                if (v0 == 0) | (v1 == 0) | (v2 == 0) | (v3 == 0):
-                    hit = True
-                    break
-                i += 4
-            if not hit:
-                break
-            for j in range(4):
-                slot = j * S + lut[b[i + j] >> KEY_SHIFT]
-                if rem[slot] == 0:
-                    x, pos, k, status = _on_change(i + j, slot, np.int64(b[i + j]), x, words, pos, k, expected, rem,
-                                                   lv_of_slot, out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq,
-                                                   vslot, vrow_of_key)
-                    if status:
-                        return out_pos, out_val, status
-            i += 4
+        for i in range(0, n4, 4):
+            s0 = np.int64(lut[b[i] >> KEY_SHIFT])
+            s1 = S + lut[b[i + 1] >> KEY_SHIFT]
+            s2 = 2 * S + lut[b[i + 2] >> KEY_SHIFT]
+            s3 = 3 * S + lut[b[i + 3] >> KEY_SHIFT]
+            v0 = rem[s0] - 1
+            v1 = rem[s1] - 1
+            v2 = rem[s2] - 1
+            v3 = rem[s3] - 1
+            rem[s0] = v0
+            rem[s1] = v1
+            rem[s2] = v2
+            rem[s3] = v3
+            if (v0 == 0) | (v1 == 0) | (v2 == 0) | (v3 == 0):
+                for lane in range(4):
+                    w = lane * S + lut[b[i + lane] >> KEY_SHIFT]
+                    if rem[w] == 0:
+                        if k >= expected:
+                            return out_pos, out_val, 2
+                        out_pos[k] = i + lane
+                        k += 1
+                        m = nxt[w]
+                        nxt[w] = m + 1
+                        rem[w] = ranks[m + 1] - ranks[m] if m + 1 < end[w] else 1 << 62
         start = n4
     for i in range(start, n):
-        slot = (i % lanes) * S + lut[b[i] >> KEY_SHIFT]
-        v = rem[slot] - 1
-        rem[slot] = v
+        w = (i % lanes) * S + lut[b[i] >> KEY_SHIFT]
+        v = rem[w] - 1
+        rem[w] = v
         if v == 0:
-            x, pos, k, status = _on_change(i, slot, np.int64(b[i]), x, words, pos, k, expected, rem, lv_of_slot,
-                                           out_pos, out_val, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key)
-            if status:
-                return out_pos, out_val, status
+            if k >= expected:
+                return out_pos, out_val, 2
+            out_pos[k] = i
+            k += 1
+            m = nxt[w]
+            nxt[w] = m + 1
+            rem[w] = ranks[m + 1] - ranks[m] if m + 1 < end[w] else 1 << 62
     if k != expected:
-        return out_pos, out_val, 5
-    for lane in range(lanes):
-        for c in range(nctx):
-            if rem[lane * S + c] != 1:
-                return out_pos, out_val, 6
+        return out_pos, out_val, 6
+    for j in range(expected):
+        bv = np.int64(b[out_pos[j]])
+        row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
+        if row < 0:
+            return out_pos, out_val, 3
+        tok, x, pos = rans.dec_symbol(x, words, pos, vcum, vfreq, vslot, row, VALUE_SCALE)
+        base, nbits = rans.token_base(tok)
+        u, x, pos = rans.dec_bits(x, words, pos, nbits)
+        u += base
+        s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
+        o = _ord(bv) + s
+        if o < 0 or o > 0xFFFF:
+            return out_pos, out_val, 4
+        out_val[j] = _unord(o)
+    if pos == -2:
+        return out_pos, out_val, 1
     if x != rans.RANS_L or pos != -1:
         return out_pos, out_val, 7
     return out_pos, out_val, 0
@@ -339,7 +344,7 @@ def _decode(b, words, x, lut, level_of_ctx, lanes, mcum, mfreq, mslot, vcum, vfr
 _STATUS = {
     1: "entropy stream ends early", 2: "more changes than the index declares",
     3: "a change falls under an exponent with no value table", 4: "a decoded step leaves the BF16 range",
-    5: "fewer changes than the index declares", 6: "a context's changes do not end at the tensor's end",
+    5: "fewer changes than the index declares", 6: "a context's changes lie beyond its elements",
     7: "entropy stream has leftover state (corrupt or forged)",
 }
 
@@ -476,18 +481,23 @@ def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
     ctx_of_key[active] = np.arange(active.size)
     levels = _choose_levels(a.counts.sum(axis=0)[active].astype(np.float64), key_changes[active].astype(np.float64))
     mfreq, mcum, _ = mask_tables()
-    words, nw, x = _encode(a.index, a.keys, a.ranks, a.zig, a.counts, ctx_of_key, levels, mcum, mfreq,
+    words, nw, x = _encode(a.index, a.keys, a.ranks, a.zig, a.lanes, ctx_of_key, levels, mcum, mfreq,
                            model.cum, model.freq, model.row_of_key)
     data = rans.words_to_bytes(words, nw, int(x))
+    lane_of = a.index % a.lanes
+    slot_counts = np.bincount(lane_of * active.size + ctx_of_key[a.keys], minlength=a.lanes * active.size)
+    w = Writer()
+    for count in slot_counts:
+        w.uvarint(int(count))
     params = struct.pack("<BBH", KEY_SHIFT, a.lanes, active.size) + active.astype(np.uint8).tobytes() \
-        + levels.astype(np.uint8).tobytes()
+        + levels.astype(np.uint8).tobytes() + w.getvalue()
     return params, [Stream(RAW, len(data), data)]
 
 
 # ---------------------------------------------------------------- decoder side
 
-def _params(entry: Entry) -> tuple[int, np.ndarray, np.ndarray]:
-    """(lanes, active keys, their mask levels): fixed-width fields, parsed without a Python loop."""
+def _params(entry: Entry) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(lanes, active keys, their mask levels, changes per (lane, key)), checked against the index."""
     p = bytes(entry.params)
     if len(p) < 4:
         raise DeltaError("conditional params are truncated", tensor=entry.name)
@@ -496,13 +506,19 @@ def _params(entry: Entry) -> tuple[int, np.ndarray, np.ndarray]:
         raise DeltaError("unsupported context key", tensor=entry.name)
     if lanes not in LANES:
         raise DeltaError(f"unsupported lane count {lanes}", tensor=entry.name)
-    if n > N_KEYS or len(p) != 4 + 2 * n:
+    if n > N_KEYS or len(p) < 4 + 2 * n:
         raise DeltaError(f"conditional params declare {n} keys in {len(p)} bytes", tensor=entry.name)
     keys = np.frombuffer(p, np.uint8, n, 4).astype(np.int64)
     levels = np.frombuffer(p, np.uint8, n, 4 + n).astype(np.int64)
     if n > 1 and np.any(np.diff(keys) <= 0):
         raise DeltaError("context keys are not strictly increasing", tensor=entry.name)
-    return lanes, keys, levels
+    r = Reader(p[4 + 2 * n:], f"params of {entry.name!r}")
+    counts = np.array([r.uvarint(entry.changes) for _ in range(lanes * n)], dtype=np.int64)
+    r.expect_end()
+    if int(counts.sum()) != entry.changes:
+        raise DeltaError(f"context counts add up to {int(counts.sum())} changes, index says {entry.changes}",
+                         tensor=entry.name)
+    return lanes, keys, levels, counts
 
 
 _MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
@@ -526,7 +542,7 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     if len(entry.streams) != 1:
         raise DeltaError(f"method expects 1 stream, index has {len(entry.streams)}", tensor=entry.name)
-    lanes, keys, levels = _params(entry)
+    lanes, keys, levels, counts = _params(entry)
     model = _model(shared)
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
@@ -541,8 +557,8 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     mfreq, mcum, mslot = mask_tables()
     if levels.size and levels.max() >= N_LEVELS:
         raise DeltaError("mask level out of range", tensor=entry.name)
-    pos, val, status = _decode(base, words, np.int64(x), lut, levels, lanes, mcum, mfreq, mslot,
-                               model.cum, model.freq, model.slots, model.row_of_key, entry.changes)
+    pos, val, status = _decode(base, words, np.int64(x), lut, levels, counts, mcum, mfreq, mslot,
+                               model.cum, model.freq, model.slots, model.row_of_key)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(pos, val)
@@ -559,18 +575,19 @@ def _token_extra_bits(tok: np.ndarray) -> np.ndarray:
 def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, float]:
     """Bits the stream spends on the mask and on the values, under the payload's own models.
 
-    The two are interleaved in one rANS stream, so the split is recomputed from the changes
-    (which need the base): -log2 of each symbol's probability plus its raw bits.
+    The two share one rANS stream, so the split is recomputed from the changes (which need the
+    base): -log2 of each symbol's probability plus its raw bits; the mask also pays for the
+    per-context change counts in the params.
     """
-    lanes, keys, levels = _params(entry)
+    lanes, keys, levels, _ = _params(entry)
     model = _model(shared)
     mfreq, _, _ = mask_tables()
-    mask = value = 0.0
+    mask = 8.0 * (len(entry.params) - 4 - 2 * keys.size)
     lane_of = analysis.index % lanes
     for key, lv in zip(keys, levels):
         for lane in range(lanes):
             ranks = analysis.ranks[(analysis.keys == key) & (lane_of == lane)]
-            gaps = np.diff(np.concatenate(([-1], ranks, [analysis.counts[lane, key]]))) - 1
+            gaps = np.diff(np.concatenate(([-1], ranks))) - 1
             tok = _tokens(gaps)
             mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
     tok = _tokens(analysis.zig)
