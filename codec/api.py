@@ -112,20 +112,25 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     def prepare(item: tuple[str, torch.Tensor]) -> _Pending:
         return _Pending(item[0], base[item[0]], item[1], use_conditional)
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        pending = list(pool.map(prepare, target.items()))
-        analyses = [p.analysis for p in pending if p.analysis is not None and p.index.size]
-        model = conditional.ValueModel.fit(analyses) if analyses else None
+    def run(fn, items):  # threads only when asked for: one core means no pool overhead either
+        if workers <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(fn, items))
 
-        def code(p: _Pending) -> Entry:
-            if not p.index.size:
-                return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
-            b, t = p.host
-            c = _encode_tensor(b, t, p.dt, p.index, effort, p.analysis, model)
-            td = digest_elements(p.dt.name, p.shape, t)
-            return Entry(p.name, p.dt, p.shape, c.method, int(p.index.size), p.base_digest, td, c.params, c.streams)
+    pending = run(prepare, list(target.items()))
+    analyses = [p.analysis for p in pending if p.analysis is not None and p.index.size]
+    model = conditional.ValueModel.fit(analyses) if analyses else None
 
-        entries = list(pool.map(code, pending))
+    def code(p: _Pending) -> Entry:
+        if not p.index.size:
+            return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
+        b, t = p.host
+        c = _encode_tensor(b, t, p.dt, p.index, effort, p.analysis, model)
+        td = digest_elements(p.dt.name, p.shape, t)
+        return Entry(p.name, p.dt, p.shape, c.method, int(p.index.size), p.base_digest, td, c.params, c.streams)
+
+    entries = run(code, pending)
     shared = {}
     if model is not None and any(e.method == conditional.ID for e in entries):
         shared[conditional.SHARED_VALUE_TABLES] = model.pack()

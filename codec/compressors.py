@@ -25,6 +25,9 @@ EFFORT = {
 }
 
 
+BROTLI_MAX_DEFAULT = 1 << 16  # at default effort brotli races only on streams up to this size
+
+
 def compress(codec: int, data: bytes, level: int = 3) -> bytes:
     if codec == RAW:
         return bytes(data)
@@ -44,6 +47,8 @@ def compress_best(data: bytes, effort: str = "default", candidates: Iterable[tup
     if not data:
         return best_codec, best
     cands = tuple(candidates) if candidates is not None else EFFORT[effort]
+    if candidates is None and effort == "default" and len(data) > BROTLI_MAX_DEFAULT:
+        cands = tuple(c for c in cands if c[0] != BROTLI)  # brotli's time grows faster than its gain
     seen = set()
     for codec, level in cands:
         if (codec, level) in seen:

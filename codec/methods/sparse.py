@@ -23,6 +23,7 @@ MIN_VERSION = 1
 POS_GAPS, POS_BITMASK = 0, 1
 HIGH_BITS = np.uint16(0xFF80)  # BF16 sign + exponent
 MAX_VARINT_BYTES = 7  # gaps < 2**49
+BITMASK_DENSITY = 16  # race the bitmask when more than 1 in 16 elements changed
 
 
 def varint_encode(values: np.ndarray) -> bytes:
@@ -70,7 +71,8 @@ def encode(base: np.ndarray, target: np.ndarray, effort: str, index: np.ndarray 
     gaps = np.diff(index, prepend=-1) - 1
     pos_gaps = pack_stream(varint_encode(gaps), effort)
     mode, pos = POS_GAPS, pos_gaps
-    if effort != "fast":
+    # a bitmask costs numel/8 bytes before compression: only worth racing when changes are dense
+    if effort == "max" or (effort == "default" and index.size * BITMASK_DENSITY > base.size):
         mask = np.zeros(base.size, bool)
         mask[index] = True
         pos_mask = pack_stream(np.packbits(mask, bitorder="little").tobytes(), effort)
