@@ -169,13 +169,17 @@ def test_sigkill_at_random_times(run, trainer, tmp_path, record_property):
     step, shown, outcomes = 0, None, []
     try:
         for rnd in range(6):
-            proc = subprocess.Popen(watch_cmd(run.url, dest, opts), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, text=True)
+            log_path = tmp_path / f"watch{rnd}.log"  # a file, not a pipe: a chatty watcher must never block on it
+            with open(log_path, "w") as log_file:
+                proc = subprocess.Popen(watch_cmd(run.url, dest, opts), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                        stderr=log_file)
             try:
                 if rnd > 0:  # wait until it is idle on the head, so the kill lands in the next sync
                     deadline = time.monotonic() + 60
                     while oracle.dest(dest) != step:
-                        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr and proc.stderr.read()
+                        assert proc.poll() is None, f"watcher exited: {log_path.read_text()[-2000:]}"
+                        assert time.monotonic() < deadline, \
+                            f"restarted watcher did not reach step {step}: {log_path.read_text()[-2000:]}"
                         time.sleep(0.05)
                     step += 1
                 old = oracle.dest(dest)
@@ -185,7 +189,6 @@ def test_sigkill_at_random_times(run, trainer, tmp_path, record_property):
             finally:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait(10)
-                proc.stderr.close()
             shown = oracle.dest(dest, allowed={old, step} - {None} or None)
             outcomes.append("old" if shown == old else "new")
         w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.on_update)

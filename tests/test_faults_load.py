@@ -63,7 +63,8 @@ def test_burst_of_200_steps_slow_region(s3_run, trainer, tmp_path, record_proper
     pub.publish(state, 0)
     cmd = [sys.executable, "-m", "relay.cli", "watch", s3_run.url, "--dest", str(dest), "--poll-interval", "0.05",
            "--storage-options", json.dumps(proxy.options(s3_run.options))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(tmp_path / "watch.log", "w") as log_file:  # a file, not a pipe: the watcher must never block on it
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_file)
     samples: list[tuple[int, int]] = []  # (step held, RSS)
     try:
         deadline = time.monotonic() + 60
@@ -81,7 +82,8 @@ def test_burst_of_200_steps_slow_region(s3_run, trainer, tmp_path, record_proper
         behind_at_end = 200 - (held_step(dest) or 0)
         deadline = time.monotonic() + 60
         while held_step(dest) != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, f"stuck at {held_step(dest)}"
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"stuck at {held_step(dest)}: {(tmp_path / 'watch.log').read_text()[-2000:]}"
             samples.append((held_step(dest) or 0, rss_bytes(proc.pid)))
             time.sleep(0.05)
         catch_up_s = time.monotonic() - start - burst_s
@@ -89,7 +91,6 @@ def test_burst_of_200_steps_slow_region(s3_run, trainer, tmp_path, record_proper
     finally:
         proc.kill()
         proc.wait(10)
-        proc.stderr.close()
         pub.close()
         proxy.stop()
     assert oracle.dest(dest) == 200
