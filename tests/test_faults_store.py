@@ -494,8 +494,8 @@ def test_two_publishers_race_under_faults(origin, trainer, tmp_path, logs, recor
     said = " ".join(losses)  # each loser's error names why it lost: the head moved, or the step's record differs
     assert all(("another publisher" in m or "already exists with other content" in m) for m in losses), said
     note(record_property, [proxy], winners="".join(wins),
-         losers_told=f"{sum('another publisher' in m for m in losses)} head moved, "
-                     f"{sum('already exists' in m for m in losses)} record exists")
+         losers_told=f"{sum('extended the run' in m for m in losses)} head moved, "
+                     f"{sum('already exists with other content' in m for m in losses)} record exists")
 
 
 # -- regional relay ---------------------------------------------------------------------------------
