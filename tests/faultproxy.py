@@ -426,7 +426,10 @@ class Oracle:
             return None
         current = os.path.realpath(os.path.join(path, ".current"))  # resolve once, as readers are told to
         for n in resolving:
-            if os.path.dirname(os.path.realpath(os.path.join(path, n))) != current:
+            # The link text, not its resolution: resolving each name later than .current races with a
+            # swap the watcher may make meanwhile (then the name rightly leads into the newer step).
+            link = os.path.join(path, n)
+            if not os.path.islink(link) or os.readlink(link) != os.path.join(".current", n):
                 self.violations.append(f"{path}/{n} does not lead into .current")
         with open(os.path.join(current, "relay-state.json")) as f:
             state = json.load(f)
