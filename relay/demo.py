@@ -231,7 +231,7 @@ def _sites(store: str | None, regions: list[str], work: Path, run: str, log: Cal
         s.launch()
     for s in servers:
         s.wait_ready()
-    log(f"S3 servers: " + ", ".join(f"{s.region} {s.endpoint}" for s in servers))
+    log("S3 servers: " + ", ".join(f"{s.region} {s.endpoint}" for s in servers))
     sites = []
     for s in servers:
         bucket = f"{NAME_PREFIX}-origin-{s.region}" if s.region == ORIGIN_REGION else f"{NAME_PREFIX}-{s.region}"

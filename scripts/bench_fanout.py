@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from relay.fanout import Destination, Fanout  # noqa: E402
 from relay.publisher import Publisher  # noqa: E402
-from relay.store import NOT_MODIFIED, ManifestRead, Store, open_store  # noqa: E402
+from relay.store import ManifestRead, Store, open_store  # noqa: E402
 from relay.watcher import Reader  # noqa: E402
 
 REGION_NAMES = ("us-west-2", "eu-west-1", "ap-northeast-1", "us-east-2", "eu-central-1")

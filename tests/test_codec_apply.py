@@ -23,7 +23,6 @@ from codec_cases import (
     bits_of,
     clone_all,
     edge_pair,
-    fix_checksum,
     model_pair,
     rl_step,
     snapshot,

@@ -13,7 +13,7 @@ import torch
 
 from relay import ops
 from relay.cli import main as cli_main
-from relay.manifest import Manifest, ManifestError
+from relay.manifest import Manifest
 from relay.publisher import Publisher
 from relay.signing import (KeyFileError, SignatureError, Signer, TrustedKeys, generate_keypair, key_id,
                            load_private_key, load_public_key)

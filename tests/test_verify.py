@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from relay.cli import main as cli_main
 from relay.manifest import Manifest, Record, TensorInfo
