@@ -86,8 +86,18 @@ class Store:
         raise NotImplementedError
 
     def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | object:
-        """The manifest and its ETag; None if the run has none; NOT_MODIFIED if the ETag still holds."""
-        raise NotImplementedError
+        """The manifest and its ETag; None if the run has none; NOT_MODIFIED if the ETag still holds.
+
+        Stores without ETags use the content tag; S3 overrides this with a conditional GET.
+        """
+        try:
+            data = self.get(MANIFEST_KEY)
+        except ObjectMissing:
+            return None
+        tag = content_tag(data)
+        if if_none_match is not None and tag == if_none_match:
+            return NOT_MODIFIED
+        return ManifestRead(data, tag)
 
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
         """Write the manifest iff its current ETag is `expected_etag` (None: iff absent). Returns the new ETag.
@@ -171,16 +181,6 @@ class LocalStore(Store):
                 out[p.relative_to(self.root).as_posix()] = p.stat().st_size
         return out
 
-    def read_manifest(self, if_none_match: str | None = None):
-        try:
-            data = self._path(MANIFEST_KEY).read_bytes()
-        except FileNotFoundError:
-            return None
-        tag = content_tag(data)
-        if if_none_match is not None and tag == if_none_match:
-            return NOT_MODIFIED
-        return ManifestRead(data, tag)
-
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".manifest.lock", "a+b") as lock:
@@ -245,16 +245,6 @@ class FsspecStore(Store):
         root = self.root.strip("/") + "/"
         return {p.lstrip("/")[len(root):]: int(info.get("size") or 0)
                 for p, info in found.items() if info.get("type", "file") == "file"}
-
-    def read_manifest(self, if_none_match: str | None = None):
-        try:
-            data = self.fs.cat_file(self._path(MANIFEST_KEY))
-        except FileNotFoundError:
-            return None
-        tag = content_tag(data)
-        if if_none_match is not None and tag == if_none_match:
-            return NOT_MODIFIED
-        return ManifestRead(data, tag)
 
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
         with _PROCESS_LOCK:
