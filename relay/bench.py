@@ -93,16 +93,17 @@ def _changed_elements(base: Tensors, target: Tensors) -> int:
     return int(sum(np.count_nonzero(tensors.element_view(base[k]) != tensors.element_view(v)) for k, v in target.items()))
 
 
-def _raw_zstd(target: Tensors, repeat: int) -> tuple[list[float], list[float], int]:
+def _raw_zstd(target: Tensors, repeat: int, clock: Callable[[], float] | None = None
+              ) -> tuple[list[float], list[float], int]:
     """zstd-1 compress / decompress seconds on the raw bytes of the target checkpoint."""
     raw = b"".join(tensors.element_view(v).tobytes() for v in target.values())
     comp, decomp = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
     enc, dec = [], []
     blob = b""
     for _ in range(repeat):
-        blob, s = _timed(comp.compress, raw)
+        blob, s = _timed(comp.compress, raw, clock=clock)
         enc.append(s)
-        out, s = _timed(decomp.decompress, blob)
+        out, s = _timed(decomp.decompress, blob, clock=clock)
         dec.append(s)
         if out != raw:
             raise RuntimeError("zstd-1 did not round-trip the raw checkpoint")
@@ -179,7 +180,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
             e, d = _multicore(base, target, workers, repeat)
             mc_enc += e
             mc_dec += d
-            mc_raw += _raw_zstd_wall(target, repeat)
+            mc_raw += _raw_zstd(target, repeat, clock=time.perf_counter)[0]
         sizes = {}
         for key, label, enc, dec in methods:
             for r in range(repeat):
@@ -241,12 +242,6 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         "changed_fraction": med(changed_fracs), "changed_fraction_range": [min(changed_fracs), max(changed_fracs)],
         "rows": rows, "bound": bound_row, "zstd1_raw": zstd, "speed_vs_zstd1": speed, "multicore": multicore,
     }
-
-
-def _raw_zstd_wall(target: Tensors, repeat: int) -> list[float]:
-    raw = b"".join(tensors.element_view(v).tobytes() for v in target.values())
-    comp = zstandard.ZstdCompressor(level=1)
-    return [_timed(comp.compress, raw, clock=time.perf_counter)[1] for _ in range(repeat)]
 
 
 def run_bench(corpus_dirs: Iterable[str | Path], repeat: int = 3, pairs: int | None = None, slow: bool = False,
