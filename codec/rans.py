@@ -22,7 +22,6 @@ RANS_L = 1 << 31
 WORD_MASK = (1 << 32) - 1
 DIRECT = 8  # values below this are their own token
 SUB_BITS = 2
-COARSE_BITS = 8  # decode guess table: 256 entries per row
 
 
 def token_count(max_bits: int) -> int:
@@ -116,20 +115,34 @@ def dec_renorm(x, words, pos):
 
 
 @nb.njit(inline="always", cache=True)
-def dec_symbol(x, words, pos, cum, freq, coarse, row, scale):
-    """Decode one symbol with row `row` of 2-D tables (`coarse` from `coarse_table`).
+def dec_symbol(x, words, pos, cum, freq, slots, row, scale):
+    """Decode one symbol with row `row` of 2-D tables (`slots` from `slot_table`).
 
-    The symbol is found from a 256-entry guess per row plus a short forward scan over `cum`:
-    full slot->symbol tables (2**scale bytes per row) miss the cache on every symbol, which
-    cost more than the rest of the decoder. Tables are indexed in place, never sliced (a row
-    view would cost reference counting per symbol). Returns (symbol, x, pos)."""
+    One load finds the symbol of the state's slot: no search, no data-dependent branch.
+    Tables are indexed in place, never sliced (a row view would cost reference counting
+    per symbol). Returns (symbol, x, pos)."""
     slot = x & ((1 << scale) - 1)
-    s = coarse[row, slot >> (scale - COARSE_BITS)]
-    while cum[row, s + 1] <= slot:
-        s += 1
+    s = np.int64(slots[row, slot])
     x = freq[row, s] * (x >> scale) + slot - cum[row, s]
     x, pos = dec_renorm(x, words, pos)
     return s, x, pos
+
+
+@nb.njit(inline="always", cache=True)
+def dec_token_value(x, words, pos, cum, freq, slots, row, scale):
+    """A hybrid-uint value: its token under row `row`, then the token's raw bits.
+
+    Tokens with at most 16 raw bits (every value token, nearly every gap) take the
+    straight-line path. Returns (value, x, pos)."""
+    tok, x, pos = dec_symbol(x, words, pos, cum, freq, slots, row, scale)
+    base, nbits = token_base(tok)
+    if nbits <= 16:
+        value = x & ((1 << nbits) - 1)
+        x >>= nbits
+        x, pos = dec_renorm(x, words, pos)
+        return base + value, x, pos
+    extra, x, pos = dec_bits(x, words, pos, nbits)
+    return base + extra, x, pos
 
 
 @nb.njit(inline="always", cache=True)
@@ -186,13 +199,18 @@ def normalize(counts: np.ndarray, scale: int, floor_all: bool) -> np.ndarray:
     return freq
 
 
-def coarse_table(cum: np.ndarray, scale: int) -> np.ndarray:
-    """Per row, the symbol holding slot `j << (scale - COARSE_BITS)` for each j: a 256-byte guess
-    that `dec_symbol` refines with a forward scan."""
-    rows = np.atleast_2d(cum)
-    starts = np.arange(1 << COARSE_BITS, dtype=np.int64) << (scale - COARSE_BITS)
-    out = np.stack([np.searchsorted(r, starts, side="right") - 1 for r in rows]).astype(np.uint8)
-    return out.reshape(cum.shape[:-1] + (1 << COARSE_BITS,))
+def slot_table(freq: np.ndarray, scale: int) -> np.ndarray:
+    """Per row, the symbol owning each of the 2**scale slots (uint8: symbols < 256).
+
+    What `dec_symbol` looks up: one byte per slot keeps a row of a 2**14 table at 16 KiB."""
+    rows = np.atleast_2d(freq)
+    if rows.shape[-1] > 256:
+        raise ValueError("slot tables hold symbols below 256")
+    out = np.empty((rows.shape[0], 1 << scale), np.uint8)
+    symbols = np.arange(rows.shape[-1], dtype=np.uint8)
+    for i, row in enumerate(rows):
+        out[i] = np.repeat(symbols, row)
+    return out.reshape(freq.shape[:-1] + (1 << scale,))
 
 
 def cumulative(freq: np.ndarray) -> np.ndarray:

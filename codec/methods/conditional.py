@@ -86,7 +86,7 @@ def _geometric_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     probs[:, -1] = powers[:, -2]  # the last token takes the whole tail
     freq = np.stack([rans.normalize(row, MASK_SCALE, floor_all=True) for row in probs])
     cum = rans.cumulative(freq)
-    return freq.astype(np.int32), cum, rans.coarse_table(cum, MASK_SCALE)
+    return freq.astype(np.int32), cum, rans.slot_table(freq, MASK_SCALE)
 
 
 def _token_base_py(tok: int) -> tuple[int, int]:
@@ -97,7 +97,7 @@ _MASK_TABLES: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 def mask_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(freq, cum, symbol-of-slot) for every mask level, built once per process."""
+    """(freq, cum, symbol-of-slot) for every mask level, built once per process (8 MiB of slots)."""
     global _MASK_TABLES
     if _MASK_TABLES is None:
         _MASK_TABLES = _geometric_tables()
@@ -222,14 +222,6 @@ def _encode(pos, keys, ranks, zig, lanes, ctx_of_key, level_of_ctx, mcum, mfreq,
     return words, nw, x
 
 
-@nb.njit(inline="always", cache=True)
-def _dec_gap(x, words, pos, mcum, mfreq, mslot, lv):
-    tok, x, pos = rans.dec_symbol(x, words, pos, mcum, mfreq, mslot, lv, MASK_SCALE)
-    base, nbits = rans.token_base(tok)
-    extra, x, pos = rans.dec_bits(x, words, pos, nbits)
-    return base + extra, x, pos
-
-
 @nb.njit(cache=True, nogil=True)
 def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
     """Decode in three tight phases, none waiting on another's memory traffic:
@@ -251,19 +243,44 @@ def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcu
     first = np.zeros(nslots + 1, np.int64)
     pos = words.size - 1
     j = 0
+    L = rans.RANS_L
+    mmask = (1 << MASK_SCALE) - 1
     for q in range(nslots):
         first[q] = j
         lv = level_of_ctx[q % nctx]
         r = -1
         for _ in range(slot_counts[q]):
-            gap, x, pos = _dec_gap(x, words, pos, mcum, mfreq, mslot, lv)
+            # one gap token, then its raw bits; written out here (not via rans helpers) because
+            # the inlined helpers' tuple returns cost 2-3x in this loop
+            slot = x & mmask
+            tok = np.int64(mslot[lv, slot])
+            x = mfreq[lv, tok] * (x >> MASK_SCALE) + slot - mcum[lv, tok]
+            if x < L:
+                if pos < 0:
+                    return out_pos, out_val, 1
+                x = (x << 32) | words[pos]
+                pos -= 1
+            gap = tok
+            if tok >= rans.DIRECT:
+                gap, nbits = rans.token_base(tok)
+                if nbits > 16:
+                    extra, x, pos = rans.dec_bits(x, words, pos, nbits)
+                    if pos == -2:
+                        return out_pos, out_val, 1
+                    gap += extra
+                else:
+                    gap += x & ((1 << nbits) - 1)
+                    x >>= nbits
+                    if x < L:
+                        if pos < 0:
+                            return out_pos, out_val, 1
+                        x = (x << 32) | words[pos]
+                        pos -= 1
             r += gap + 1
             if r >= b.size:  # a rank beyond the tensor (also keeps r from overflowing)
                 return out_pos, out_val, 6
             ranks[j] = r
             j += 1
-        if pos == -2:
-            return out_pos, out_val, 1
     first[nslots] = j
     # rem[lane * S + c]: elements of the context left to scan up to and including its next change
     rem = np.full(lanes * S, 1 << 62, np.int64)
@@ -321,22 +338,35 @@ def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcu
             rem[w] = ranks[m + 1] - ranks[m] if m + 1 < end[w] else 1 << 62
     if k != expected:
         return out_pos, out_val, 6
+    vmask = (1 << VALUE_SCALE) - 1
     for j in range(expected):
         bv = np.int64(b[out_pos[j]])
         row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
         if row < 0:
             return out_pos, out_val, 3
-        tok, x, pos = rans.dec_symbol(x, words, pos, vcum, vfreq, vslot, row, VALUE_SCALE)
-        base, nbits = rans.token_base(tok)
-        u, x, pos = rans.dec_bits(x, words, pos, nbits)
-        u += base
+        slot = x & vmask
+        tok = np.int64(vslot[row, slot])
+        x = vfreq[row, tok] * (x >> VALUE_SCALE) + slot - vcum[row, tok]
+        if x < L:
+            if pos < 0:
+                return out_pos, out_val, 1
+            x = (x << 32) | words[pos]
+            pos -= 1
+        u = tok
+        if tok >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
+            u, nbits = rans.token_base(tok)
+            u += x & ((1 << nbits) - 1)
+            x >>= nbits
+            if x < L:
+                if pos < 0:
+                    return out_pos, out_val, 1
+                x = (x << 32) | words[pos]
+                pos -= 1
         s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
         o = _ord(bv) + s
         if o < 0 or o > 0xFFFF:
             return out_pos, out_val, 4
         out_val[j] = _unord(o)
-    if pos == -2:
-        return out_pos, out_val, 1
     if x != rans.RANS_L or pos != -1:
         return out_pos, out_val, 7
     return out_pos, out_val, 0
@@ -396,7 +426,7 @@ class ValueModel:
     def __init__(self, freq: np.ndarray, keys: np.ndarray) -> None:
         self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
-        self.slots = rans.coarse_table(self.cum, VALUE_SCALE) if freq.shape[0] else np.zeros((0, 1 << rans.COARSE_BITS), np.uint8)
+        self.slots = rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0] else np.zeros((0, 1 << VALUE_SCALE), np.uint8)
         self.row_of_key = np.full(N_KEYS, -1, np.int64)
         self.row_of_key[keys] = np.arange(keys.size)
         self.keys = keys
