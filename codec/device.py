@@ -2,7 +2,7 @@
 
 When base and target sit on a CUDA device, copying both to the host just to find the ~1% of
 elements that changed would move the whole checkpoint over PCIe. Here the comparison, the
-context (exponent) of every element, and each change's rank within its context are computed
+class (exponent interval) of every element, and each change's rank within its class are computed
 with torch ops on the device; only the changed elements and their contexts cross to the host.
 The same code runs on CPU tensors (that is how it is tested without a GPU).
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .methods.conditional import KEY_SHIFT, N_KEYS, Analysis, lanes_for
+from .methods import exponent_classes as ec
+from .methods.conditional import KEY_SHIFT, MAX_CLASSES, Analysis, choose_thresholds
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -25,27 +26,36 @@ def _ord(v: torch.Tensor) -> torch.Tensor:
 
 
 def analyze_on_device(base: torch.Tensor, target: torch.Tensor) -> Analysis:
-    """Same result as `conditional.analyze`, computed on base/target's device."""
+    """Same result as `conditional.analyze`, computed on base/target's device.
+
+    Only the changes, their exponents and the sampled per-exponent counts (what the host needs
+    to choose the classes) cross to the host; the class thresholds cross back."""
     b = _bits(base)
     t = _bits(target)
-    lanes = lanes_for(b.numel())
+    n = b.numel()
+    host = lambda x, dt: x.to("cpu").numpy().astype(dt, copy=False)  # noqa: E731 - the only crossings
     keys = (b >> KEY_SHIFT) & 0xFF
-    lane = torch.arange(b.numel(), device=b.device) % lanes
-    slot = lane * N_KEYS + keys  # contexts are (lane, key)
-    counts = torch.bincount(slot, minlength=lanes * N_KEYS)
+    stride = ec.sample_stride(n)
+    sk = keys[::stride]
+    n_e = host(torch.bincount(sk, minlength=256), np.int64)
+    k_e = host(torch.bincount(sk[b[::stride] != t[::stride]], minlength=256), np.int64)
+    thresholds = choose_thresholds(n_e, k_e, stride)
     changed = torch.nonzero(b != t).reshape(-1)
+    ck = keys[changed]
+    lut = torch.from_numpy(ec.class_lut(thresholds).astype(np.int64)).to(b.device)
+    cls = lut[keys]
+    sizes = torch.bincount(cls, minlength=MAX_CLASSES)
     if changed.numel():
-        # rank within (lane, key) = position in a stable sort by slot, minus where the slot's run starts
-        order = torch.sort(slot, stable=True).indices
+        # rank within the class = position in a stable sort by class, minus where the class's run starts
+        order = torch.sort(cls, stable=True).indices
         where = torch.empty_like(order)
-        where[order] = torch.arange(order.numel(), device=order.device)
-        start = torch.cumsum(counts, 0) - counts
-        ck = keys[changed]
-        ranks = where[changed] - start[slot[changed]]
+        where[order] = torch.arange(n, device=order.device)
+        start = torch.cumsum(sizes, 0) - sizes
+        cc = cls[changed]
+        ranks = where[changed] - start[cc]
         s = _ord(t[changed]) - _ord(b[changed])
         zig = torch.where(s > 0, 2 * s - 2, -2 * s - 1)
     else:
-        ck = ranks = zig = changed
-    host = lambda x, dt: x.to("cpu").numpy().astype(dt, copy=False)  # noqa: E731 - the only crossing
-    return Analysis(host(counts, np.int64).reshape(lanes, N_KEYS), host(changed, np.int64), host(ck, np.uint8),
-                    host(ranks, np.int64), host(zig, np.int64))
+        cc = ranks = zig = changed
+    return Analysis(thresholds, host(sizes, np.int64), host(changed, np.int64), host(ck, np.uint8),
+                    host(cc, np.uint8), host(ranks, np.int64), host(zig, np.int64))

@@ -1,8 +1,11 @@
-"""A 64-bit-state rANS entropy coder, compiled with numba, plus the "hybrid uint" tokenizer.
+"""The rANS coder's definition and tables: a 64-bit state, 32-bit words, "hybrid uint" tokens.
 
 Why our own coder: the conditional method interleaves symbols from many small static models
-(one per context) with raw bits in a single stream, and must run inside the same compiled loop
-that walks the tensor; a library call per symbol would cost more than the coding itself.
+(one per class or exponent) with raw bits in a single stream, inside compiled loops; a library
+call per symbol would cost more than the coding itself. The hot loops themselves are written out
+in `methods/conditional.py` (inlined numba helpers returning tuples cost 2-3x there); this module
+holds what they share: constants, token bounds, the multi-chunk raw-bit paths, the encoder's
+reciprocals, and the table builders.
 
 State x lives in [L, L << 32) with L = 2**31, so it fits a signed int64 and numba never mixes
 signed and unsigned arithmetic. Words are 32 bits. Encoding runs backwards over the symbols
@@ -17,6 +20,9 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 RANS_L = 1 << 31
 WORD_MASK = (1 << 32) - 1
@@ -27,41 +33,6 @@ SUB_BITS = 2
 def token_count(max_bits: int) -> int:
     """Alphabet size for values below 2**max_bits."""
     return DIRECT + (max_bits - 3) * (1 << SUB_BITS)
-
-
-@nb.njit(inline="always", cache=True)
-def bit_length(v):
-    n = 0
-    if v >= (1 << 32):
-        v >>= 32
-        n += 32
-    if v >= (1 << 16):
-        v >>= 16
-        n += 16
-    if v >= (1 << 8):
-        v >>= 8
-        n += 8
-    if v >= (1 << 4):
-        v >>= 4
-        n += 4
-    if v >= (1 << 2):
-        v >>= 2
-        n += 2
-    if v >= (1 << 1):
-        v >>= 1
-        n += 1
-    return n + v
-
-
-@nb.njit(inline="always", cache=True)
-def tokenize(v):
-    """(token, n_extra_bits, extra) for a value v >= 0."""
-    if v < DIRECT:
-        return v, 0, 0
-    n = bit_length(v) - 1
-    nbits = n - SUB_BITS
-    sub = (v >> nbits) & ((1 << SUB_BITS) - 1)
-    return DIRECT + (n - 3) * (1 << SUB_BITS) + sub, nbits, v & ((1 << nbits) - 1)
 
 
 @nb.njit(inline="always", cache=True)
@@ -76,15 +47,41 @@ def token_base(tok):
     return ((1 << SUB_BITS) | sub) << nbits, nbits
 
 
-@nb.njit(inline="always", cache=True)
-def enc_put(x, words, nw, start, freq, scale):
-    x_max = ((RANS_L >> scale) << 32) * freq
-    if x >= x_max:
-        words[nw] = x & WORD_MASK
-        nw += 1
-        x >>= 32
-    q = x // freq  # the only division per symbol
-    return (q << scale) + (x - q * freq) + start, nw
+@intrinsic
+def umulhi(typingctx, a, b):
+    """High 64 bits of the 128-bit product of two uint64 (one multiply instruction)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        wide = ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+_RECIPROCALS: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(m, s) per frequency with x // f == umulhi(x, m) >> s for every 0 <= x < 2**63 (f >= 2;
+    f == 1 has s = -1). m = ceil(2**(63 + l) / f) with 2**l >= f: the round-up method of
+    Granlund and Montgomery, exact because m * f - 2**(63 + l) < f <= 2**l. A multiply
+    instead of a 64-bit division per coded symbol."""
+    global _RECIPROCALS
+    if _RECIPROCALS is None:
+        top = 1 << 15
+        m = np.zeros(top, np.uint64)
+        s = np.full(top, -1, np.int64)
+        for f in range(2, top):
+            bits = (f - 1).bit_length()
+            m[f] = -(-(1 << (63 + bits)) // f)
+            s[f] = bits - 1
+        _RECIPROCALS = (m, s)
+    f = np.asarray(freq, np.int64)
+    if f.size and (f.min() < 0 or f.max() >= 1 << 15):
+        raise ValueError("reciprocals cover frequencies below 2**15")
+    return _RECIPROCALS[0][f], _RECIPROCALS[1][f]
 
 
 @nb.njit(inline="always", cache=True)
@@ -112,37 +109,6 @@ def dec_renorm(x, words, pos):
         x = (x << 32) | words[pos]
         pos -= 1
     return x, pos
-
-
-@nb.njit(inline="always", cache=True)
-def dec_symbol(x, words, pos, cum, freq, slots, row, scale):
-    """Decode one symbol with row `row` of 2-D tables (`slots` from `slot_table`).
-
-    One load finds the symbol of the state's slot: no search, no data-dependent branch.
-    Tables are indexed in place, never sliced (a row view would cost reference counting
-    per symbol). Returns (symbol, x, pos)."""
-    slot = x & ((1 << scale) - 1)
-    s = np.int64(slots[row, slot])
-    x = freq[row, s] * (x >> scale) + slot - cum[row, s]
-    x, pos = dec_renorm(x, words, pos)
-    return s, x, pos
-
-
-@nb.njit(inline="always", cache=True)
-def dec_token_value(x, words, pos, cum, freq, slots, row, scale):
-    """A hybrid-uint value: its token under row `row`, then the token's raw bits.
-
-    Tokens with at most 16 raw bits (every value token, nearly every gap) take the
-    straight-line path. Returns (value, x, pos)."""
-    tok, x, pos = dec_symbol(x, words, pos, cum, freq, slots, row, scale)
-    base, nbits = token_base(tok)
-    if nbits <= 16:
-        value = x & ((1 << nbits) - 1)
-        x >>= nbits
-        x, pos = dec_renorm(x, words, pos)
-        return base + value, x, pos
-    extra, x, pos = dec_bits(x, words, pos, nbits)
-    return base + extra, x, pos
 
 
 @nb.njit(inline="always", cache=True)

@@ -47,14 +47,31 @@ def test_conditional_is_picked_and_beats_v1(rl_pair):
 
 
 def test_mask_cost_follows_base_exponent(rl_pair):
-    """Small weights change more often; the mask levels must say so (lower level = likelier)."""
+    """Small weights change more often: the classes split the exponent axis, and the mask level of
+    the smallest-exponent class says likelier (lower level) than the largest one's."""
     base, target = rl_pair
     a = conditional.analyze(tensors.element_view(base["w1"]), tensors.element_view(target["w1"]))
-    kc = np.bincount(a.keys, minlength=256)
-    active = np.flatnonzero(kc)
-    levels = conditional._choose_levels(a.counts.sum(axis=0)[active].astype(float), kc[active].astype(float))
-    big = active >= 0x7A  # |w| >= 2**-5
-    assert levels[~big].mean() < levels[big].mean()
+    assert a.nclass > 1 and np.all(np.diff(a.thresholds) > 0)
+    assert a.class_sizes.sum() == base["w1"].numel()
+    levels = conditional._choose_levels(a.class_sizes[: a.nclass].astype(float), a.class_changes().astype(float))
+    assert levels[0] < levels[-1]
+
+
+def test_ranks_count_class_members_before_each_change():
+    """Against a direct numpy computation, on sizes that are and are not whole 64-element blocks."""
+    rng = np.random.default_rng(5)
+    for n in (1, 63, 64, 1000, 4096 + 17):
+        b = (rng.normal(0, 0.05, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        t = b.copy()
+        flip = rng.random(n) < 0.1
+        t[flip] ^= 1
+        a = conditional.analyze(b, t)
+        lut = conditional.ec.class_lut(a.thresholds)
+        cls = lut[(b >> 7) & 0xFF]
+        assert np.array_equal(a.index, np.flatnonzero(flip))
+        assert np.array_equal(a.class_sizes[: a.nclass], np.bincount(cls, minlength=a.nclass))
+        for j, q in enumerate(a.index):
+            assert a.classes[j] == cls[q] and a.ranks[j] == np.count_nonzero(cls[:q] == cls[q])
 
 
 def test_v2_payload_records_bits_per_change(rl_pair):
@@ -95,7 +112,7 @@ def test_device_path_matches_host_analysis():
     bt, tt = bf16_from_bits(b), bf16_from_bits(t)
     host = conditional.analyze(b, t)
     dev = analyze_on_device(bt, tt)
-    for field in ("counts", "index", "keys", "ranks", "zig"):
+    for field in ("thresholds", "class_sizes", "index", "keys", "classes", "ranks", "zig"):
         assert np.array_equal(getattr(host, field), getattr(dev, field)), field
     model = conditional.ValueModel.fit([dev])
     params, streams = conditional.encode(dev, model)
@@ -134,25 +151,40 @@ def test_forged_entropy_stream_is_refused(rl_pair):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 16)), min_size=1, max_size=200))
-def test_rans_tokens_and_raw_bits_round_trip(values):
-    """Gap tokens under a mask level plus raw bits: what goes in comes out, state returns to L."""
-    freq, cum, slots = conditional.mask_tables()
-    level = 30
-    words = np.zeros(16 * len(values) + 16, np.int64)
-    x, nw = np.int64(rans.RANS_L), 0
-    for v, _ in reversed(values):
-        tok, nbits, extra = rans.tokenize(v)
-        x, nw = rans.enc_bits(x, words, nw, extra, nbits)
-        x, nw = rans.enc_put(x, words, nw, cum[level, tok], freq[level, tok], conditional.MASK_SCALE)
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1 << 40), st.integers(0, 2 * 0x3F80 - 1)),
+                min_size=1, max_size=200))
+def test_entropy_kernels_round_trip(changes):
+    """The encoder and decoder kernels on extreme symbols: gaps up to 2**40 (raw bits in several
+    chunks), every value token, every class; the stream ends exactly (state back to L)."""
+    cls = np.array([c for c, _, _ in changes], np.uint8)
+    gaps = np.array([g for _, g, _ in changes], np.int64)
+    zig = np.array([z for _, _, z in changes], np.int64)
+    ranks = np.empty_like(gaps)
+    last = np.full(8, -1, np.int64)
+    for j, (c, g) in enumerate(zip(cls, gaps)):
+        last[c] += g + 1
+        ranks[j] = last[c]
+    keys = np.full(len(changes), 0x7F, np.uint8)  # base 1.0: a step of < 0x3F80 stays in range
+    hist = np.ones(conditional.VALUE_TOKENS)
+    model = conditional.ValueModel(rans.normalize(hist, conditional.VALUE_SCALE, floor_all=True)[None, :],
+                                   np.array([0x7F]))
+    levels = np.array([0, 10, 40, 80, 120, 160, 200, 255], np.int64)
+    mfreq, mcum, mslot = conditional.mask_tables()
+    mrcp, mrsh = conditional.mask_reciprocals()
+    words, nw, x = conditional._encode(keys, cls, ranks, zig, levels, mcum, mfreq, mrcp, mrsh,
+                                       model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
     w, x0 = rans.bytes_to_words(rans.words_to_bytes(words, nw, int(x)))
-    pos, x = len(w) - 1, x0
-    for v, _ in values:
-        tok, x, pos = rans.dec_symbol(x, w, pos, cum, freq, slots, level, conditional.MASK_SCALE)
-        base, nbits = rans.token_base(tok)
-        extra, x, pos = rans.dec_bits(x, w, pos, nbits)
-        assert base + extra == v
-    assert x == rans.RANS_L and pos == -1
+    counts = np.bincount(cls, minlength=8)
+    got, first, x, pos, status = conditional._decode_gaps(1 << 62, w, np.int64(x0), levels, counts, mcum, mfreq, mslot)
+    assert status == 0
+    for c in range(8):
+        assert np.array_equal(got[first[c]:first[c + 1]], ranks[cls == c])
+    base = np.full(len(changes), 0x3F80, np.uint16)
+    values, status = conditional._decode_values(base, np.arange(len(changes)), w, x, pos, model.cum, model.freq,
+                                                model.slots, model.row_of_key)
+    assert status == 0  # includes: state back to L, every word consumed
+    steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))
+    assert np.array_equal(values.astype(np.int64), 0x3F80 + steps)
 
 
 def test_workers_give_the_same_payload_and_target(rl_pair):

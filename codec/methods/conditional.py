@@ -4,17 +4,19 @@ The receiver holds the base, and the base predicts the delta: an AdamW step show
 when it crosses a rounding boundary, i.e. with probability ~|dw| / ulp(w), and ulp(w) depends
 only on the exponent. So every element gets a context: its base exponent (the key).
 
-- Mask: for each key k, the changed elements among the elements with that key form a Bernoulli
-  sequence. We code the gaps (runs of unchanged elements of the same key) with a geometric model
-  whose parameter is sent as one of 256 quantised levels per (tensor, key). Cost ~ the order-0
-  entropy of the mask given (tensor, exponent), paid per change, not per element.
+- Mask: each tensor splits the exponent axis into at most 8 classes (intervals chosen to minimise
+  the mask's order-0 cost, `exponent_classes.py`); the changed elements of a class form a
+  Bernoulli sequence. We code the gaps (runs of unchanged elements of the same class) with a
+  geometric model whose parameter is sent as one of 256 quantised levels per (tensor, class).
+  Cost ~ the order-0 entropy of the mask given (tensor, exponent class), paid per change, not per
+  element; 8 intervals come within ~2% of one context per exponent, and make the scans SWAR.
 - Values: the change as a signed step in ordered-integer space (ord(x) = ~x for negatives,
   x ^ 0x8000 for positives), zigzagged and tokenized, coded with one table per key shared by all
   tensors of the payload (small weights move more ULPs). Exponent/sign changes, zero crossings,
   NaN and Inf are just large steps: no escape needed, every bit pattern round-trips.
-- One rANS stream per tensor: every context's gaps first, then the values in tensor order, so
-  the decoder runs three tight compiled phases (ranks, one counter-only pass over the base that
-  turns ranks into positions, values) instead of stopping its scan at every change.
+- One rANS stream per tensor: every class's gaps first, then the values in tensor order, so
+  the decoder runs three tight compiled phases (ranks, one pass over the base that turns ranks
+  into positions, values) instead of stopping its scan at every change.
 
 Measured on MiniLM corpora (see the closing notes): the base's top mantissa bit adds nothing to
 the mask (ulp is constant within a binade); per-tensor mask levels win ~2-9%; the key cuts the
@@ -23,17 +25,18 @@ value stream from ~1.8 to ~1.35 bits per change; the base's sign adds < 0.01 bit
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros
 
 from .. import rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
 from ..wire import Reader, Writer
+from . import exponent_classes as ec
 from .base import Patch
 
 ID = 3
@@ -41,7 +44,8 @@ NAME = "conditional"
 MIN_VERSION = 2
 SHARED_VALUE_TABLES = 1  # key in Payload.shared
 
-KEY_SHIFT = 7  # key = (bits >> 7) & 0xFF: the exponent
+KEY_SHIFT = ec.KEY_SHIFT  # key = (bits >> 7) & 0xFF: the exponent
+MAX_CLASSES = ec.MAX_CLASSES
 N_KEYS = 256
 N_LEVELS = 256
 LEVELS_PER_OCTAVE = 6
@@ -104,160 +108,120 @@ def mask_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _MASK_TABLES
 
 
+_MASK_RECIPROCALS: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def mask_reciprocals() -> tuple[np.ndarray, np.ndarray]:
+    """The encoder's division-free form of every mask frequency (rans.reciprocals)."""
+    global _MASK_RECIPROCALS
+    if _MASK_RECIPROCALS is None:
+        _MASK_RECIPROCALS = rans.reciprocals(mask_tables()[0])
+    return _MASK_RECIPROCALS
+
+
 # ---------------------------------------------------------------- compiled kernels
 
-@nb.njit(inline="always", cache=True)
-def _ord(v):
-    return (v ^ 0xFFFF) if v & 0x8000 else (v ^ 0x8000)
-
-
-@nb.njit(inline="always", cache=True)
-def _unord(o):
-    return (o ^ 0x8000) if o & 0x8000 else (o ^ 0xFFFF)
-
-
-@nb.njit(inline="always", cache=True)
-def _zigzag(b, t):
-    s = _ord(np.int64(t)) - _ord(np.int64(b))
-    return 2 * s - 2 if s > 0 else -2 * s - 1
-
-
 @nb.njit(cache=True, nogil=True)
-def _analyze(b, t, cap, lanes):
-    """One pass: element counts per (lane, key) and the changes (position, key, rank within
-    (lane, key), zigzag step). Counts are kept per sign-and-exponent (bits >> 7) so the scan needs
-    no masking; a key adds both signs. Returns k > cap when the buffers were too small.
+def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key):
+    """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
+    first every class's gaps (class 0 first), then every value in tensor order.
 
-    With 4 lanes, four consecutive elements update four different counter arrays, so the
-    counters never wait on each other (store-to-load forwarding) in the hot loop.
-    """
-    n = b.size
-    W = 2 * N_KEYS
-    cnt = np.zeros(lanes * W, np.int64)
-    pos = np.empty(cap, np.int64)
-    keys = np.empty(cap, np.uint8)
-    ranks = np.empty(cap, np.int64)
-    zig = np.empty(cap, np.int64)
-    k = 0
-    start = 0
-    if lanes == 4:
-        n4 = n - n % 4
-        for i in range(0, n4, 4):
-            b0 = b[i]
-            b1 = b[i + 1]
-            b2 = b[i + 2]
-            b3 = b[i + 3]
-            cnt[b0 >> KEY_SHIFT] += 1
-            cnt[W + (b1 >> KEY_SHIFT)] += 1
-            cnt[2 * W + (b2 >> KEY_SHIFT)] += 1
-            cnt[3 * W + (b3 >> KEY_SHIFT)] += 1
-            if (t[i] != b0) | (t[i + 1] != b1) | (t[i + 2] != b2) | (t[i + 3] != b3):
-                for j in range(4):
-                    if t[i + j] != b[i + j]:
-                        if k < cap:
-                            key = (np.int64(b[i + j]) >> KEY_SHIFT) & 0xFF
-                            pos[k] = i + j
-                            keys[k] = key
-                            ranks[k] = cnt[j * W + key] + cnt[j * W + key + N_KEYS] - 1
-                            zig[k] = _zigzag(b[i + j], t[i + j])
-                        k += 1
-        start = n4
-    for i in range(start, n):
-        lane = i % lanes
-        cnt[lane * W + (b[i] >> KEY_SHIFT)] += 1
-        if t[i] != b[i]:
-            if k < cap:
-                key = (np.int64(b[i]) >> KEY_SHIFT) & 0xFF
-                pos[k] = i
-                keys[k] = key
-                ranks[k] = cnt[lane * W + key] + cnt[lane * W + key + N_KEYS] - 1
-                zig[k] = _zigzag(b[i], t[i])
-            k += 1
-    counts = np.empty((lanes, N_KEYS), np.int64)
-    for lane in range(lanes):
-        for key in range(N_KEYS):
-            counts[lane, key] = cnt[lane * W + key] + cnt[lane * W + key + N_KEYS]
-    return counts, pos, keys, ranks, zig, k
-
-
-@nb.njit(cache=True, nogil=True)
-def _encode(pos, keys, ranks, zig, lanes, ctx_of_key, level_of_ctx, mcum, mfreq, vcum, vfreq, vrow_of_key):
-    """rANS-code the changes in reverse of the order `_decode` consumes them (docs/FORMAT.md):
-    first every context's gaps (context by context), then every value in tensor order."""
-    nctx = level_of_ctx.size
+    Each symbol: its token's raw bits, then the token (the decoder reads the token first). The
+    loops are written out: inlined helpers returning tuples cost 2-3x here, and the division by
+    the token's frequency is a multiply by its reciprocal (rans.reciprocals)."""
     k = keys.size
     words = np.empty(8 * k + 16, np.int64)
     nw = 0
     x = np.int64(rans.RANS_L)
+    L = rans.RANS_L
+    WM = rans.WORD_MASK
     for j in range(k - 1, -1, -1):  # values, last change first
         row = vrow_of_key[keys[j]]
-        tok, nbits, extra = rans.tokenize(zig[j])
-        x, nw = rans.enc_bits(x, words, nw, extra, nbits)
-        x, nw = rans.enc_put(x, words, nw, vcum[row, tok], vfreq[row, tok], VALUE_SCALE)
-    # gaps, grouped by context: order changes by (slot, rank), a stable counting sort by slot
-    nslots = lanes * nctx
-    slots = np.empty(k, np.int64)
-    start = np.zeros(nslots + 1, np.int64)
+        v = zig[j]
+        tok = v
+        if v >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
+            n = 63 - np.int64(leading_zeros(np.uint64(v)))
+            nbits = n - rans.SUB_BITS
+            tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
+            if x >= (L >> nbits) << 32:
+                words[nw] = x & WM
+                nw += 1
+                x >>= 32
+            x = (x << nbits) | (v & ((1 << nbits) - 1))
+        f = vfreq[row, tok]
+        if x >= ((L >> VALUE_SCALE) << 32) * f:
+            words[nw] = x & WM
+            nw += 1
+            x >>= 32
+        q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), vrcp[row, tok]) >> np.uint64(vrsh[row, tok]))
+        x = (q << VALUE_SCALE) + (x - q * f) + vcum[row, tok]
+    # the gaps, grouped by class (a stable counting sort: ranks stay increasing within a class)
+    end = np.zeros(MAX_CLASSES + 1, np.int64)
     for j in range(k):
-        q = (pos[j] % lanes) * nctx + ctx_of_key[keys[j]]
-        slots[j] = q
-        start[q + 1] += 1
-    for q in range(nslots):
-        start[q + 1] += start[q]
-    order = np.empty(k, np.int64)
+        end[cls[j] + 1] += 1
+    for c in range(MAX_CLASSES):
+        end[c + 1] += end[c]
+    gap = np.empty(k, np.int64)
+    last = np.full(MAX_CLASSES, -1, np.int64)
     for j in range(k):
-        q = slots[j]
-        order[start[q]] = j
-        start[q] += 1
+        c = cls[j]
+        gap[end[c]] = ranks[j] - last[c] - 1
+        last[c] = ranks[j]
+        end[c] += 1  # ends as the end of class c
+    c = MAX_CLASSES - 1
     for jj in range(k - 1, -1, -1):
-        j = order[jj]
-        prev = -1
-        if jj > 0 and slots[order[jj - 1]] == slots[j]:
-            prev = ranks[order[jj - 1]]
-        gap = ranks[j] - prev - 1
-        lv = level_of_ctx[slots[j] % nctx]
-        tok, nbits, extra = rans.tokenize(gap)
-        x, nw = rans.enc_bits(x, words, nw, extra, nbits)
-        x, nw = rans.enc_put(x, words, nw, mcum[lv, tok], mfreq[lv, tok], MASK_SCALE)
+        while c > 0 and jj < end[c - 1]:
+            c -= 1
+        lv = level_of_class[c]
+        v = gap[jj]
+        tok = v
+        if v >= rans.DIRECT:
+            n = 63 - np.int64(leading_zeros(np.uint64(v)))
+            nbits = n - rans.SUB_BITS
+            tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
+            if nbits > 16:
+                x, nw = rans.enc_bits(x, words, nw, v & ((1 << nbits) - 1), nbits)
+            else:
+                if x >= (L >> nbits) << 32:
+                    words[nw] = x & WM
+                    nw += 1
+                    x >>= 32
+                x = (x << nbits) | (v & ((1 << nbits) - 1))
+        f = mfreq[lv, tok]
+        if x >= ((L >> MASK_SCALE) << 32) * f:
+            words[nw] = x & WM
+            nw += 1
+            x >>= 32
+        q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), mrcp[lv, tok]) >> np.uint64(mrsh[lv, tok]))
+        x = (q << MASK_SCALE) + (x - q * f) + mcum[lv, tok]
     return words, nw, x
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
-    """Decode in three tight phases, none waiting on another's memory traffic:
-    1. every context's change ranks from the gap symbols (rANS, tables hot in cache);
-    2. one scan over the base turning ranks into positions (counters only, no entropy decoding);
-    3. the values, in tensor order (rANS again).
-    `slot_counts[lane * nctx + c]` = changes of (lane, context c); `lut` maps bits >> 7 to c, keys
-    without changes to nctx. Returns (positions, values, status)."""
-    nctx = level_of_ctx.size
-    nslots = slot_counts.size
-    lanes = nslots // nctx if nctx else 1
-    S = nctx + 1
+def _decode_gaps(n, words, x, level_of_class, class_changes, mcum, mfreq, mslot):
+    """Phase 1: every class's change ranks from its gap symbols, class 0 first.
+    The hot loop is written out (not via rans helpers): their inlined tuple returns cost 2-3x here.
+    Returns (ranks, first, x, pos, status); class c's ranks are ranks[first[c]:first[c + 1]]."""
     expected = 0
-    for q in range(nslots):
-        expected += slot_counts[q]
-    out_pos = np.empty(expected, np.int64)
-    out_val = np.empty(expected, np.uint16)
+    for c in range(class_changes.size):
+        expected += class_changes[c]
     ranks = np.empty(expected, np.int64)
-    first = np.zeros(nslots + 1, np.int64)
+    first = np.full(MAX_CLASSES + 1, expected, np.int64)
     pos = words.size - 1
     j = 0
     L = rans.RANS_L
     mmask = (1 << MASK_SCALE) - 1
-    for q in range(nslots):
-        first[q] = j
-        lv = level_of_ctx[q % nctx]
+    for c in range(class_changes.size):
+        first[c] = j
+        lv = level_of_class[c]
         r = -1
-        for _ in range(slot_counts[q]):
-            # one gap token, then its raw bits; written out here (not via rans helpers) because
-            # the inlined helpers' tuple returns cost 2-3x in this loop
+        for _ in range(class_changes[c]):
             slot = x & mmask
             tok = np.int64(mslot[lv, slot])
             x = mfreq[lv, tok] * (x >> MASK_SCALE) + slot - mcum[lv, tok]
             if x < L:
                 if pos < 0:
-                    return out_pos, out_val, 1
+                    return ranks, first, x, pos, 1
                 x = (x << 32) | words[pos]
                 pos -= 1
             gap = tok
@@ -266,90 +230,41 @@ def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcu
                 if nbits > 16:
                     extra, x, pos = rans.dec_bits(x, words, pos, nbits)
                     if pos == -2:
-                        return out_pos, out_val, 1
+                        return ranks, first, x, pos, 1
                     gap += extra
                 else:
                     gap += x & ((1 << nbits) - 1)
                     x >>= nbits
                     if x < L:
                         if pos < 0:
-                            return out_pos, out_val, 1
+                            return ranks, first, x, pos, 1
                         x = (x << 32) | words[pos]
                         pos -= 1
             r += gap + 1
-            if r >= b.size:  # a rank beyond the tensor (also keeps r from overflowing)
-                return out_pos, out_val, 6
+            if r >= n:  # a rank beyond the tensor (also keeps r from overflowing)
+                return ranks, first, x, pos, 6
             ranks[j] = r
             j += 1
-    first[nslots] = j
-    # rem[lane * S + c]: elements of the context left to scan up to and including its next change
-    rem = np.full(lanes * S, 1 << 62, np.int64)
-    nxt = np.zeros(lanes * S, np.int64)  # index into ranks of that next change
-    end = np.zeros(lanes * S, np.int64)
-    for lane in range(lanes):
-        for c in range(nctx):
-            q = lane * nctx + c
-            w = lane * S + c
-            nxt[w] = first[q]
-            end[w] = first[q + 1]
-            if first[q] < first[q + 1]:
-                rem[w] = ranks[first[q]] + 1
-    k = 0
-    n = b.size
-    start = 0
-    if lanes == 4:
-        n4 = n - n % 4
-        for i in range(0, n4, 4):
-            s0 = np.int64(lut[b[i] >> KEY_SHIFT])
-            s1 = S + lut[b[i + 1] >> KEY_SHIFT]
-            s2 = 2 * S + lut[b[i + 2] >> KEY_SHIFT]
-            s3 = 3 * S + lut[b[i + 3] >> KEY_SHIFT]
-            v0 = rem[s0] - 1
-            v1 = rem[s1] - 1
-            v2 = rem[s2] - 1
-            v3 = rem[s3] - 1
-            rem[s0] = v0
-            rem[s1] = v1
-            rem[s2] = v2
-            rem[s3] = v3
-            if (v0 == 0) | (v1 == 0) | (v2 == 0) | (v3 == 0):
-                for lane in range(4):
-                    w = lane * S + lut[b[i + lane] >> KEY_SHIFT]
-                    if rem[w] == 0:
-                        if k >= expected:
-                            return out_pos, out_val, 2
-                        out_pos[k] = i + lane
-                        k += 1
-                        m = nxt[w]
-                        nxt[w] = m + 1
-                        rem[w] = ranks[m + 1] - ranks[m] if m + 1 < end[w] else 1 << 62
-        start = n4
-    for i in range(start, n):
-        w = (i % lanes) * S + lut[b[i] >> KEY_SHIFT]
-        v = rem[w] - 1
-        rem[w] = v
-        if v == 0:
-            if k >= expected:
-                return out_pos, out_val, 2
-            out_pos[k] = i
-            k += 1
-            m = nxt[w]
-            nxt[w] = m + 1
-            rem[w] = ranks[m + 1] - ranks[m] if m + 1 < end[w] else 1 << 62
-    if k != expected:
-        return out_pos, out_val, 6
+    return ranks, first, x, pos, 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_values(b, at, words, x, pos, vcum, vfreq, vslot, vrow_of_key):
+    """Phase 3: the new value of every change, in tensor order, then the stream's end checks."""
+    L = rans.RANS_L
     vmask = (1 << VALUE_SCALE) - 1
-    for j in range(expected):
-        bv = np.int64(b[out_pos[j]])
+    out = np.empty(at.size, np.uint16)
+    for j in range(at.size):
+        bv = np.int64(b[at[j]])
         row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
         if row < 0:
-            return out_pos, out_val, 3
+            return out, 3
         slot = x & vmask
         tok = np.int64(vslot[row, slot])
         x = vfreq[row, tok] * (x >> VALUE_SCALE) + slot - vcum[row, tok]
         if x < L:
             if pos < 0:
-                return out_pos, out_val, 1
+                return out, 1
             x = (x << 32) | words[pos]
             pos -= 1
         u = tok
@@ -359,23 +274,23 @@ def _decode(b, words, x, lut, level_of_ctx, slot_counts, mcum, mfreq, mslot, vcu
             x >>= nbits
             if x < L:
                 if pos < 0:
-                    return out_pos, out_val, 1
+                    return out, 1
                 x = (x << 32) | words[pos]
                 pos -= 1
         s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
-        o = _ord(bv) + s
+        o = ec.ordered(bv) + s
         if o < 0 or o > 0xFFFF:
-            return out_pos, out_val, 4
-        out_val[j] = _unord(o)
-    if x != rans.RANS_L or pos != -1:
-        return out_pos, out_val, 7
-    return out_pos, out_val, 0
+            return out, 4
+        out[j] = ec.unordered(o)
+    if x != L or pos != -1:
+        return out, 7
+    return out, 0
 
 
 _STATUS = {
-    1: "entropy stream ends early", 2: "more changes than the index declares",
+    1: "entropy stream ends early", 2: "a class's changes lie beyond its elements",
     3: "a change falls under an exponent with no value table", 4: "a decoded step leaves the BF16 range",
-    5: "fewer changes than the index declares", 6: "a context's changes lie beyond its elements",
+    6: "a change's rank lies beyond the tensor",
     7: "entropy stream has leftover state (corrupt or forged)",
 }
 
@@ -384,12 +299,14 @@ _STATUS = {
 
 @dataclass
 class Analysis:
-    """What one pass over (base, target) learned: enough to pick a method and to code it."""
+    """What the encoder's scans learned: enough to pick a method and to code it."""
 
-    counts: np.ndarray  # elements per (lane, key): shape (lanes, 256)
+    thresholds: np.ndarray  # exponents where classes 1.. start (strictly increasing)
+    class_sizes: np.ndarray  # elements per class, MAX_CLASSES entries
     index: np.ndarray  # changed positions
     keys: np.ndarray  # base exponent of each change
-    ranks: np.ndarray  # rank of each change among the elements of its (lane, key)
+    classes: np.ndarray  # class of each change
+    ranks: np.ndarray  # rank of each change among the elements of its class
     zig: np.ndarray  # zigzagged ULP step of each change
 
     @property
@@ -397,27 +314,28 @@ class Analysis:
         return int(self.index.size)
 
     @property
-    def lanes(self) -> int:
-        return int(self.counts.shape[0])
+    def nclass(self) -> int:
+        return int(self.thresholds.size) + 1
+
+    def class_changes(self) -> np.ndarray:
+        return np.bincount(self.classes, minlength=MAX_CLASSES)[: self.nclass]
 
 
-LANES = (1, 2, 4, 8)
-LANE_MIN_ELEMENTS = 1 << 16  # smaller tensors use one lane: 4 lanes cost a few more gap symbols
-
-
-def lanes_for(n: int) -> int:
-    """Element i belongs to lane i % lanes; each (lane, key) is its own context sequence, so the
-    decoder's counters for neighbouring elements are independent (4x fewer pipeline stalls)."""
-    return 4 if n >= LANE_MIN_ELEMENTS else 1
+def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarray:
+    """Class thresholds from (elements, changes) per exponent among every stride-th element;
+    none if no sampled element changed."""
+    if not k_e.any():
+        return np.empty(0, np.int64)
+    return ec.choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
 def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
-    lanes = lanes_for(base.size)
-    cap = max(1024, base.size // 16)
-    counts, pos, keys, ranks, zig, k = _analyze(base, target, cap, lanes)
-    if k > cap:
-        counts, pos, keys, ranks, zig, k = _analyze(base, target, k, lanes)
-    return Analysis(counts, pos[:k], keys[:k], ranks[:k], zig[:k])
+    base = base.reshape(-1)
+    target = target.reshape(-1)
+    stride = ec.sample_stride(base.size)
+    thresholds = choose_thresholds(*ec.sample_stats(base, target, stride), stride)
+    pos, keys, classes, ranks, zig, sizes = ec.scan_changes(base, target, thresholds)
+    return Analysis(thresholds, sizes, pos, keys, classes, ranks, zig)
 
 
 class ValueModel:
@@ -427,6 +345,7 @@ class ValueModel:
         self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
         self.slots = rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0] else np.zeros((0, 1 << VALUE_SCALE), np.uint8)
+        self.rcp, self.rsh = rans.reciprocals(self.freq)
         self.row_of_key = np.full(N_KEYS, -1, np.int64)
         self.row_of_key[keys] = np.arange(keys.size)
         self.keys = keys
@@ -484,7 +403,7 @@ class ValueModel:
 
 
 def _tokens(zig: np.ndarray) -> np.ndarray:
-    """Vectorised rans.tokenize(...)[0]."""
+    """Tokens of hybrid uints, vectorised (the kernels compute the same inline)."""
     v = zig.astype(np.int64)
     out = v.copy()
     big = v >= rans.DIRECT
@@ -498,58 +417,55 @@ def _tokens(zig: np.ndarray) -> np.ndarray:
     return out
 
 
+_LEVEL_LOGS: tuple[np.ndarray, np.ndarray] | None = None
+
+
 def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Mask level minimising the ideal Bernoulli cost of k changes among n elements, per context."""
-    p = level_probability()
-    cost = -(k[:, None] * np.log2(p)[None, :] + (n - k)[:, None] * np.log2(1.0 - p)[None, :])
+    """Mask level minimising the ideal Bernoulli cost of k changes among n elements, per class."""
+    global _LEVEL_LOGS
+    if _LEVEL_LOGS is None:
+        p = level_probability()
+        _LEVEL_LOGS = (np.log2(p), np.log2(1.0 - p))
+    log_p, log_q = _LEVEL_LOGS
+    cost = -(k[:, None] * log_p[None, :] + (n - k)[:, None] * log_q[None, :])
     return np.argmin(cost, axis=1).astype(np.int64)
 
 
 def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
-    key_changes = np.bincount(a.keys, minlength=N_KEYS)
-    active = np.flatnonzero(key_changes)
-    ctx_of_key = np.full(N_KEYS, -1, np.int64)
-    ctx_of_key[active] = np.arange(active.size)
-    levels = _choose_levels(a.counts.sum(axis=0)[active].astype(np.float64), key_changes[active].astype(np.float64))
+    nclass = a.nclass
+    changes = a.class_changes()
+    levels = _choose_levels(a.class_sizes[:nclass].astype(np.float64), changes.astype(np.float64))
     mfreq, mcum, _ = mask_tables()
-    words, nw, x = _encode(a.index, a.keys, a.ranks, a.zig, a.lanes, ctx_of_key, levels, mcum, mfreq,
-                           model.cum, model.freq, model.row_of_key)
+    mrcp, mrsh = mask_reciprocals()
+    words, nw, x = _encode(a.keys, a.classes, a.ranks, a.zig, levels, mcum, mfreq, mrcp, mrsh,
+                           model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
     data = rans.words_to_bytes(words, nw, int(x))
-    lane_of = a.index % a.lanes
-    slot_counts = np.bincount(lane_of * active.size + ctx_of_key[a.keys], minlength=a.lanes * active.size)
     w = Writer()
-    for count in slot_counts:
+    for count in changes:
         w.uvarint(int(count))
-    params = struct.pack("<BBH", KEY_SHIFT, a.lanes, active.size) + active.astype(np.uint8).tobytes() \
-        + levels.astype(np.uint8).tobytes() + w.getvalue()
+    params = bytes([nclass]) + a.thresholds.astype(np.uint8).tobytes() + levels.astype(np.uint8).tobytes() + w.getvalue()
     return params, [Stream(RAW, len(data), data)]
 
 
 # ---------------------------------------------------------------- decoder side
 
-def _params(entry: Entry) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """(lanes, active keys, their mask levels, changes per (lane, key)), checked against the index."""
+def _params(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(class thresholds, mask level of each class, changes per class), checked against the index."""
     p = bytes(entry.params)
-    if len(p) < 4:
-        raise DeltaError("conditional params are truncated", tensor=entry.name)
-    shift, lanes, n = struct.unpack_from("<BBH", p)
-    if shift != KEY_SHIFT:
-        raise DeltaError("unsupported context key", tensor=entry.name)
-    if lanes not in LANES:
-        raise DeltaError(f"unsupported lane count {lanes}", tensor=entry.name)
-    if n > N_KEYS or len(p) < 4 + 2 * n:
-        raise DeltaError(f"conditional params declare {n} keys in {len(p)} bytes", tensor=entry.name)
-    keys = np.frombuffer(p, np.uint8, n, 4).astype(np.int64)
-    levels = np.frombuffer(p, np.uint8, n, 4 + n).astype(np.int64)
-    if n > 1 and np.any(np.diff(keys) <= 0):
-        raise DeltaError("context keys are not strictly increasing", tensor=entry.name)
-    r = Reader(p[4 + 2 * n:], f"params of {entry.name!r}")
-    counts = np.array([r.uvarint(entry.changes) for _ in range(lanes * n)], dtype=np.int64)
+    nclass = p[0] if p else 0
+    if not 1 <= nclass <= MAX_CLASSES or len(p) < 2 * nclass:
+        raise DeltaError(f"conditional params declare {nclass} classes in {len(p)} bytes", tensor=entry.name)
+    thresholds = np.frombuffer(p, np.uint8, nclass - 1, 1).astype(np.int64)
+    levels = np.frombuffer(p, np.uint8, nclass, nclass).astype(np.int64)
+    if nclass > 1 and (thresholds[0] == 0 or np.any(np.diff(thresholds) <= 0)):
+        raise DeltaError("class thresholds are not strictly increasing from 1", tensor=entry.name)
+    r = Reader(p[2 * nclass:], f"params of {entry.name!r}")
+    counts = np.array([r.uvarint(entry.changes) for _ in range(nclass)], dtype=np.int64)
     r.expect_end()
     if int(counts.sum()) != entry.changes:
-        raise DeltaError(f"context counts add up to {int(counts.sum())} changes, index says {entry.changes}",
+        raise DeltaError(f"class counts add up to {int(counts.sum())} changes, index says {entry.changes}",
                          tensor=entry.name)
-    return lanes, keys, levels, counts
+    return thresholds, levels, counts
 
 
 _MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
@@ -573,7 +489,7 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     if len(entry.streams) != 1:
         raise DeltaError(f"method expects 1 stream, index has {len(entry.streams)}", tensor=entry.name)
-    lanes, keys, levels, counts = _params(entry)
+    thresholds, levels, counts = _params(entry)
     model = _model(shared)
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
@@ -582,17 +498,17 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     if parsed is None:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
     words, x = parsed
-    lut = np.full(2 * N_KEYS, keys.size, np.uint16)  # sign bit ignored: both halves map alike
-    lut[keys] = np.arange(keys.size)
-    lut[keys + N_KEYS] = np.arange(keys.size)
+    base = base.reshape(-1)
     mfreq, mcum, mslot = mask_tables()
-    if levels.size and levels.max() >= N_LEVELS:
-        raise DeltaError("mask level out of range", tensor=entry.name)
-    pos, val, status = _decode(base, words, np.int64(x), lut, levels, counts, mcum, mfreq, mslot,
-                               model.cum, model.freq, model.slots, model.row_of_key)
+    ranks, first, x, pos, status = _decode_gaps(base.size, words, np.int64(x), levels, counts, mcum, mfreq, mslot)
+    if not status:
+        at, status = ec.positions(base.size, ec.block_words(base), ec.swar_thresholds(thresholds), ranks, first,
+                                  entry.changes)
+    if not status:
+        val, status = _decode_values(base, at, words, x, pos, model.cum, model.freq, model.slots, model.row_of_key)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
-    return Patch(pos, val)
+    return Patch(at, val)
 
 
 def stream_names(entry: Entry) -> list[str]:
@@ -608,19 +524,17 @@ def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, f
 
     The two share one rANS stream, so the split is recomputed from the changes (which need the
     base): -log2 of each symbol's probability plus its raw bits; the mask also pays for the
-    per-context change counts in the params.
+    params (thresholds, levels and per-class change counts).
     """
-    lanes, keys, levels, _ = _params(entry)
+    _, levels, _ = _params(entry)
     model = _model(shared)
     mfreq, _, _ = mask_tables()
-    mask = 8.0 * (len(entry.params) - 4 - 2 * keys.size)
-    lane_of = analysis.index % lanes
-    for key, lv in zip(keys, levels):
-        for lane in range(lanes):
-            ranks = analysis.ranks[(analysis.keys == key) & (lane_of == lane)]
-            gaps = np.diff(np.concatenate(([-1], ranks))) - 1
-            tok = _tokens(gaps)
-            mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
+    mask = 8.0 * len(entry.params)
+    for c, lv in enumerate(levels):
+        ranks = analysis.ranks[analysis.classes == c]
+        gaps = np.diff(np.concatenate(([-1], ranks))) - 1
+        tok = _tokens(gaps)
+        mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
     tok = _tokens(analysis.zig)
     rows = model.row_of_key[analysis.keys.astype(np.int64)]
     value = float(np.sum(VALUE_SCALE - np.log2(model.freq[rows, tok])) + _token_extra_bits(tok).sum())

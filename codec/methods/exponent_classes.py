@@ -1,0 +1,403 @@
+"""Exponent classes: the mask's contexts, and the scans that map positions to ranks and back.
+
+An element's class is the number of class thresholds at or below its exponent ((bits >> 7) & 0xFF),
+so a tensor's classes are at most 8 intervals of the exponent axis. Intervals, because the chance
+that a BF16 element changes falls monotonically with its exponent (ulp doubles per binade); at
+most 8, because the scans then count every class of 4 elements at once with SWAR arithmetic on
+64-bit words (4 BF16 lanes per word), which LLVM vectorises: ~1 cycle per element instead of a
+histogram update per element. Blocks of 64 elements are counted whole; only blocks holding a
+change look inside, with a 64-bit class-membership mask and a broadword popcount / select.
+
+- `sample_stats`: exponents (and changes) of a sample of elements, to choose classes from.
+- `choose_classes`: thresholds minimising the order-0 cost of the mask (an exact DP over exponents).
+- `scan_changes` (encoder): every change with its exponent, class, rank in its class and step.
+- `positions` (decoder): the inverse, from every class's ranks.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+MAX_CLASSES = 8
+KEY_SHIFT = 7
+SAMPLE_BITS = 14  # a tensor of n elements samples every max(1, n >> 14)-th element
+CLASS_OVERHEAD_BITS = 24.0  # a threshold, a level and a change count in the params
+
+_H = np.uint64(0x8000800080008000)  # the top bit of each 16-bit lane
+_LOW = np.uint64(0x7FFF7FFF7FFF7FFF)
+_ONE = np.uint64(0x0001000100010001)
+_LANES4 = np.uint64((1 << 48) | (1 << 33) | (1 << 18) | (1 << 3))  # gathers 4 lane flags into bits 48..51
+_U15 = np.uint64(15)
+_U48 = np.uint64(48)
+_U0 = np.uint64(0)
+_U1 = np.uint64(1)
+_LANE = np.uint64(0xFFFF)
+BLOCK_WORDS = 16
+BLOCK = 4 * BLOCK_WORDS  # 64 elements: one bit each in a membership mask
+_FAR = 1 << 62
+
+
+def sample_stride(n: int) -> int:
+    return max(1, n >> SAMPLE_BITS)
+
+
+def class_lut(thresholds: np.ndarray) -> np.ndarray:
+    """Class of each exponent 0..255 (uint8)."""
+    return np.searchsorted(np.asarray(thresholds, np.int64), np.arange(256), side="right").astype(np.uint8)
+
+
+def swar_thresholds(thresholds: np.ndarray) -> np.ndarray:
+    """9 words: T[c] is class c's lower bound (exponent << 7) in every lane; T[0] = 0 (every element
+    is at or above it), unused and T[8] = 0x8000 (no element reaches it)."""
+    t = np.full(MAX_CLASSES + 1, 0x8000, np.uint64)
+    t[0] = 0
+    t[1: 1 + len(thresholds)] = np.asarray(thresholds, np.uint64) << np.uint64(KEY_SHIFT)
+    return t * _ONE
+
+
+def block_words(a: np.ndarray) -> np.ndarray:
+    """A flat uint16 array as 64-bit words (4 elements each) in whole blocks of 64 elements.
+
+    A view when the size is a multiple of 64 and the data 8-byte aligned (every tensor of usual
+    models); otherwise a copy padded with +0.0, which is class 0 (thresholds start at 1) and lies
+    after every real element, so it changes no rank of a real one."""
+    if a.size % BLOCK == 0 and a.ctypes.data % 8 == 0:
+        return a.view(np.uint64)
+    padded = np.zeros(-(-a.size // BLOCK) * BLOCK, np.uint16)
+    padded[: a.size] = a
+    return padded.view(np.uint64)
+
+
+# ---------------------------------------------------------------- SWAR primitives
+
+@nb.njit(inline="always", cache=True)
+def _ge(v, t):
+    """Top bit of each lane set where the lane's |bits| >= the lane's threshold; v = (w & LOW) | H."""
+    return (v - t) & _H
+
+
+@nb.njit(inline="always", cache=True)
+def _hsum(acc):
+    """Sum of the four 16-bit lane counters."""
+    return np.int64((acc * _ONE) >> _U48)
+
+
+@nb.njit(inline="always", cache=True)
+def _lane_bits(m):
+    """The four lane flags (top bits) of m as bits 0..3."""
+    return ((m >> _U15) * _LANES4) >> _U48
+
+
+@nb.njit(inline="always", cache=True)
+def _block_counts(w, o, T, cnt):
+    """Elements of each class in the block of BLOCK_WORDS words at word o, into cnt[0..7]."""
+    t1 = T[1]
+    t2 = T[2]
+    t3 = T[3]
+    t4 = T[4]
+    t5 = T[5]
+    t6 = T[6]
+    t7 = T[7]
+    a1 = _U0
+    a2 = _U0
+    a3 = _U0
+    a4 = _U0
+    a5 = _U0
+    a6 = _U0
+    a7 = _U0
+    for j in range(BLOCK_WORDS):
+        v = (w[o + j] & _LOW) | _H
+        a1 += _ge(v, t1) >> _U15
+        a2 += _ge(v, t2) >> _U15
+        a3 += _ge(v, t3) >> _U15
+        a4 += _ge(v, t4) >> _U15
+        a5 += _ge(v, t5) >> _U15
+        a6 += _ge(v, t6) >> _U15
+        a7 += _ge(v, t7) >> _U15
+    g1 = _hsum(a1)
+    g2 = _hsum(a2)
+    g3 = _hsum(a3)
+    g4 = _hsum(a4)
+    g5 = _hsum(a5)
+    g6 = _hsum(a6)
+    g7 = _hsum(a7)
+    cnt[0] = BLOCK - g1
+    cnt[1] = g1 - g2
+    cnt[2] = g2 - g3
+    cnt[3] = g3 - g4
+    cnt[4] = g4 - g5
+    cnt[5] = g5 - g6
+    cnt[6] = g6 - g7
+    cnt[7] = g7
+
+
+@nb.njit(inline="always", cache=True)
+def _members(w, o, T, c):
+    """Bit i set where element i of the block at word o belongs to class c (32 bits)."""
+    lo = T[c]
+    hi = T[c + 1]
+    m = _U0
+    for j in range(BLOCK_WORDS):
+        v = (w[o + j] & _LOW) | _H
+        m |= _lane_bits(_ge(v, lo) & ~_ge(v, hi)) << np.uint64(4 * j)
+    return m
+
+
+_M1 = np.uint64(0x5555555555555555)
+_M2 = np.uint64(0x3333333333333333)
+_M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
+_BYTES = np.uint64(0x0101010101010101)
+_H8 = np.uint64(0x8080808080808080)
+_U2 = np.uint64(2)
+_U4 = np.uint64(4)
+_U7 = np.uint64(7)
+_U56 = np.uint64(56)
+
+
+@nb.njit(inline="always", cache=True)
+def _byte_counts(x):
+    """Set bits of each byte of x, per byte."""
+    s = x - ((x >> _U1) & _M1)
+    s = (s & _M2) + ((s >> _U2) & _M2)
+    return (s + (s >> _U4)) & _M4
+
+
+@nb.njit(inline="always", cache=True)
+def _popcount(x):
+    return np.int64((_byte_counts(x) * _BYTES) >> _U56)
+
+
+def _select_in_byte_table() -> np.ndarray:
+    t = np.zeros((8, 256), np.uint8)
+    for v in range(256):
+        bits = [i for i in range(8) if v >> i & 1]
+        for r, i in enumerate(bits):
+            t[r, v] = i
+    return t
+
+
+_SELECT_IN_BYTE = _select_in_byte_table()
+
+
+@nb.njit(inline="always", cache=True)
+def _select(x, r):
+    """Index of the set bit of x with r set bits below it (0 <= r < popcount(x)), without a loop:
+    byte prefix counts locate the byte, a table the bit (broadword select)."""
+    prefix = _byte_counts(x) * _BYTES  # byte i: set bits in bytes 0..i
+    below = (((np.uint64(r) * _BYTES) | _H8) - prefix) & _H8  # bytes whose prefix <= r
+    byte = np.int64(((below >> _U7) * _BYTES) >> _U56)
+    before = np.int64(((prefix << np.uint64(8)) >> np.uint64(8 * byte)) & np.uint64(0xFF))
+    in_byte = np.int64((x >> np.uint64(8 * byte)) & np.uint64(0xFF))
+    return 8 * byte + np.int64(_SELECT_IN_BYTE[r - before, in_byte])
+
+
+# ---------------------------------------------------------------- encoder side
+
+@nb.njit(cache=True, nogil=True)
+def sample_stats(b, t, stride):
+    """(elements, changes) per exponent among every stride-th element."""
+    n_e = np.zeros(256, np.int64)
+    k_e = np.zeros(256, np.int64)
+    for i in range(0, b.size, stride):
+        e = (np.int64(b[i]) >> KEY_SHIFT) & 0xFF
+        n_e[e] += 1
+        k_e[e] += b[i] != t[i]
+    return n_e, k_e
+
+
+@nb.njit(cache=True, nogil=True)
+def choose_classes(n_e, k_e, max_classes):
+    """Thresholds (exponents where a class starts, class 0 excluded) of the partition of the
+    exponent axis into at most max_classes intervals with the least estimated mask cost.
+
+    Cost of an interval holding N elements and K changes: N * h(K / N) bits (order-0 entropy)
+    plus CLASS_OVERHEAD_BITS. Only exponents that occur are boundaries."""
+    present = np.empty(256, np.int64)
+    m = 0
+    for e in range(256):
+        if n_e[e] > 0 or k_e[e] > 0:
+            present[m] = e
+            m += 1
+    if m <= 1:
+        return np.empty(0, np.int64)
+    cn = np.zeros(m + 1)
+    ck = np.zeros(m + 1)
+    for i in range(m):
+        e = present[i]
+        cn[i + 1] = cn[i] + max(n_e[e], k_e[e])
+        ck[i + 1] = ck[i] + k_e[e]
+    # cost[i, j]: interval of present exponents i..j-1
+    cost = np.zeros((m + 1, m + 1))
+    for i in range(m):
+        for j in range(i + 1, m + 1):
+            nn = cn[j] - cn[i]
+            kk = ck[j] - ck[i]
+            c = CLASS_OVERHEAD_BITS
+            if 0 < kk < nn:
+                p = kk / nn
+                c += -nn * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+            cost[i, j] = c
+    kmax = min(max_classes, m)
+    best = np.full((kmax + 1, m + 1), np.inf)
+    arg = np.zeros((kmax + 1, m + 1), np.int64)
+    best[0, 0] = 0.0
+    for c in range(1, kmax + 1):
+        for j in range(1, m + 1):
+            for i in range(c - 1, j):
+                v = best[c - 1, i] + cost[i, j]
+                if v < best[c, j]:
+                    best[c, j] = v
+                    arg[c, j] = i
+    bc = 1
+    for c in range(2, kmax + 1):
+        if best[c, m] < best[bc, m]:
+            bc = c
+    cuts = np.empty(bc - 1, np.int64)
+    j = m
+    for c in range(bc, 1, -1):
+        i = arg[c, j]
+        cuts[c - 2] = present[i]
+        j = i
+    return cuts
+
+
+@nb.njit(inline="always", cache=True)
+def ordered(v):
+    """BF16 bits to an integer whose order is the values' order (ord(x) = ~x for negatives)."""
+    return (v ^ 0xFFFF) if v & 0x8000 else (v ^ 0x8000)
+
+
+@nb.njit(inline="always", cache=True)
+def unordered(o):
+    return (o ^ 0x8000) if o & 0x8000 else (o ^ 0xFFFF)
+
+
+@nb.njit(inline="always", cache=True)
+def _zigzag(bv, tv):
+    """Signed ULP step from bv to tv in ordered-integer space, zigzagged (>= 0)."""
+    s = ordered(tv) - ordered(bv)
+    return 2 * s - 2 if s > 0 else -2 * s - 1
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_changes(bw, tw, T, lut, cap):
+    """One pass: class sizes, and every change's position, exponent, class, rank, zigzag step.
+    Buffers hold `cap` changes (growing them in the loop costs 5x); a count k > cap means retry."""
+    pos = np.empty(cap, np.int64)
+    keys = np.empty(cap, np.uint8)
+    cls = np.empty(cap, np.uint8)
+    rank = np.empty(cap, np.int64)
+    zig = np.empty(cap, np.int64)
+    pre = np.zeros(MAX_CLASSES, np.int64)
+    cnt = np.zeros(MAX_CLASSES, np.int64)
+    k = 0
+    for blk in range(bw.size // BLOCK_WORDS):
+        o = blk * BLOCK_WORDS
+        d = _U0
+        for j in range(BLOCK_WORDS):
+            d |= bw[o + j] ^ tw[o + j]
+        if d != _U0:
+            for j in range(BLOCK_WORDS):
+                x = bw[o + j] ^ tw[o + j]
+                while x != _U0:
+                    lane = np.int64(trailing_zeros(x)) >> 4
+                    sh = np.uint64(16 * lane)
+                    x &= ~(_LANE << sh)
+                    if k < cap:
+                        bv = np.int64((bw[o + j] >> sh) & _LANE)
+                        tv = np.int64((tw[o + j] >> sh) & _LANE)
+                        e = (bv >> KEY_SHIFT) & 0xFF
+                        c = np.int64(lut[e])
+                        at = 4 * j + lane  # within the block
+                        below = (_U1 << np.uint64(at)) - _U1
+                        pos[k] = 4 * o + at
+                        keys[k] = e
+                        cls[k] = c
+                        rank[k] = pre[c] + _popcount(_members(bw, o, T, c) & below)
+                        zig[k] = _zigzag(bv, tv)
+                    k += 1
+        _block_counts(bw, o, T, cnt)
+        for c in range(MAX_CLASSES):
+            pre[c] += cnt[c]
+    return pos, keys, cls, rank, zig, pre, k
+
+
+def scan_changes(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray):
+    """(positions, exponents, classes, ranks, zigzag steps, elements per class) of two flat
+    uint16 arrays under the given class thresholds."""
+    bw, tw = block_words(b), block_words(t)
+    T, lut = swar_thresholds(thresholds), class_lut(thresholds)
+    cap = max(1024, b.size // 16)
+    out = _scan_changes(bw, tw, T, lut, cap)
+    if out[-1] > cap:
+        out = _scan_changes(bw, tw, T, lut, out[-1])
+    pos, keys, cls, rank, zig, sizes, k = out
+    sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
+    return pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes
+
+
+# ---------------------------------------------------------------- decoder side
+
+CHUNK_BLOCKS = 128  # 8192 elements (16 KiB of base): what one round of class walks keeps in L1
+
+
+@nb.njit(cache=True, nogil=True)
+def positions(n, bw, T, ranks_, first, expected):
+    """Positions of the changes, in tensor order, from each class's ranks
+    (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing).
+
+    Chunk by chunk (so the base is read from memory once): count each block's classes (SWAR);
+    per class, walk the blocks' running count to the block of each rank and mark the change's bit
+    there (select in the class-membership mask); read the marks out in order. Returns (positions,
+    status): status 0, or 2 when a rank lies beyond its class's elements."""
+    nblocks = bw.size // BLOCK_WORDS
+    counts = np.empty(CHUNK_BLOCKS * MAX_CLASSES, np.int64)
+    cnt = np.zeros(MAX_CLASSES, np.int64)
+    marks = np.zeros(CHUNK_BLOCKS, np.uint64)
+    nxt = first[:MAX_CLASSES].copy()  # index of each class's next change
+    seen = np.zeros(MAX_CLASSES, np.int64)  # class elements before the current block
+    out = np.empty(expected, np.int64)
+    k = 0
+    for c0 in range(0, nblocks, CHUNK_BLOCKS):
+        c1 = min(c0 + CHUNK_BLOCKS, nblocks)
+        for blk in range(c0, c1):
+            _block_counts(bw, blk * BLOCK_WORDS, T, cnt)
+            for c in range(MAX_CLASSES):
+                counts[(blk - c0) * MAX_CLASSES + c] = cnt[c]
+        for c in range(MAX_CLASSES):
+            j = nxt[c]
+            end = first[c + 1]
+            s = seen[c]
+            if j == end:  # no change left in this class: just count its elements
+                for blk in range(c0, c1):
+                    s += counts[(blk - c0) * MAX_CLASSES + c]
+                seen[c] = s
+                continue
+            target = ranks_[j]
+            for blk in range(c0, c1):
+                here = counts[(blk - c0) * MAX_CLASSES + c]
+                if target < s + here:
+                    m = _members(bw, blk * BLOCK_WORDS, T, c)
+                    while target < s + here:
+                        marks[blk - c0] |= _U1 << np.uint64(_select(m, target - s))
+                        j += 1
+                        target = ranks_[j] if j < end else _FAR
+                s += here
+            nxt[c] = j
+            seen[c] = s
+        for blk in range(c0, c1):
+            m = marks[blk - c0]
+            marks[blk - c0] = _U0
+            while m != _U0:
+                q = blk * BLOCK + np.int64(trailing_zeros(m))
+                if q >= n or k >= expected:  # a rank in the padding
+                    return out, 2
+                out[k] = q
+                k += 1
+                m &= m - _U1
+    for c in range(MAX_CLASSES):
+        if nxt[c] != first[c + 1]:
+            return out, 2
+    return out, 0
