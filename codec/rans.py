@@ -125,23 +125,26 @@ def dec_bits(x, words, pos, nbits):
     return value, x, pos
 
 
-def words_to_bytes(words: np.ndarray, nw: int, x: int) -> bytes:
-    out = np.empty(nw + 2, np.uint32)
+def words_to_bytes(words: np.ndarray, nw: int, states: tuple[int, ...]) -> bytes:
+    """The stream: the emitted words in emission order, then each final state as (low, high)."""
+    out = np.empty(nw + 2 * len(states), np.uint32)
     out[:nw] = words[:nw]
-    out[nw] = x & WORD_MASK
-    out[nw + 1] = x >> 32
+    for i, x in enumerate(states):
+        out[nw + 2 * i] = x & WORD_MASK
+        out[nw + 2 * i + 1] = x >> 32
     return out.astype("<u4").tobytes()
 
 
-def bytes_to_words(data: bytes) -> tuple[np.ndarray, int] | None:
-    """(words as int64, initial state) or None if malformed."""
-    if len(data) % 4 or len(data) < 8:
+def bytes_to_words(data: bytes, n_states: int = 1) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """(words as int64, initial states) or None if malformed."""
+    if len(data) % 4 or len(data) < 8 * n_states:
         return None
     w = np.frombuffer(data, "<u4").astype(np.int64)
-    x = int(w[-2]) | (int(w[-1]) << 32)
-    if not RANS_L <= x < (1 << 63):
+    tail = w[w.size - 2 * n_states:]
+    states = tuple(int(tail[2 * i]) | (int(tail[2 * i + 1]) << 32) for i in range(n_states))
+    if not all(RANS_L <= x < (1 << 63) for x in states):
         return None
-    return w[:-2].copy(), x
+    return w[: w.size - 2 * n_states], states
 
 
 def normalize(counts: np.ndarray, scale: int, floor_all: bool) -> np.ndarray:

