@@ -1,0 +1,127 @@
+"""Exponent classes: the SWAR bit tricks, the class DP and the position <-> rank scans."""
+
+from __future__ import annotations
+
+import itertools
+
+import numba as nb
+import numpy as np
+import pytest
+
+from codec.methods import exponent_classes as ec
+
+
+@nb.njit
+def _selects(xs, rs, use_pdep):
+    out = np.empty(xs.size, np.int64)
+    for i in range(xs.size):
+        out[i] = ec._select_pdep(xs[i], rs[i]) if use_pdep else ec._select_broadword(xs[i], rs[i])
+    return out
+
+
+@nb.njit
+def _popcounts(xs):
+    out = np.empty(xs.size, np.int64)
+    for i in range(xs.size):
+        out[i] = ec._popcount(xs[i])
+    return out
+
+
+def _random_words(n: int) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    dense = rng.integers(0, 1 << 63, n, dtype=np.uint64) | rng.integers(0, 2, n, dtype=np.uint64) << np.uint64(63)
+    sparse = dense & rng.integers(0, 1 << 63, n, dtype=np.uint64) & rng.integers(0, 1 << 63, n, dtype=np.uint64)
+    edge = np.array([1, 1 << 63, (1 << 64) - 1, 0x8000000000000001, 0x00FF00FF00FF00FF], np.uint64)
+    words = np.concatenate([dense, sparse, edge])
+    return words[words != 0]
+
+
+@pytest.mark.parametrize("use_pdep", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ec.HAVE_BMI2, reason="this CPU has no BMI2"))])
+def test_select_finds_the_bit_with_r_set_bits_below(use_pdep):
+    words = _random_words(3000)
+    rng = np.random.default_rng(2)
+    counts = np.array([bin(int(w)).count("1") for w in words])
+    rs = (rng.random(words.size) * counts).astype(np.int64)
+    got = _selects(words, rs, use_pdep)
+    for w, r, g in zip(words, rs, got):
+        bits = [i for i in range(64) if int(w) >> i & 1]
+        assert g == bits[r]
+
+
+def test_popcount():
+    words = _random_words(3000)
+    assert np.array_equal(_popcounts(words), [bin(int(w)).count("1") for w in words])
+
+
+def _interval_cost(n: float, k: float) -> float:
+    c = ec.CLASS_OVERHEAD_BITS
+    if 0 < k < n:
+        p = k / n
+        c += -n * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return c
+
+
+def test_class_choice_is_the_cheapest_partition():
+    """The DP against brute force over every partition of the occurring exponents."""
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        exps = np.sort(rng.choice(256, size=int(rng.integers(2, 7)), replace=False))
+        n_e = np.zeros(256, np.int64)
+        k_e = np.zeros(256, np.int64)
+        n_e[exps] = rng.integers(1, 5000, exps.size)
+        k_e[exps] = (n_e[exps] * rng.random(exps.size) ** 3).astype(np.int64)
+        max_classes = int(rng.integers(1, 5))
+        got = ec.choose_classes(n_e, k_e, max_classes)
+        assert got.size < max_classes and np.all(np.diff(got) > 0) and set(got) <= set(exps[1:])
+
+        def cost(cuts) -> float:
+            bounds = [0, *[int(np.searchsorted(exps, c)) for c in cuts], exps.size]
+            return sum(_interval_cost(n_e[exps[a:b]].sum(), k_e[exps[a:b]].sum()) for a, b in zip(bounds, bounds[1:]))
+
+        best = min(cost(c) for m in range(max_classes) for c in itertools.combinations(exps[1:], m))
+        assert cost(got) == pytest.approx(best)
+
+
+def _bits(rng: np.random.Generator, n: int) -> np.ndarray:
+    """BF16 patterns of Gaussian weights plus every special exponent."""
+    w = (rng.normal(0, 0.05, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    special = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0x0001, 0x3F80], np.uint16)
+    w[: min(n, special.size)] = special[: min(n, special.size)]
+    return w
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 65, 8192 + 64 * 3 + 5])
+def test_positions_invert_scan_changes(n):
+    rng = np.random.default_rng(n)
+    b = _bits(rng, n)
+    t = b.copy()
+    flip = rng.random(n) < 0.2
+    t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+    thresholds = np.array([100, 118, 120, 121, 122, 124, 127])
+    pos, keys, cls, ranks, zig, sizes = ec.scan_changes(b, t, thresholds)
+    assert np.array_equal(pos, np.flatnonzero(b != t))
+    assert sizes.sum() == n
+    order = np.lexsort((ranks, cls))
+    first = np.searchsorted(cls[order], np.arange(ec.MAX_CLASSES + 1)).astype(np.int64)
+    at, status = ec.positions(n, ec.block_words(b), ec.swar_thresholds(thresholds), ranks[order], first, pos.size)
+    assert status == 0 and np.array_equal(at, pos)
+
+
+def test_positions_refuse_ranks_beyond_a_class():
+    """A forged rank past a class's last element, including one that would land in the padding
+    of a partial block, is refused rather than placed."""
+    n = 100  # one full block and a padded one
+    b = np.full(n, 0x3F80, np.uint16)  # every element in the top class
+    thresholds = np.array([0x7F])
+    words, T = ec.block_words(b), ec.swar_thresholds(thresholds)
+    ok = np.array([0, 99], np.int64)
+    first = np.array([0, 0] + [2] * 7, np.int64)
+    at, status = ec.positions(n, words, T, ok, first, 2)
+    assert status == 0 and list(at) == [0, 99]
+    for bad in ([0, 100], [5, 127], [5, 1000]):
+        at, status = ec.positions(n, words, T, np.array(bad, np.int64), first, 2)
+        assert status == 2, bad
+    padding_is_class_0 = np.array([0, 0, 0] + [1] * 6, np.int64)
+    at, status = ec.positions(n, words, T, np.array([0], np.int64), padding_is_class_0, 1)
+    assert status == 2  # class 0 is empty here: its only elements are padding
