@@ -285,8 +285,7 @@ def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key)
                 x = (x << 32) | words[pos]
                 pos -= 1
         x, other = other, x
-        s = (u + 2) >> 1 if (u & 1) == 0 else -((u + 1) >> 1)
-        o = ec.ordered(bv) + s
+        o = ec.ordered(bv) + ec.unzigzag(u)
         if o < 0 or o > 0xFFFF:
             return out, 4
         out[j] = ec.unordered(o)

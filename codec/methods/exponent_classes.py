@@ -97,6 +97,12 @@ def _lane_bits(m):
 
 
 @nb.njit(inline="always", cache=True)
+def _nonzero_lanes(x):
+    """Top bit of each lane set where the lane of x is not zero."""
+    return (((x & _LOW) + _LOW) | x) & _H
+
+
+@nb.njit(inline="always", cache=True)
 def _block_counts(w, o, T, cnt):
     """Elements of each class in the block of BLOCK_WORDS words at word o, into cnt[0..7]."""
     t1 = T[1]
@@ -309,20 +315,28 @@ def choose_classes(n_e, k_e, max_classes):
 
 @nb.njit(inline="always", cache=True)
 def ordered(v):
-    """BF16 bits to an integer whose order is the values' order (ord(x) = ~x for negatives)."""
-    return (v ^ 0xFFFF) if v & 0x8000 else (v ^ 0x8000)
+    """BF16 bits to an integer whose order is the values' order (ord(x) = ~x for negatives,
+    x ^ 0x8000 otherwise). Branch-free: the sign is a coin flip, a branch would mispredict."""
+    return v ^ (0x8000 | ((v >> 15) * 0x7FFF))
 
 
 @nb.njit(inline="always", cache=True)
 def unordered(o):
-    return (o ^ 0x8000) if o & 0x8000 else (o ^ 0xFFFF)
+    return o ^ (0xFFFF - ((o >> 15) * 0x7FFF))
 
 
 @nb.njit(inline="always", cache=True)
 def _zigzag(bv, tv):
-    """Signed ULP step from bv to tv in ordered-integer space, zigzagged (>= 0)."""
+    """Signed ULP step s != 0 from bv to tv, zigzagged: 2s - 2 for s > 0, -2s - 1 for s < 0."""
     s = ordered(tv) - ordered(bv)
-    return 2 * s - 2 if s > 0 else -2 * s - 1
+    return ((s << 1) ^ (s >> 63)) - 2 + ((s >> 62) & 2)
+
+
+@nb.njit(inline="always", cache=True)
+def unzigzag(u):
+    """The step s of a zigzagged u (the inverse of _zigzag), branch-free."""
+    neg = -(u & 1)
+    return (((u >> 1) + 1) ^ neg) - neg
 
 
 @nb.njit(cache=True, nogil=True)
@@ -343,25 +357,26 @@ def _scan_changes(bw, tw, T, lut, cap):
         for j in range(BLOCK_WORDS):
             d |= bw[o + j] ^ tw[o + j]
         if d != _U0:
+            # the block's changed elements as one 64-bit mask: one loop over changes, not a
+            # data-dependent branch per word
+            changed = _U0
             for j in range(BLOCK_WORDS):
-                x = bw[o + j] ^ tw[o + j]
-                while x != _U0:
-                    lane = np.int64(trailing_zeros(x)) >> 4
-                    sh = np.uint64(16 * lane)
-                    x &= ~(_LANE << sh)
-                    if k < cap:
-                        bv = np.int64((bw[o + j] >> sh) & _LANE)
-                        tv = np.int64((tw[o + j] >> sh) & _LANE)
-                        e = (bv >> KEY_SHIFT) & 0xFF
-                        c = np.int64(lut[e])
-                        at = 4 * j + lane  # within the block
-                        below = (_U1 << np.uint64(at)) - _U1
-                        pos[k] = 4 * o + at
-                        keys[k] = e
-                        cls[k] = c
-                        rank[k] = pre[c] + _popcount(_members(bw, o, T, c) & below)
-                        zig[k] = _zigzag(bv, tv)
-                    k += 1
+                changed |= _lane_bits(_nonzero_lanes(bw[o + j] ^ tw[o + j])) << np.uint64(4 * j)
+            while changed != _U0:
+                at = np.int64(trailing_zeros(changed))  # element within the block
+                changed &= changed - _U1
+                if k < cap:
+                    sh = np.uint64(16 * (at & 3))
+                    bv = np.int64((bw[o + (at >> 2)] >> sh) & _LANE)
+                    tv = np.int64((tw[o + (at >> 2)] >> sh) & _LANE)
+                    e = (bv >> KEY_SHIFT) & 0xFF
+                    c = np.int64(lut[e])
+                    pos[k] = 4 * o + at
+                    keys[k] = e
+                    cls[k] = c
+                    rank[k] = pre[c] + _popcount(_members(bw, o, T, c) & ((_U1 << np.uint64(at)) - _U1))
+                    zig[k] = _zigzag(bv, tv)
+                k += 1
         _block_counts(bw, o, T, cnt)
         for c in range(MAX_CLASSES):
             pre[c] += cnt[c]
