@@ -412,7 +412,7 @@ def positions(n, bw, T, ranks_, first, expected):
     there (select in the class-membership mask); read the marks out in order. Returns (positions,
     status): status 0, or 2 when a rank lies beyond its class's elements."""
     nblocks = bw.size // BLOCK_WORDS
-    counts = np.empty(CHUNK_BLOCKS * MAX_CLASSES, np.int64)
+    counts = np.empty((MAX_CLASSES, CHUNK_BLOCKS), np.int64)  # class-major: each walk is contiguous
     cnt = np.zeros(MAX_CLASSES, np.int64)
     marks = np.zeros(CHUNK_BLOCKS, np.uint64)
     nxt = first[:MAX_CLASSES].copy()  # index of each class's next change
@@ -424,20 +424,21 @@ def positions(n, bw, T, ranks_, first, expected):
         for blk in range(c0, c1):
             _block_counts(bw, blk * BLOCK_WORDS, T, cnt)
             for c in range(MAX_CLASSES):
-                counts[(blk - c0) * MAX_CLASSES + c] = cnt[c]
+                counts[c, blk - c0] = cnt[c]
         for c in range(MAX_CLASSES):
             j = nxt[c]
             end = first[c + 1]
             s = seen[c]
             if j == end:  # no change left in this class: just count its elements
-                for blk in range(c0, c1):
-                    s += counts[(blk - c0) * MAX_CLASSES + c]
+                for i in range(c1 - c0):
+                    s += counts[c, i]
                 seen[c] = s
                 continue
             target = ranks_[j]
-            for blk in range(c0, c1):
-                here = counts[(blk - c0) * MAX_CLASSES + c]
+            for i in range(c1 - c0):
+                here = counts[c, i]
                 if target < s + here:
+                    blk = c0 + i
                     m = _members(bw, blk * BLOCK_WORDS, T, c)
                     while target < s + here:
                         marks[blk - c0] |= _U1 << np.uint64(_select(m, target - s))
