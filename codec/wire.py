@@ -11,11 +11,17 @@ import struct
 from .errors import DeltaError
 
 
+_BYTES = [bytes((i,)) for i in range(256)]
+
+
 class Writer:
     def __init__(self) -> None:
         self._parts: list[bytes] = []
 
     def uvarint(self, value: int) -> None:
+        if 0 <= value < 0x80:  # most index values: one byte, no loop
+            self._parts.append(_BYTES[value])
+            return
         if value < 0:
             raise ValueError("uvarint takes a non-negative integer")
         out = bytearray()
@@ -58,6 +64,13 @@ class Reader:
             raise DeltaError(f"truncated {self.what}: needs {n} bytes at offset {self._pos}, has {self.remaining}")
 
     def uvarint(self, limit: int = (1 << 63) - 1) -> int:
+        pos = self._pos
+        if pos < len(self._data) and self._data[pos] < 0x80:  # one byte: the common case
+            value = self._data[pos]
+            if value > limit:
+                raise DeltaError(f"value {value} in {self.what} exceeds its limit {limit}")
+            self._pos = pos + 1
+            return value
         value = 0
         shift = 0
         while True:

@@ -25,7 +25,7 @@ value stream from ~1.8 to ~1.35 bits per change; the base's sign adds < 0.01 bit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba as nb
 import numpy as np
@@ -121,6 +121,18 @@ def mask_reciprocals() -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------- compiled kernels
+
+@nb.njit(cache=True, nogil=True)
+def _count_value_tokens(keys, zig, hist):
+    """hist[key, token] += 1 for every change (the value tables' statistics)."""
+    for j in range(keys.size):
+        v = zig[j]
+        tok = v
+        if v >= rans.DIRECT:
+            n = 63 - np.int64(leading_zeros(np.uint64(v)))
+            tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> (n - rans.SUB_BITS)) & ((1 << rans.SUB_BITS) - 1))
+        hist[keys[j], tok] += 1
+
 
 @nb.njit(cache=True, nogil=True)
 def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key):
@@ -315,6 +327,7 @@ class Analysis:
     classes: np.ndarray  # class of each change
     ranks: np.ndarray  # rank of each change among the elements of its class
     zig: np.ndarray  # zigzagged ULP step of each change
+    _class_changes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def changes(self) -> int:
@@ -325,7 +338,9 @@ class Analysis:
         return int(self.thresholds.size) + 1
 
     def class_changes(self) -> np.ndarray:
-        return np.bincount(self.classes, minlength=MAX_CLASSES)[: self.nclass]
+        if self._class_changes is None:
+            self._class_changes = np.bincount(self.classes, minlength=MAX_CLASSES)[: self.nclass]
+        return self._class_changes
 
 
 def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarray:
@@ -361,9 +376,7 @@ class ValueModel:
     def fit(cls, analyses: list[Analysis]) -> "ValueModel":
         hist = np.zeros((N_KEYS, VALUE_TOKENS), np.int64)
         for a in analyses:
-            if a.changes:
-                cell = a.keys.astype(np.int64) * VALUE_TOKENS + _tokens(a.zig)
-                hist += np.bincount(cell, minlength=N_KEYS * VALUE_TOKENS).reshape(N_KEYS, VALUE_TOKENS)
+            _count_value_tokens(a.keys, a.zig, hist)
         keys = np.flatnonzero(hist.sum(axis=1))
         freq = np.stack([rans.normalize(hist[k], VALUE_SCALE, floor_all=False) for k in keys]) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
         return cls(freq, keys)

@@ -247,14 +247,19 @@ _select = _select_pdep if HAVE_BMI2 else _select_broadword
 
 @nb.njit(cache=True, nogil=True)
 def sample_stats(b, t, stride):
-    """(elements, changes) per exponent among every stride-th element."""
-    n_e = np.zeros(256, np.int64)
-    k_e = np.zeros(256, np.int64)
-    for i in range(0, b.size, stride):
+    """(elements, changes) per exponent among every stride-th element. Four interleaved
+    histograms, so consecutive samples of one exponent do not wait on each other's stores."""
+    n4 = np.zeros((4, 256), np.int64)
+    k4 = np.zeros((4, 256), np.int64)
+    i = 0
+    lane = 0
+    while i < b.size:
         e = (np.int64(b[i]) >> KEY_SHIFT) & 0xFF
-        n_e[e] += 1
-        k_e[e] += b[i] != t[i]
-    return n_e, k_e
+        n4[lane, e] += 1
+        k4[lane, e] += b[i] != t[i]
+        i += stride
+        lane = (lane + 1) & 3
+    return n4.sum(axis=0), k4.sum(axis=0)
 
 
 @nb.njit(cache=True, nogil=True)
