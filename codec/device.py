@@ -36,9 +36,13 @@ def analyze_on_device(base: torch.Tensor, target: torch.Tensor) -> Analysis:
     host = lambda x, dt: x.to("cpu").numpy().astype(dt, copy=False)  # noqa: E731 - the only crossings
     keys = (b >> KEY_SHIFT) & 0xFF
     stride = ec.sample_stride(n)
-    sk = keys[::stride]
+    # the elements `ec.sample_stats` samples: runs of 64 every 64 * stride
+    starts = torch.arange(0, n, 64 * stride, device=b.device)
+    idx = (starts[:, None] + torch.arange(64, device=b.device)[None, :]).reshape(-1)
+    idx = idx[idx < n]
+    sk = keys[idx]
     n_e = host(torch.bincount(sk, minlength=256), np.int64)
-    k_e = host(torch.bincount(sk[b[::stride] != t[::stride]], minlength=256), np.int64)
+    k_e = host(torch.bincount(sk[b[idx] != t[idx]], minlength=256), np.int64)
     thresholds = choose_thresholds(n_e, k_e, stride)
     changed = torch.nonzero(b != t).reshape(-1)
     ck = keys[changed]
