@@ -177,6 +177,47 @@ def _byte_counts(x):
 
 
 @nb.njit(inline="always", cache=True)
+def _members_lanes(w, o, T, c):
+    """Class-c membership of the block at word o in lane-major order: bit 16*l + j is element
+    4*j + l. Two operations per word fewer than element order (no lane gathering), which is all
+    a count needs; `_element_order` converts for a select."""
+    lo = T[c]
+    hi = T[c + 1]
+    m = _U0
+    for j in range(BLOCK_WORDS):
+        v = (w[o + j] & _LOW) | _H
+        m |= (_ge(v, lo) & ~_ge(v, hi)) >> np.uint64(15 - j)
+    return m
+
+
+@nb.njit(inline="always", cache=True)
+def _before_lanes(at):
+    """Lane-major mask of the block's elements before element `at`."""
+    j = np.uint64(at >> 2)
+    lane = np.uint64(at & 3)
+    return (((_U1 << j) - _U1) * _ONE) | (((_U1 << (np.uint64(16) * lane)) - _U1) & (_ONE << j))
+
+
+_EVERY4 = np.uint64(0x1111111111111111)
+
+
+@nb.njit(inline="always", cache=True)
+def _element_order(m):
+    """Lane-major mask (bit 16*l + j) to element order (bit 4*j + l): four PDEPs."""
+    out = _U0
+    for lane in range(4):
+        out |= _pdep((m >> np.uint64(16 * lane)) & _LANE, _EVERY4 << np.uint64(lane))
+    return out
+
+
+@nb.njit(inline="always", cache=True)
+def _members_pdep(w, o, T, c):
+    return _element_order(_members_lanes(w, o, T, c))
+
+
+
+
+@nb.njit(inline="always", cache=True)
 def _popcount(x):
     return np.int64((_byte_counts(x) * _BYTES) >> _U56)
 
@@ -238,9 +279,13 @@ def _select_broadword(x, r):
     return 8 * byte + np.int64(_SELECT_IN_BYTE[r - before, in_byte])
 
 
-# The set bit of x with r set bits below it: PDEP where the CPU has it (~3x faster in the
-# decoder's hot loop), the broadword form elsewhere. Both are tested wherever BMI2 exists.
+
+
+# Where the CPU has PDEP: the set bit of x with r set bits below it in one instruction, and the
+# membership mask built lane-major then reordered (~1/3 cheaper than gathering lanes per word).
+# Elsewhere the portable forms. Both are tested wherever BMI2 exists.
 _select = _select_pdep if HAVE_BMI2 else _select_broadword
+_members_ordered = _members_pdep if HAVE_BMI2 else _members
 
 
 # ---------------------------------------------------------------- encoder side
@@ -378,7 +423,7 @@ def _scan_changes(bw, tw, T, lut, cap):
                     pos[k] = 4 * o + at
                     keys[k] = e
                     cls[k] = c
-                    rank[k] = pre[c] + _popcount(_members(bw, o, T, c) & ((_U1 << np.uint64(at)) - _U1))
+                    rank[k] = pre[c] + _popcount(_members_lanes(bw, o, T, c) & _before_lanes(at))
                     zig[k] = _zigzag(bv, tv)
                 k += 1
         _block_counts(bw, o, T, cnt)
@@ -443,7 +488,7 @@ def positions(n, bw, T, ranks_, first, expected):
                 here = counts[c, i]
                 if target < s + here:
                     blk = c0 + i
-                    m = _members(bw, blk * BLOCK_WORDS, T, c)
+                    m = _members_ordered(bw, blk * BLOCK_WORDS, T, c)
                     while target < s + here:
                         marks[blk - c0] |= _U1 << np.uint64(_select(m, target - s))
                         j += 1
