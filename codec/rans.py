@@ -135,12 +135,12 @@ def words_to_bytes(words: np.ndarray, nw: int, states: tuple[int, ...]) -> bytes
     return out.astype("<u4").tobytes()
 
 
-def bytes_to_words(data: bytes, n_states: int = 1) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """(words as int64, initial states) or None if malformed."""
+def bytes_to_words(data: bytes | memoryview, n_states: int = 1) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """(the words, a read-only uint32 view without copy; initial states) or None if malformed."""
     if len(data) % 4 or len(data) < 8 * n_states:
         return None
-    w = np.frombuffer(data, "<u4").astype(np.int64)
-    tail = w[w.size - 2 * n_states:]
+    w = np.frombuffer(data, "<u4")
+    tail = w[w.size - 2 * n_states:].astype(np.int64)
     states = tuple(int(tail[2 * i]) | (int(tail[2 * i + 1]) << 32) for i in range(n_states))
     if not all(RANS_L <= x < (1 << 63) for x in states):
         return None

@@ -306,6 +306,19 @@ def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key)
     return out, 0
 
 
+@nb.njit(cache=True, nogil=True)
+def _decode(b, bw, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
+    """The three phases in one compiled call: (positions, values, status)."""
+    ranks, first, x, other, pos, status = _decode_gaps(b.size, words, x0, x1, levels, counts, mcum, mfreq, mslot)
+    if status:
+        return np.empty(0, np.int64), np.empty(0, np.uint16), status
+    at, status = ec.positions(b.size, bw, ec.swar_thresholds(thresholds), ranks, first, ranks.size)
+    if status:
+        return at, np.empty(0, np.uint16), status
+    val, status = _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key)
+    return at, val, status
+
+
 _STATUS = {
     1: "entropy stream ends early", 2: "a class's changes lie beyond its elements",
     3: "a change falls under an exponent with no value table", 4: "a decoded step leaves the BF16 range",
@@ -352,11 +365,7 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
 
 
 def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
-    base = base.reshape(-1)
-    target = target.reshape(-1)
-    stride = ec.sample_stride(base.size)
-    thresholds = choose_thresholds(*ec.sample_stats(base, target, stride), stride)
-    pos, keys, classes, ranks, zig, sizes = ec.scan_changes(base, target, thresholds)
+    thresholds, pos, keys, classes, ranks, zig, sizes = ec.analyze(base.reshape(-1), target.reshape(-1))
     return Analysis(thresholds, sizes, pos, keys, classes, ranks, zig)
 
 
@@ -514,20 +523,14 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
         raise DeltaError("entropy stream must be stored raw", tensor=entry.name)
-    parsed = rans.bytes_to_words(bytes(s.stored), STATES)
+    parsed = rans.bytes_to_words(s.stored, STATES)
     if parsed is None:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
     words, (x0, x1) = parsed
     base = base.reshape(-1)
     mfreq, mcum, mslot = mask_tables()
-    ranks, first, x, other, pos, status = _decode_gaps(base.size, words, np.int64(x0), np.int64(x1), levels, counts,
-                                                       mcum, mfreq, mslot)
-    if not status:
-        at, status = ec.positions(base.size, ec.block_words(base), ec.swar_thresholds(thresholds), ranks, first,
-                                  entry.changes)
-    if not status:
-        val, status = _decode_values(base, at, words, x, other, pos, model.cum, model.freq, model.slots,
-                                     model.row_of_key)
+    at, val, status = _decode(base, ec.block_words(base), words, np.int64(x0), np.int64(x1), thresholds, levels, counts,
+                              mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(at, val)

@@ -49,18 +49,28 @@ def sample_stride(n: int) -> int:
     return max(1, n >> SAMPLE_BITS)
 
 
-def class_lut(thresholds: np.ndarray) -> np.ndarray:
+@nb.njit(cache=True, nogil=True)
+def class_lut(thresholds):
     """Class of each exponent 0..255 (uint8)."""
-    return np.searchsorted(np.asarray(thresholds, np.int64), np.arange(256), side="right").astype(np.uint8)
+    lut = np.empty(256, np.uint8)
+    c = 0
+    for e in range(256):
+        while c < thresholds.size and thresholds[c] <= e:
+            c += 1
+        lut[e] = c
+    return lut
 
 
-def swar_thresholds(thresholds: np.ndarray) -> np.ndarray:
+@nb.njit(cache=True, nogil=True)
+def swar_thresholds(thresholds):
     """9 words: T[c] is class c's lower bound (exponent << 7) in every lane; T[0] = 0 (every element
     is at or above it), unused and T[8] = 0x8000 (no element reaches it)."""
-    t = np.full(MAX_CLASSES + 1, 0x8000, np.uint64)
-    t[0] = 0
-    t[1: 1 + len(thresholds)] = np.asarray(thresholds, np.uint64) << np.uint64(KEY_SHIFT)
-    return t * _ONE
+    t = np.empty(MAX_CLASSES + 1, np.uint64)
+    t[0] = _U0
+    for c in range(1, MAX_CLASSES + 1):
+        bound = np.uint64(thresholds[c - 1]) << np.uint64(KEY_SHIFT) if c - 1 < thresholds.size else np.uint64(0x8000)
+        t[c] = bound * _ONE
+    return t
 
 
 def block_words(a: np.ndarray) -> np.ndarray:
@@ -432,10 +442,34 @@ def _scan_changes(bw, tw, T, lut, cap):
     return pos, keys, cls, rank, zig, pre, k
 
 
+@nb.njit(cache=True, nogil=True)
+def _analyze(b, t, bw, tw, stride, cap):
+    n_e, k_e = sample_stats(b, t, stride)
+    thresholds = np.empty(0, np.int64)
+    if k_e.sum() > 0:
+        thresholds = choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
+    out = _scan_changes(bw, tw, swar_thresholds(thresholds), class_lut(thresholds), cap)
+    return (thresholds,) + out
+
+
+def analyze(b: np.ndarray, t: np.ndarray):
+    """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class) of two
+    flat uint16 arrays: classes chosen from a sample, then one scan. One compiled call (a call
+    costs microseconds, and a model has ~100 small tensors)."""
+    bw, tw = block_words(b), block_words(t)
+    cap = max(1024, b.size // 16)
+    thresholds, pos, keys, cls, rank, zig, sizes, k = _analyze(b, t, bw, tw, sample_stride(b.size), cap)
+    if k > cap:
+        thresholds, pos, keys, cls, rank, zig, sizes, k = _analyze(b, t, bw, tw, sample_stride(b.size), k)
+    sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
+    return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes
+
+
 def scan_changes(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray):
     """(positions, exponents, classes, ranks, zigzag steps, elements per class) of two flat
-    uint16 arrays under the given class thresholds."""
+    uint16 arrays under given class thresholds."""
     bw, tw = block_words(b), block_words(t)
+    thresholds = np.asarray(thresholds, np.int64)
     T, lut = swar_thresholds(thresholds), class_lut(thresholds)
     cap = max(1024, b.size // 16)
     out = _scan_changes(bw, tw, T, lut, cap)
