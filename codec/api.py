@@ -174,17 +174,31 @@ def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     return parsed
 
 
-def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
+def _patch(entry: Entry, elems: np.ndarray, parsed: Payload, *, with_target: bool = False
+           ) -> Patch | tuple[Patch, np.ndarray]:
+    """The entry's patch (and, with_target, the whole reconstructed tensor, flat), every failure a
+    DeltaError naming the tensor. Methods that build the target while decoding (`decode_target`)
+    save the copy of the base and the scatter."""
     module = methods.lookup(entry, parsed.version)
+    build = getattr(module, "decode_target", None) if with_target else None
     try:
-        patch = module.decode(entry, elems, parsed.shared)
+        if build is not None:
+            patch, new = build(entry, elems, parsed.shared)
+        else:
+            patch = module.decode(entry, elems, parsed.shared)
+            new = None
     except DeltaError:
         raise
     except (ValueError, IndexError, OverflowError, MemoryError) as exc:  # defence in depth on forged input
         raise DeltaError(f"cannot decode ({type(exc).__name__}: {exc})", tensor=entry.name) from None
     if patch.count != entry.changes:
         raise DeltaError(f"decoded {patch.count} changes, index says {entry.changes}", tensor=entry.name)
-    return patch
+    if not with_target:
+        return patch
+    if new is None:
+        new = elems.reshape(-1).copy()
+        new[patch.index] = patch.values
+    return patch, new
 
 
 def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payload) -> torch.Tensor:
@@ -196,11 +210,9 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
         new = elems.copy()
     else:
         try:
-            patch = _patch(entry, elems, parsed)
+            _, new = _patch(entry, elems, parsed, with_target=True)
         except DeltaError as exc:
             raise _explain(entry, elems, exc) from None
-        new = elems.copy()
-        new[patch.index] = patch.values
         if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
             raise _explain(entry, elems, DeltaError("reconstruction does not match the target digest", tensor=entry.name))
     return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)

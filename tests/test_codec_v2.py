@@ -181,11 +181,13 @@ def test_entropy_kernels_round_trip(changes):
     for c in range(8):
         assert np.array_equal(got[first[c]:first[c + 1]], ranks[cls == c])
     base = np.full(len(changes), 0x3F80, np.uint16)
+    out = base.copy()
     values, status = conditional._decode_values(base, np.arange(len(changes)), w, x, other, pos, model.cum, model.freq,
-                                                model.slots, model.row_of_key)
+                                                model.slots, model.row_of_key, out)
     assert status == 0  # includes: state back to L, every word consumed
     steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))
     assert np.array_equal(values.astype(np.int64), 0x3F80 + steps)
+    assert np.array_equal(out, values)  # the target under construction got them too
 
 
 def test_workers_give_the_same_payload_and_target(rl_pair):
@@ -195,3 +197,18 @@ def test_workers_give_the_same_payload_and_target(rl_pair):
     out = codec.decode(base, one, workers=3)
     assert list(out) == list(target)
     assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
+
+
+def test_decode_builds_the_target_in_place_for_every_size():
+    """The decoder writes the target during its scan when the base is whole 64-element blocks,
+    and copies first otherwise; both must equal the target bit for bit, and the base stays put."""
+    g = torch.Generator().manual_seed(7)
+    base = {f"t{n}": (0.05 * torch.randn(n, generator=g)).to(torch.bfloat16) for n in (1, 63, 64, 65, 1000, 4096, 70_000)}
+    target = {k: rl_step(v, 3e-3, i) for i, (k, v) in enumerate(base.items())}
+    before = {k: bits_of(v).copy() for k, v in base.items()}
+    payload = codec.encode(base, target)
+    assert {t["method"] for t in codec.describe(payload)["tensors"]} >= {"conditional"}
+    out = codec.decode(base, payload)
+    for k in target:
+        assert np.array_equal(bits_of(out[k]), bits_of(target[k])), k
+        assert np.array_equal(bits_of(base[k]), before[k]), k

@@ -10,6 +10,8 @@ import pytest
 
 from codec.methods import exponent_classes as ec
 
+_NO_COPY = np.empty(0, np.uint64)
+
 
 @nb.njit
 def _selects(xs, rs, use_pdep):
@@ -104,7 +106,7 @@ def test_positions_invert_scan_changes(n):
     assert sizes.sum() == n
     order = np.lexsort((ranks, cls))
     first = np.searchsorted(cls[order], np.arange(ec.MAX_CLASSES + 1)).astype(np.int64)
-    at, status = ec.positions(n, ec.block_words(b), ec.swar_thresholds(thresholds), ranks[order], first, pos.size)
+    at, status = ec.positions(n, ec.block_words(b), ec.swar_thresholds(thresholds), ranks[order], first, pos.size, _NO_COPY)
     assert status == 0 and np.array_equal(at, pos)
 
 
@@ -117,11 +119,11 @@ def test_positions_refuse_ranks_beyond_a_class():
     words, T = ec.block_words(b), ec.swar_thresholds(thresholds)
     ok = np.array([0, 99], np.int64)
     first = np.array([0, 0] + [2] * 7, np.int64)
-    at, status = ec.positions(n, words, T, ok, first, 2)
+    at, status = ec.positions(n, words, T, ok, first, 2, _NO_COPY)
     assert status == 0 and list(at) == [0, 99]
     for bad in ([0, 100], [5, 127], [5, 1000]):
-        at, status = ec.positions(n, words, T, np.array(bad, np.int64), first, 2)
+        at, status = ec.positions(n, words, T, np.array(bad, np.int64), first, 2, _NO_COPY)
         assert status == 2, bad
     padding_is_class_0 = np.array([0, 0, 0] + [1] * 6, np.int64)
-    at, status = ec.positions(n, words, T, np.array([0], np.int64), padding_is_class_0, 1)
+    at, status = ec.positions(n, words, T, np.array([0], np.int64), padding_is_class_0, 1, _NO_COPY)
     assert status == 2  # class 0 is empty here: its only elements are padding

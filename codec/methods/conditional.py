@@ -267,23 +267,25 @@ def _decode_gaps(n, words, x, other, level_of_class, class_changes, mcum, mfreq,
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key):
+def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key, out):
     """Phase 3: the new value of every change, in tensor order, then the stream's end checks
-    (both states back at L, every word consumed)."""
+    (both states back at L, every word consumed). Values are also written into `out` (the target
+    under construction) unless it is empty."""
     L = rans.RANS_L
     vmask = (1 << VALUE_SCALE) - 1
-    out = np.empty(at.size, np.uint16)
+    vals = np.empty(at.size, np.uint16)
+    writing = out.size > 0
     for j in range(at.size):
         bv = np.int64(b[at[j]])
         row = vrow_of_key[(bv >> KEY_SHIFT) & 0xFF]
         if row < 0:
-            return out, 3
+            return vals, 3
         slot = x & vmask
         tok = np.int64(vslot[row, slot])
         x = vfreq[row, tok] * (x >> VALUE_SCALE) + slot - vcum[row, tok]
         if x < L:
             if pos < 0:
-                return out, 1
+                return vals, 1
             x = (x << 32) | words[pos]
             pos -= 1
         u = tok
@@ -293,29 +295,37 @@ def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key)
             x >>= nbits
             if x < L:
                 if pos < 0:
-                    return out, 1
+                    return vals, 1
                 x = (x << 32) | words[pos]
                 pos -= 1
         x, other = other, x
         o = ec.ordered(bv) + ec.unzigzag(u)
         if o < 0 or o > 0xFFFF:
-            return out, 4
-        out[j] = ec.unordered(o)
+            return vals, 4
+        new = ec.unordered(o)
+        vals[j] = new
+        if writing:
+            out[at[j]] = new
     if x != L or other != L or pos != -1:
-        return out, 7
-    return out, 0
+        return vals, 7
+    return vals, 0
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode(b, bw, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key):
-    """The three phases in one compiled call: (positions, values, status)."""
+def _decode(b, bw, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key,
+            out, out_words):
+    """The three phases in one compiled call: (positions, values, status). With a non-empty `out`
+    (and `out_words`, its 64-bit view, when the base's words are a view too) the target is built
+    there as well: the base copied during the scan, the values written as they are decoded."""
     ranks, first, x, other, pos, status = _decode_gaps(b.size, words, x0, x1, levels, counts, mcum, mfreq, mslot)
     if status:
         return np.empty(0, np.int64), np.empty(0, np.uint16), status
-    at, status = ec.positions(b.size, bw, ec.swar_thresholds(thresholds), ranks, first, ranks.size)
+    at, status = ec.positions(b.size, bw, ec.swar_thresholds(thresholds), ranks, first, ranks.size, out_words)
     if status:
         return at, np.empty(0, np.uint16), status
-    val, status = _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key)
+    if out.size and not out_words.size:
+        out[:] = b
+    val, status = _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key, out)
     return at, val, status
 
 
@@ -514,6 +524,21 @@ def _model(shared: dict) -> ValueModel:
 
 
 def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
+    return _decode_entry(entry, base, shared, None)
+
+
+def decode_target(entry: Entry, base: np.ndarray, shared: dict) -> tuple[Patch, np.ndarray]:
+    """The patch and the whole target tensor (flat), built in the decoding pass: no separate copy
+    of the base, no scatter."""
+    out = np.empty(base.size, base.dtype)
+    return _decode_entry(entry, base, shared, out), out
+
+
+_NO_OUT = np.empty(0, np.uint16)
+_NO_WORDS = np.empty(0, np.uint64)
+
+
+def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None) -> Patch:
     if base.dtype != np.uint16:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     if len(entry.streams) != 1:
@@ -528,9 +553,15 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
     words, (x0, x1) = parsed
     base = base.reshape(-1)
+    bw = ec.block_words(base)
+    out_words = _NO_WORDS
+    if out is None:
+        out = _NO_OUT
+    elif base.size % ec.BLOCK == 0 and base.ctypes.data % 8 == 0 and out.ctypes.data % 8 == 0:
+        out_words = out.view(np.uint64)  # bw is a view of the base: the scan copies it word for word
     mfreq, mcum, mslot = mask_tables()
-    at, val, status = _decode(base, ec.block_words(base), words, np.int64(x0), np.int64(x1), thresholds, levels, counts,
-                              mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key)
+    at, val, status = _decode(base, bw, words, np.int64(x0), np.int64(x1), thresholds, levels, counts,
+                              mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out, out_words)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(at, val)

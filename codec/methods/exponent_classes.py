@@ -486,15 +486,18 @@ CHUNK_BLOCKS = 128  # 8192 elements (16 KiB of base): what one round of class wa
 
 
 @nb.njit(cache=True, nogil=True)
-def positions(n, bw, T, ranks_, first, expected):
+def positions(n, bw, T, ranks_, first, expected, copy_to):
     """Positions of the changes, in tensor order, from each class's ranks
     (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing).
 
     Chunk by chunk (so the base is read from memory once): count each block's classes (SWAR);
     per class, walk the blocks' running count to the block of each rank and mark the change's bit
     there (select in the class-membership mask); read the marks out in order. Returns (positions,
-    status): status 0, or 2 when a rank lies beyond its class's elements."""
+    status): status 0, or 2 when a rank lies beyond its class's elements. When copy_to (words,
+    like bw) is not empty, the base is copied into it on the way, chunk by chunk while it is in
+    L1: the decoder's output without a second pass."""
     nblocks = bw.size // BLOCK_WORDS
+    copying = copy_to.size > 0
     counts = np.empty((MAX_CLASSES, CHUNK_BLOCKS), np.int64)  # class-major: each walk is contiguous
     cnt = np.zeros(MAX_CLASSES, np.int64)
     marks = np.zeros(CHUNK_BLOCKS, np.uint64)
@@ -508,6 +511,8 @@ def positions(n, bw, T, ranks_, first, expected):
             _block_counts(bw, blk * BLOCK_WORDS, T, cnt)
             for c in range(MAX_CLASSES):
                 counts[c, blk - c0] = cnt[c]
+        if copying:
+            copy_to[c0 * BLOCK_WORDS: c1 * BLOCK_WORDS] = bw[c0 * BLOCK_WORDS: c1 * BLOCK_WORDS]
         for c in range(MAX_CLASSES):
             j = nxt[c]
             end = first[c + 1]
