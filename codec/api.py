@@ -276,8 +276,10 @@ def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     parsed = _parse(tensors_, payload)
     views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
     for entry in parsed.entries:  # unchanged tensors are verified up front; changed ones after writing
-        if entry.method == same.ID and not _base_matches(entry, views[entry.name]):
-            raise DeltaError(_WRONG_BASE, tensor=entry.name)
+        if entry.method == same.ID:
+            if not _base_matches(entry, views[entry.name]):
+                raise DeltaError(_WRONG_BASE, tensor=entry.name)
+            _patch(entry, views[entry.name], parsed)  # validates the record (no data, equal digests)
     # Decode every patch before the first write: names that share storage (tied weights) must
     # not see each other's writes, and a bad stream is refused with nothing touched.
     patches = []

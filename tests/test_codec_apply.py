@@ -187,6 +187,33 @@ def test_failure_restores_every_tensor_bit_exactly(version, where, damage):
 
 
 @pytest.mark.parametrize("version", FORMAT_VERSIONS)
+@pytest.mark.parametrize("keep_data", [True, False])
+def test_changed_record_relabelled_same_is_refused(version, keep_data):
+    """A forged `same` label on a changed tensor (checksum recomputed) must not leave the base in
+    place as if it were the target: apply_ checks `same` records as decode does. (Found by the
+    raw-index fuzzer: apply_ used to check only the base digest of `same` records.)"""
+    from codec.methods import same
+
+    base, target = edge_pair(seed=8)
+    name = next(k for k in _changed_names(base, target) if base[k].numel())
+    payload = codec.encode(base, target, format_version=version)
+
+    def relabel(e):
+        e = dataclasses.replace(e, method=same.ID)
+        return e if keep_data else dataclasses.replace(e, streams=[], params=b"")
+
+    forged = _forge(payload, name, relabel)
+    live = clone_all(base)
+    before = snapshot(live)
+    with pytest.raises(codec.DeltaError) as err:
+        codec.apply_(live, forged)
+    assert name in str(err.value)
+    _assert_untouched(live, before)
+    with pytest.raises(codec.DeltaError):
+        codec.decode(base, forged)
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
 def test_failure_in_the_last_tensor_of_a_live_module(version):
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)).to(torch.bfloat16)
