@@ -44,6 +44,7 @@ BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES}
 BF16 = BY_TORCH[torch.bfloat16]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size views torch has
 
 
 def dtype_of(t: torch.Tensor, name: str) -> DType:
@@ -60,12 +61,14 @@ def element_view(t: torch.Tensor) -> np.ndarray:
 
     Item sizes without a numpy unsigned type (complex128) are viewed as uint64 pairs.
     """
+    size = t.element_size()
+    if t.device.type == "cpu" and size in _SIGNED and t.is_contiguous():  # the common case: 2 torch calls
+        return t.detach().view(_SIGNED[size]).numpy().reshape(-1).view(_UINT[size])
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
     flat = flat.contiguous()
     raw = flat.view(torch.uint8).numpy()
-    size = flat.element_size()
     return raw.view(_UINT[size] if size in _UINT else np.uint64)
 
 

@@ -456,7 +456,20 @@ def _tokens(zig: np.ndarray) -> np.ndarray:
     return out
 
 
-_LEVEL_LOGS: tuple[np.ndarray, np.ndarray] | None = None
+_LEVEL_LOGS: np.ndarray | None = None
+
+
+@nb.njit(cache=True, nogil=True)
+def _argmin_levels(n, k, logs):
+    out = np.empty(n.size, np.int64)
+    for c in range(n.size):
+        best = np.inf
+        for j in range(logs.shape[1]):
+            cost = -(k[c] * logs[0, j] + (n[c] - k[c]) * logs[1, j])
+            if cost < best:
+                best = cost
+                out[c] = j
+    return out
 
 
 def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -464,10 +477,8 @@ def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
     global _LEVEL_LOGS
     if _LEVEL_LOGS is None:
         p = level_probability()
-        _LEVEL_LOGS = (np.log2(p), np.log2(1.0 - p))
-    log_p, log_q = _LEVEL_LOGS
-    cost = -(k[:, None] * log_p[None, :] + (n - k)[:, None] * log_q[None, :])
-    return np.argmin(cost, axis=1).astype(np.int64)
+        _LEVEL_LOGS = np.stack([np.log2(p), np.log2(1.0 - p)])
+    return _argmin_levels(np.asarray(n, np.float64), np.asarray(k, np.float64), _LEVEL_LOGS)
 
 
 def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
