@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import struct
 
+import numba as nb
+import numpy as np
+
 from .errors import DeltaError
 
 
@@ -47,6 +50,59 @@ class Writer:
 
     def getvalue(self) -> bytes:
         return b"".join(self._parts)
+
+
+@nb.njit(cache=True)
+def _encode_uvarints(values):
+    out = np.empty(10 * values.size, np.uint8)
+    n = 0
+    for v in values:
+        while v >= 0x80:
+            out[n] = (v & 0x7F) | 0x80
+            n += 1
+            v >>= 7
+        out[n] = v
+        n += 1
+    return out[:n]
+
+
+@nb.njit(cache=True)
+def _decode_uvarints(buf):
+    """All LEB128 varints of buf; count -1 if one is truncated or longer than 63 bits."""
+    out = np.empty(buf.size, np.int64)
+    n = 0
+    v = 0
+    shift = 0
+    for b in buf:
+        v |= np.int64(b & 0x7F) << shift
+        if b & 0x80:
+            shift += 7
+            if shift > 56:
+                return out, -1
+        else:
+            out[n] = v
+            n += 1
+            v = 0
+            shift = 0
+    if shift:
+        return out, -1
+    return out, n
+
+
+def uvarints(values: np.ndarray) -> bytes:
+    """Many non-negative integers as consecutive LEB128 varints, in one compiled pass."""
+    values = np.asarray(values, np.int64)
+    if values.size and values.min() < 0:
+        raise ValueError("uvarints take non-negative integers")
+    return _encode_uvarints(values).tobytes()
+
+
+def read_uvarints(data: bytes | memoryview, what: str) -> list[int]:
+    """Every varint of `data` (which must hold whole varints only), as Python ints."""
+    out, n = _decode_uvarints(np.frombuffer(data, np.uint8))
+    if n < 0:
+        raise DeltaError(f"malformed varint in {what}")
+    return out[:n].tolist()
 
 
 class Reader:

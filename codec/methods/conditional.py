@@ -35,7 +35,7 @@ from .. import rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
-from ..wire import Reader, Writer
+from ..wire import Reader, Writer, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
 
@@ -375,8 +375,8 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
 
 
 def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
-    thresholds, pos, keys, classes, ranks, zig, sizes = ec.analyze(base.reshape(-1), target.reshape(-1))
-    return Analysis(thresholds, sizes, pos, keys, classes, ranks, zig)
+    thresholds, pos, keys, classes, ranks, zig, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1))
+    return Analysis(thresholds, sizes, pos, keys, classes, ranks, zig, changes[: thresholds.size + 1])
 
 
 class ValueModel:
@@ -401,43 +401,55 @@ class ValueModel:
         return cls(freq, keys)
 
     def pack(self) -> bytes:
-        w = Writer()
-        w.uvarint(self.keys.size)
+        vals = [self.keys.size]
         prev = -1
         for key, row in zip(self.keys, self.freq):
-            w.uvarint(int(key) - prev - 1)
+            vals.append(int(key) - prev - 1)
             prev = int(key)
             nz = np.flatnonzero(row)
-            w.uvarint(nz.size)
-            last = -1
-            for tok in nz:
-                w.uvarint(int(tok) - last - 1)
-                last = int(tok)
-                w.uvarint(int(row[tok]))
-        return w.getvalue()
+            vals.append(nz.size)
+            gaps = np.diff(nz, prepend=-1) - 1
+            pairs = np.empty(2 * nz.size, np.int64)
+            pairs[0::2] = gaps
+            pairs[1::2] = row[nz]
+            vals.extend(pairs.tolist())
+        return uvarints(np.array(vals, np.int64))
 
     @classmethod
     def unpack(cls, data: bytes) -> "ValueModel":
-        r = Reader(data, "value tables")
-        n = r.uvarint(N_KEYS)
+        vals = read_uvarints(data, "value tables")
+        at = 0
+
+        def take(limit: int) -> int:
+            nonlocal at
+            if at >= len(vals):
+                raise DeltaError("truncated value tables")
+            v = vals[at]
+            at += 1
+            if v > limit:
+                raise DeltaError(f"value {v} in value tables exceeds its limit {limit}")
+            return v
+
+        n = take(N_KEYS)
         keys = np.zeros(n, np.int64)
         freq = np.zeros((n, VALUE_TOKENS), np.int64)
         key = -1
         for i in range(n):
-            key += r.uvarint(N_KEYS) + 1
+            key += take(N_KEYS) + 1
             if key >= N_KEYS:
                 raise DeltaError("value tables: key out of range")
             keys[i] = key
             tok = -1
-            for _ in range(r.uvarint(VALUE_TOKENS)):
-                tok += r.uvarint(VALUE_TOKENS) + 1
+            for _ in range(take(VALUE_TOKENS)):
+                tok += take(VALUE_TOKENS) + 1
                 if tok >= VALUE_TOKENS:
                     raise DeltaError("value tables: token out of range")
-                freq[i, tok] = r.uvarint(1 << VALUE_SCALE)
+                freq[i, tok] = take(1 << VALUE_SCALE)
             total = int(freq[i].sum())
             if total != 1 << VALUE_SCALE or freq[i].max() >= 1 << VALUE_SCALE:
                 raise DeltaError(f"value tables: key {key} frequencies sum to {total}, expected {1 << VALUE_SCALE}")
-        r.expect_end()
+        if at != len(vals):
+            raise DeltaError(f"{len(vals) - at} trailing values after the value tables")
         return cls(freq, keys)
 
 

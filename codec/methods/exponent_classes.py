@@ -409,6 +409,7 @@ def _scan_changes(bw, tw, T, lut, cap):
     zig = np.empty(cap, np.int64)
     pre = np.zeros(MAX_CLASSES, np.int64)
     cnt = np.zeros(MAX_CLASSES, np.int64)
+    changes = np.zeros(MAX_CLASSES, np.int64)
     k = 0
     for blk in range(bw.size // BLOCK_WORDS):
         o = blk * BLOCK_WORDS
@@ -433,13 +434,14 @@ def _scan_changes(bw, tw, T, lut, cap):
                     pos[k] = 4 * o + at
                     keys[k] = e
                     cls[k] = c
+                    changes[c] += 1
                     rank[k] = pre[c] + _popcount(_members_lanes(bw, o, T, c) & _before_lanes(at))
                     zig[k] = _zigzag(bv, tv)
                 k += 1
         _block_counts(bw, o, T, cnt)
         for c in range(MAX_CLASSES):
             pre[c] += cnt[c]
-    return pos, keys, cls, rank, zig, pre, k
+    return pos, keys, cls, rank, zig, pre, changes, k
 
 
 @nb.njit(cache=True, nogil=True)
@@ -453,16 +455,16 @@ def _analyze(b, t, bw, tw, stride, cap):
 
 
 def analyze(b: np.ndarray, t: np.ndarray):
-    """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class) of two
-    flat uint16 arrays: classes chosen from a sample, then one scan. One compiled call (a call
+    """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class, changes
+    per class) of two flat uint16 arrays: classes chosen from a sample, then one scan. One compiled call (a call
     costs microseconds, and a model has ~100 small tensors)."""
     bw, tw = block_words(b), block_words(t)
     cap = max(1024, b.size // 16)
-    thresholds, pos, keys, cls, rank, zig, sizes, k = _analyze(b, t, bw, tw, sample_stride(b.size), cap)
+    thresholds, pos, keys, cls, rank, zig, sizes, changes, k = _analyze(b, t, bw, tw, sample_stride(b.size), cap)
     if k > cap:
-        thresholds, pos, keys, cls, rank, zig, sizes, k = _analyze(b, t, bw, tw, sample_stride(b.size), k)
+        thresholds, pos, keys, cls, rank, zig, sizes, changes, k = _analyze(b, t, bw, tw, sample_stride(b.size), k)
     sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
-    return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes
+    return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes, changes
 
 
 def scan_changes(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray):
@@ -475,7 +477,7 @@ def scan_changes(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray):
     out = _scan_changes(bw, tw, T, lut, cap)
     if out[-1] > cap:
         out = _scan_changes(bw, tw, T, lut, out[-1])
-    pos, keys, cls, rank, zig, sizes, k = out
+    pos, keys, cls, rank, zig, sizes, _, k = out
     sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
     return pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes
 
