@@ -517,17 +517,19 @@ def _params(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     nclass = p[0] if p else 0
     if not 1 <= nclass <= MAX_CLASSES or len(p) < 2 * nclass:
         raise DeltaError(f"conditional params declare {nclass} classes in {len(p)} bytes", tensor=entry.name)
-    thresholds = np.frombuffer(p, np.uint8, nclass - 1, 1).astype(np.int64)
-    levels = np.frombuffer(p, np.uint8, nclass, nclass).astype(np.int64)
-    if nclass > 1 and (thresholds[0] == 0 or np.any(np.diff(thresholds) <= 0)):
+    thresholds = p[1:nclass]
+    if nclass > 1 and (thresholds[0] == 0 or any(a >= b for a, b in zip(thresholds, thresholds[1:]))):
         raise DeltaError("class thresholds are not strictly increasing from 1", tensor=entry.name)
-    r = Reader(p[2 * nclass:], f"params of {entry.name!r}")
-    counts = np.array([r.uvarint(entry.changes) for _ in range(nclass)], dtype=np.int64)
-    r.expect_end()
-    if int(counts.sum()) != entry.changes:
-        raise DeltaError(f"class counts add up to {int(counts.sum())} changes, index says {entry.changes}",
-                         tensor=entry.name)
-    return thresholds, levels, counts
+    try:
+        counts = read_uvarints(p[2 * nclass:], f"params of {entry.name!r}")
+    except DeltaError as exc:
+        raise DeltaError(exc.reason, tensor=entry.name) from None
+    if len(counts) != nclass:
+        raise DeltaError(f"params hold {len(counts)} class counts for {nclass} classes", tensor=entry.name)
+    if sum(counts) != entry.changes:
+        raise DeltaError(f"class counts add up to {sum(counts)} changes, index says {entry.changes}", tensor=entry.name)
+    return (np.frombuffer(thresholds, np.uint8).astype(np.int64), np.frombuffer(p, np.uint8, nclass, nclass).astype(np.int64),
+            np.array(counts, np.int64))
 
 
 _MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
