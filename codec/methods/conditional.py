@@ -35,7 +35,7 @@ from .. import rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
-from ..wire import Reader, Writer, read_uvarints, uvarints
+from ..wire import Writer, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
 
