@@ -493,18 +493,22 @@ def positions(n, bw, T, ranks_, first, expected, copy_to):
     (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing).
 
     Chunk by chunk (so the base is read from memory once): count each block's classes (SWAR);
-    per class, walk the blocks' running count to the block of each rank and mark the change's bit
-    there (select in the class-membership mask); read the marks out in order. Returns (positions,
-    status): status 0, or 2 when a rank lies beyond its class's elements. When copy_to (words,
-    like bw) is not empty, the base is copied into it on the way, chunk by chunk while it is in
-    L1: the decoder's output without a second pass."""
+    then per block, one comparison per class of its next rank with the class's running count
+    gives a bit mask of the classes with a change here (no branch per class: a per-class walk
+    mispredicted about once per change); for those, select each change's bit in the class's
+    membership mask. Returns (positions, status): status 0, or 2 when a rank lies beyond its
+    class's elements. When copy_to (words, like bw) is not empty, the base is copied into it on
+    the way, chunk by chunk while it is in L1: the decoder's output without a second pass."""
     nblocks = bw.size // BLOCK_WORDS
     copying = copy_to.size > 0
-    counts = np.empty((MAX_CLASSES, CHUNK_BLOCKS), np.int64)  # class-major: each walk is contiguous
+    counts = np.empty((CHUNK_BLOCKS, MAX_CLASSES), np.int64)
     cnt = np.zeros(MAX_CLASSES, np.int64)
-    marks = np.zeros(CHUNK_BLOCKS, np.uint64)
     nxt = first[:MAX_CLASSES].copy()  # index of each class's next change
     seen = np.zeros(MAX_CLASSES, np.int64)  # class elements before the current block
+    target = np.full(MAX_CLASSES, _FAR, np.int64)  # rank of each class's next change
+    for c in range(MAX_CLASSES):
+        if first[c] < first[c + 1]:
+            target[c] = ranks_[first[c]]
     out = np.empty(expected, np.int64)
     k = 0
     for c0 in range(0, nblocks, CHUNK_BLOCKS):
@@ -512,41 +516,39 @@ def positions(n, bw, T, ranks_, first, expected, copy_to):
         for blk in range(c0, c1):
             _block_counts(bw, blk * BLOCK_WORDS, T, cnt)
             for c in range(MAX_CLASSES):
-                counts[c, blk - c0] = cnt[c]
+                counts[blk - c0, c] = cnt[c]
         if copying:
             copy_to[c0 * BLOCK_WORDS: c1 * BLOCK_WORDS] = bw[c0 * BLOCK_WORDS: c1 * BLOCK_WORDS]
-        for c in range(MAX_CLASSES):
-            j = nxt[c]
-            end = first[c + 1]
-            s = seen[c]
-            if j == end:  # no change left in this class: just count its elements
-                for i in range(c1 - c0):
-                    s += counts[c, i]
-                seen[c] = s
-                continue
-            target = ranks_[j]
-            for i in range(c1 - c0):
-                here = counts[c, i]
-                if target < s + here:
-                    blk = c0 + i
+        for i in range(c1 - c0):
+            hit = 0
+            for c in range(MAX_CLASSES):
+                hit |= np.int64(target[c] < seen[c] + counts[i, c]) << c
+            if hit != 0:
+                blk = c0 + i
+                found = _U0
+                while hit != 0:
+                    c = np.int64(trailing_zeros(np.uint64(hit)))
+                    hit &= hit - 1
                     m = _members_ordered(bw, blk * BLOCK_WORDS, T, c)
-                    while target < s + here:
-                        marks[blk - c0] |= _U1 << np.uint64(_select(m, target - s))
+                    s = seen[c]
+                    t = target[c]
+                    j = nxt[c]
+                    end = first[c + 1]
+                    while t < s + counts[i, c]:
+                        found |= _U1 << np.uint64(_select(m, t - s))
                         j += 1
-                        target = ranks_[j] if j < end else _FAR
-                s += here
-            nxt[c] = j
-            seen[c] = s
-        for blk in range(c0, c1):
-            m = marks[blk - c0]
-            marks[blk - c0] = _U0
-            while m != _U0:
-                q = blk * BLOCK + np.int64(trailing_zeros(m))
-                if q >= n or k >= expected:  # a rank in the padding
-                    return out, 2
-                out[k] = q
-                k += 1
-                m &= m - _U1
+                        t = ranks_[j] if j < end else _FAR
+                    nxt[c] = j
+                    target[c] = t
+                while found != _U0:
+                    q = blk * BLOCK + np.int64(trailing_zeros(found))
+                    if q >= n or k >= expected:  # a rank in the padding
+                        return out, 2
+                    out[k] = q
+                    k += 1
+                    found &= found - _U1
+            for c in range(MAX_CLASSES):
+                seen[c] += counts[i, c]
     for c in range(MAX_CLASSES):
         if nxt[c] != first[c + 1]:
             return out, 2
