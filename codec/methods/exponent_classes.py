@@ -484,24 +484,20 @@ def scan_changes(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray):
 
 # ---------------------------------------------------------------- decoder side
 
-CHUNK_BLOCKS = 128  # 8192 elements (16 KiB of base): what one round of class walks keeps in L1
-
-
 @nb.njit(cache=True, nogil=True)
 def positions(n, bw, T, ranks_, first, expected, copy_to):
     """Positions of the changes, in tensor order, from each class's ranks
     (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing).
 
-    Chunk by chunk (so the base is read from memory once): count each block's classes (SWAR);
-    then per block, one comparison per class of its next rank with the class's running count
-    gives a bit mask of the classes with a change here (no branch per class: a per-class walk
-    mispredicted about once per change); for those, select each change's bit in the class's
-    membership mask. Returns (positions, status): status 0, or 2 when a rank lies beyond its
-    class's elements. When copy_to (words, like bw) is not empty, the base is copied into it on
-    the way, chunk by chunk while it is in L1: the decoder's output without a second pass."""
+    Block by block: count the block's classes (SWAR); one comparison per class of its next rank
+    with its running count gives a bit mask of the classes with a change in this block (no
+    branch per class: a per-class walk mispredicted about once per change); for those, select
+    each change's bit in the class's membership mask. Returns (positions, status): status 0, or
+    2 when a rank lies beyond its class's elements. When copy_to (words, like bw) is not empty,
+    the base is copied into it on the way, while the block is in L1: the decoder's output
+    without a second pass over the base."""
     nblocks = bw.size // BLOCK_WORDS
     copying = copy_to.size > 0
-    counts = np.empty((CHUNK_BLOCKS, MAX_CLASSES), np.int64)
     cnt = np.zeros(MAX_CLASSES, np.int64)
     nxt = first[:MAX_CLASSES].copy()  # index of each class's next change
     seen = np.zeros(MAX_CLASSES, np.int64)  # class elements before the current block
@@ -511,44 +507,40 @@ def positions(n, bw, T, ranks_, first, expected, copy_to):
             target[c] = ranks_[first[c]]
     out = np.empty(expected, np.int64)
     k = 0
-    for c0 in range(0, nblocks, CHUNK_BLOCKS):
-        c1 = min(c0 + CHUNK_BLOCKS, nblocks)
-        for blk in range(c0, c1):
-            _block_counts(bw, blk * BLOCK_WORDS, T, cnt)
-            for c in range(MAX_CLASSES):
-                counts[blk - c0, c] = cnt[c]
+    for blk in range(nblocks):
+        o = blk * BLOCK_WORDS
+        _block_counts(bw, o, T, cnt)
         if copying:
-            copy_to[c0 * BLOCK_WORDS: c1 * BLOCK_WORDS] = bw[c0 * BLOCK_WORDS: c1 * BLOCK_WORDS]
-        for i in range(c1 - c0):
-            hit = 0
-            for c in range(MAX_CLASSES):
-                hit |= np.int64(target[c] < seen[c] + counts[i, c]) << c
-            if hit != 0:
-                blk = c0 + i
-                found = _U0
-                while hit != 0:
-                    c = np.int64(trailing_zeros(np.uint64(hit)))
-                    hit &= hit - 1
-                    m = _members_ordered(bw, blk * BLOCK_WORDS, T, c)
-                    s = seen[c]
-                    t = target[c]
-                    j = nxt[c]
-                    end = first[c + 1]
-                    while t < s + counts[i, c]:
-                        found |= _U1 << np.uint64(_select(m, t - s))
-                        j += 1
-                        t = ranks_[j] if j < end else _FAR
-                    nxt[c] = j
-                    target[c] = t
-                while found != _U0:
-                    q = blk * BLOCK + np.int64(trailing_zeros(found))
-                    if q >= n or k >= expected:  # a rank in the padding
-                        return out, 2
-                    out[k] = q
-                    k += 1
-                    found &= found - _U1
-            for c in range(MAX_CLASSES):
-                seen[c] += counts[i, c]
+            for j in range(BLOCK_WORDS):
+                copy_to[o + j] = bw[o + j]
+        hit = 0
+        for c in range(MAX_CLASSES):
+            hit |= np.int64(target[c] < seen[c] + cnt[c]) << c
+        if hit != 0:
+            found = _U0
+            while hit != 0:
+                c = np.int64(trailing_zeros(np.uint64(hit)))
+                hit &= hit - 1
+                m = _members_ordered(bw, o, T, c)
+                s = seen[c]
+                t = target[c]
+                j = nxt[c]
+                end = first[c + 1]
+                while t < s + cnt[c]:
+                    found |= _U1 << np.uint64(_select(m, t - s))
+                    j += 1
+                    t = ranks_[j] if j < end else _FAR
+                nxt[c] = j
+                target[c] = t
+            while found != _U0:
+                q = blk * BLOCK + np.int64(trailing_zeros(found))
+                if q >= n or k >= expected:  # a rank in the padding
+                    return out, 2
+                out[k] = q
+                k += 1
+                found &= found - _U1
+        for c in range(MAX_CLASSES):
+            seen[c] += cnt[c]
     for c in range(MAX_CLASSES):
         if nxt[c] != first[c + 1]:
             return out, 2
