@@ -6,7 +6,6 @@ import shutil
 
 import numba
 
-import codec  # noqa: F401 - importing defines the kernels under the keyed cache
 from codec import _kernel_cache
 from codec.methods import conditional, exponent_classes
 
