@@ -184,32 +184,37 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
         gap[end[c]] = ranks[j] - last[c] - 1
         last[c] = ranks[j]
         end[c] += 1  # ends as the end of class c
-    c = MAX_CLASSES - 1
-    for jj in range(k - 1, -1, -1):
-        while c > 0 and jj < end[c - 1]:
-            c -= 1
+    for c in range(MAX_CLASSES - 1, -1, -1):  # class by class, each with its table rows hoisted
+        lo = end[c - 1] if c > 0 else 0
+        if lo >= end[c]:
+            continue
         lv = level_of_class[c]
-        v = gap[jj]
-        tok = v
-        if v >= rans.DIRECT:
-            n = 63 - np.int64(leading_zeros(np.uint64(v)))
-            nbits = n - rans.SUB_BITS
-            tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
-            if nbits > 16:
-                x, nw = rans.enc_bits(x, words, nw, v & ((1 << nbits) - 1), nbits)
-            else:
-                if x >= (L >> nbits) << 32:
-                    words[nw] = x & WM
-                    nw += 1
-                    x >>= 32
-                x = (x << nbits) | (v & ((1 << nbits) - 1))
-        f = mfreq[lv, tok]
-        if x >= ((L >> MASK_SCALE) << 32) * f:
-            words[nw] = x & WM
-            nw += 1
-            x >>= 32
-        q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), mrcp[lv, tok]) >> np.uint64(mrsh[lv, tok]))
-        x, other = other, (q << MASK_SCALE) + (x - q * f) + mcum[lv, tok]
+        fr = mfreq[lv]
+        cu = mcum[lv]
+        rc = mrcp[lv]
+        rs = mrsh[lv]
+        for jj in range(end[c] - 1, lo - 1, -1):
+            v = gap[jj]
+            tok = v
+            if v >= rans.DIRECT:
+                n = 63 - np.int64(leading_zeros(np.uint64(v)))
+                nbits = n - rans.SUB_BITS
+                tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
+                if nbits > 16:
+                    x, nw = rans.enc_bits(x, words, nw, v & ((1 << nbits) - 1), nbits)
+                else:
+                    if x >= (L >> nbits) << 32:
+                        words[nw] = x & WM
+                        nw += 1
+                        x >>= 32
+                    x = (x << nbits) | (v & ((1 << nbits) - 1))
+            f = fr[tok]
+            if x >= ((L >> MASK_SCALE) << 32) * f:
+                words[nw] = x & WM
+                nw += 1
+                x >>= 32
+            q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), rc[tok]) >> np.uint64(rs[tok]))
+            x, other = other, (q << MASK_SCALE) + (x - q * f) + cu[tok]
     return words, nw, other, x  # after symbol 0 (state 0) the swap left state 0 in `other`
 
 
