@@ -212,3 +212,16 @@ def test_decode_builds_the_target_in_place_for_every_size():
     for k in target:
         assert np.array_equal(bits_of(out[k]), bits_of(target[k])), k
         assert np.array_equal(bits_of(base[k]), before[k]), k
+
+
+def test_value_tables_normalise_all_rows_like_one_row():
+    """The bulk normaliser behind the value tables equals the one-row rule exactly (the tables are
+    part of the payload: any difference would change bytes)."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        rows, cols = int(rng.integers(1, 30)), conditional.VALUE_TOKENS
+        counts = (rng.random((rows, cols)) < rng.random()) * rng.integers(0, 10 ** int(rng.integers(1, 7)), (rows, cols))
+        counts[counts.sum(axis=1) == 0, int(rng.integers(0, cols))] = 1  # every row has a count
+        bulk = rans.normalize_rows(counts, conditional.VALUE_SCALE)
+        one = np.stack([rans.normalize(row, conditional.VALUE_SCALE, floor_all=False) for row in counts])
+        assert np.array_equal(bulk, one)

@@ -391,10 +391,23 @@ class ValueModel:
         self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
         self.slots = rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0] else np.zeros((0, 1 << VALUE_SCALE), np.uint8)
-        self.rcp, self.rsh = rans.reciprocals(self.freq)
+        self._reciprocals: tuple[np.ndarray, np.ndarray] | None = None  # the encoder's; built on demand
         self.row_of_key = np.full(N_KEYS, -1, np.int64)
         self.row_of_key[keys] = np.arange(keys.size)
         self.keys = keys
+
+    @property
+    def rcp(self) -> np.ndarray:
+        return self.reciprocals()[0]
+
+    @property
+    def rsh(self) -> np.ndarray:
+        return self.reciprocals()[1]
+
+    def reciprocals(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._reciprocals is None:
+            self._reciprocals = rans.reciprocals(self.freq)
+        return self._reciprocals
 
     @classmethod
     def fit(cls, analyses: list[Analysis]) -> "ValueModel":
@@ -402,7 +415,7 @@ class ValueModel:
         for a in analyses:
             _count_value_tokens(a.keys, a.zig, hist)
         keys = np.flatnonzero(hist.sum(axis=1))
-        freq = np.stack([rans.normalize(hist[k], VALUE_SCALE, floor_all=False) for k in keys]) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
+        freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
         return cls(freq, keys)
 
     def pack(self) -> bytes:
