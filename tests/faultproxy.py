@@ -420,25 +420,25 @@ class Oracle:
         from relay import checkpoint
 
         path = os.fspath(path)
-        visible = [n for n in os.listdir(path) if not n.startswith(".")] if os.path.isdir(path) else []
-        resolving = [n for n in visible if os.path.exists(os.path.join(path, n))]
-        if not resolving:
+        for attempt in range(20):
+            # A live watcher removes superseded versions right after its swap, so a version resolved
+            # here may vanish mid-read; a reader then resolves again (docs/PROTOCOL.md, section 6).
+            found = self._read_dest(path, os, json, checkpoint)
+            if found != "vanished":
+                break
+        else:
+            raise AssertionError(f"{path}: the resolved version kept vanishing")
+        if found is None:
             return None
-        current = os.path.realpath(os.path.join(path, ".current"))  # resolve once, as readers are told to
+        resolving, current, step, files, tensors = found
         for n in resolving:
             # The link text, not its resolution: resolving each name later than .current races with a
             # swap the watcher may make meanwhile (then the name rightly leads into the newer step).
             link = os.path.join(path, n)
             if not os.path.islink(link) or os.readlink(link) != os.path.join(".current", n):
                 self.violations.append(f"{path}/{n} does not lead into .current")
-        with open(os.path.join(current, "relay-state.json")) as f:
-            state = json.load(f)
-        step = state["step"]
-        with open(os.path.join(current, checkpoint.INDEX_NAME)) as f:
-            files = set(json.load(f)["weight_map"].values())
         if set(resolving) != files | {"relay-state.json", checkpoint.INDEX_NAME}:
             self.violations.append(f"{path} shows {sorted(resolving)} for step {step}, expected {sorted(files)}")
-        tensors, _ = checkpoint.load(current)
         if step not in self.states:
             self.violations.append(f"{path} holds step {step}, never published")
         elif not same_bits(tensors, self.states[step]):
@@ -446,6 +446,27 @@ class Oracle:
         if allowed is not None and step not in allowed:
             self.violations.append(f"{path} holds step {step}, expected one of {sorted(allowed)}")
         return step
+
+    @staticmethod
+    def _read_dest(path, os, json, checkpoint):
+        """(visible names, resolved version, step, weight files, tensors), None before the first
+        step, or "vanished" when the resolved version was removed under the read."""
+        visible = [n for n in os.listdir(path) if not n.startswith(".")] if os.path.isdir(path) else []
+        resolving = [n for n in visible if os.path.exists(os.path.join(path, n))]
+        if not resolving:
+            return None
+        current = os.path.realpath(os.path.join(path, ".current"))  # resolve once, as readers are told to
+        try:
+            with open(os.path.join(current, "relay-state.json")) as f:
+                state = json.load(f)
+            with open(os.path.join(current, checkpoint.INDEX_NAME)) as f:
+                files = set(json.load(f)["weight_map"].values())
+            tensors, _ = checkpoint.load(current)
+        except (FileNotFoundError, RuntimeError) as exc:
+            if os.path.isdir(current) or (isinstance(exc, RuntimeError) and "No such file" not in str(exc)):
+                raise
+            return "vanished"
+        return resolving, current, state["step"], files, tensors
 
     def ok(self) -> None:
         assert not self.violations, self.violations
