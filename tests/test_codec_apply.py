@@ -41,6 +41,18 @@ def _forge(payload: bytes, name: str, edit) -> bytes:
     return container.pack(parsed)
 
 
+def _refused_untouched(base, forged: bytes, name: str):
+    """apply_ of `forged` on a copy of `base` raises DeltaError naming `name` and leaves every bit
+    as it was; returns the copy."""
+    live = clone_all(base)
+    before = snapshot(live)
+    with pytest.raises(codec.DeltaError) as err:
+        codec.apply_(live, forged)
+    assert name in str(err.value)
+    _assert_untouched(live, before)
+    return live
+
+
 def _bad_digest(e):
     return dataclasses.replace(e, target_digest=bytes([e.target_digest[0] ^ 1]) + e.target_digest[1:])
 
@@ -176,12 +188,7 @@ def test_failure_restores_every_tensor_bit_exactly(version, where, damage):
     name = {"first": changed[0], "middle": changed[len(changed) // 2], "last": changed[-1]}[where]
     payload = codec.encode(base, target, format_version=version)
     forged = _forge(payload, name, _bad_digest if damage == "digest" else _bad_stream)
-    live = clone_all(base)
-    before = snapshot(live)
-    with pytest.raises(codec.DeltaError) as err:
-        codec.apply_(live, forged)
-    assert name in str(err.value)
-    _assert_untouched(live, before)
+    live = _refused_untouched(base, forged, name)
     codec.apply_(live, payload)  # the genuine payload still applies afterwards
     assert_bit_exact(live, target)
 
@@ -203,12 +210,7 @@ def test_changed_record_relabelled_same_is_refused(version, keep_data):
         return e if keep_data else dataclasses.replace(e, streams=[], params=b"")
 
     forged = _forge(payload, name, relabel)
-    live = clone_all(base)
-    before = snapshot(live)
-    with pytest.raises(codec.DeltaError) as err:
-        codec.apply_(live, forged)
-    assert name in str(err.value)
-    _assert_untouched(live, before)
+    _refused_untouched(base, forged, name)
     with pytest.raises(codec.DeltaError):
         codec.decode(base, forged)
 
