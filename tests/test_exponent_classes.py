@@ -94,14 +94,14 @@ def _bits(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n", [1, 7, 64, 65, 8192 + 64 * 3 + 5])
-def test_positions_invert_scan_changes(n):
+def test_positions_invert_the_encoder_scan(n):
     rng = np.random.default_rng(n)
     b = _bits(rng, n)
     t = b.copy()
     flip = rng.random(n) < 0.2
     t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
     thresholds = np.array([100, 118, 120, 121, 122, 124, 127])
-    pos, keys, cls, ranks, zig, sizes = ec.scan_changes(b, t, thresholds)
+    _, pos, keys, cls, ranks, zig, sizes, _ = ec.analyze(b, t, thresholds)
     assert np.array_equal(pos, np.flatnonzero(b != t))
     assert sizes.sum() == n
     order = np.lexsort((ranks, cls))

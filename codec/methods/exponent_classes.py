@@ -10,7 +10,7 @@ change look inside, with a 64-bit class-membership mask and a broadword popcount
 
 - `sample_stats`: exponents (and changes) of a sample of elements, to choose classes from.
 - `choose_classes`: thresholds minimising the order-0 cost of the mask (an exact DP over exponents).
-- `scan_changes` (encoder): every change with its exponent, class, rank in its class and step.
+- `analyze` (encoder): every change with its exponent, class, rank in its class and step.
 - `positions` (decoder): the inverse, from every class's ranks.
 """
 
@@ -445,41 +445,30 @@ def _scan_changes(bw, tw, T, lut, cap):
 
 
 @nb.njit(cache=True, nogil=True)
-def _analyze(b, t, bw, tw, stride, cap):
-    n_e, k_e = sample_stats(b, t, stride)
-    thresholds = np.empty(0, np.int64)
-    if k_e.sum() > 0:
-        thresholds = choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
+def _analyze(b, t, bw, tw, stride, cap, thresholds, choose):
+    if choose:
+        n_e, k_e = sample_stats(b, t, stride)
+        thresholds = np.empty(0, np.int64)
+        if k_e.sum() > 0:
+            thresholds = choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
     out = _scan_changes(bw, tw, swar_thresholds(thresholds), class_lut(thresholds), cap)
     return (thresholds,) + out
 
 
-def analyze(b: np.ndarray, t: np.ndarray):
+def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None):
     """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class, changes
-    per class) of two flat uint16 arrays: classes chosen from a sample, then one scan. One compiled call (a call
-    costs microseconds, and a model has ~100 small tensors)."""
+    per class) of two flat uint16 arrays: classes chosen from a sample (or the given thresholds),
+    then one scan. One compiled call (a call costs microseconds, and a model has ~100 small tensors)."""
     bw, tw = block_words(b), block_words(t)
+    choose = thresholds is None
+    given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
     cap = max(1024, b.size // 16)
-    thresholds, pos, keys, cls, rank, zig, sizes, changes, k = _analyze(b, t, bw, tw, sample_stride(b.size), cap)
-    if k > cap:
-        thresholds, pos, keys, cls, rank, zig, sizes, changes, k = _analyze(b, t, bw, tw, sample_stride(b.size), k)
+    out = _analyze(b, t, bw, tw, sample_stride(b.size), cap, given, choose)
+    if out[-1] > cap:
+        out = _analyze(b, t, bw, tw, sample_stride(b.size), out[-1], given, choose)
+    thresholds, pos, keys, cls, rank, zig, sizes, changes, k = out
     sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
     return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes, changes
-
-
-def scan_changes(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray):
-    """(positions, exponents, classes, ranks, zigzag steps, elements per class) of two flat
-    uint16 arrays under given class thresholds."""
-    bw, tw = block_words(b), block_words(t)
-    thresholds = np.asarray(thresholds, np.int64)
-    T, lut = swar_thresholds(thresholds), class_lut(thresholds)
-    cap = max(1024, b.size // 16)
-    out = _scan_changes(bw, tw, T, lut, cap)
-    if out[-1] > cap:
-        out = _scan_changes(bw, tw, T, lut, out[-1])
-    pos, keys, cls, rank, zig, sizes, _, k = out
-    sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
-    return pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes
 
 
 # ---------------------------------------------------------------- decoder side
