@@ -1,4 +1,4 @@
-"""Exponent classes: the SWAR bit tricks, the class DP and the position <-> rank scans."""
+"""Exponent classes: the vector masks and bit tricks, the class DP and the position <-> rank scans."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from codec.methods import exponent_classes as ec
 
-_NO_COPY = np.empty(0, np.uint64)
+_NO_COPY = np.empty(0, np.uint16)
 
 
 @nb.njit
@@ -54,6 +54,46 @@ def test_select_finds_the_bit_with_r_set_bits_below(use_pdep):
 def test_popcount():
     words = _random_words(3000)
     assert np.array_equal(_popcounts(words), [bin(int(w)).count("1") for w in words])
+
+
+@nb.njit
+def _block_masks_of(a, b, bounds):
+    ge = np.empty((a.size // ec.BLOCK, bounds.size), np.uint64)
+    ne = np.empty(a.size // ec.BLOCK, np.uint64)
+    for blk in range(a.size // ec.BLOCK):
+        for i in range(bounds.size):
+            ge[blk, i] = ec._at_least(a, blk * ec.BLOCK, bounds[i])
+        ne[blk] = ec._differ(a, b, blk * ec.BLOCK)
+    return ge, ne
+
+
+def _mask_of(bits: np.ndarray) -> int:
+    return sum(1 << int(i) for i in np.flatnonzero(bits))
+
+
+def test_vector_masks_match_elementwise_comparisons():
+    """Bit i of each block's masks is element i's comparison, for every bound including 0 and
+    NO_ELEMENT, both signs and every special exponent, at unaligned offsets too."""
+    rng = np.random.default_rng(4)
+    a = _bits(rng, 64 * 40 + 1)
+    a[100:164] |= 0x8000  # a block of negatives
+    a[200:264] = 0x7FFF  # the largest magnitude
+    b = a.copy()
+    b[rng.random(a.size) < 0.1] ^= 1
+    bounds = np.array([0, 1, 0x3C00, 0x3F80, 0x7F80, 0x7FFF, ec.NO_ELEMENT], np.int64)
+    for shift in (0, 1):  # a view starting one element in: loads not aligned to 4 bytes
+        x, y = a[shift: shift + 64 * 40], b[shift: shift + 64 * 40]
+        ge, ne = _block_masks_of(x, y, bounds)
+        for blk in range(x.size // ec.BLOCK):
+            xs, ys = x[blk * 64: blk * 64 + 64], y[blk * 64: blk * 64 + 64]
+            assert int(ne[blk]) == _mask_of(xs != ys)
+            for i, bound in enumerate(bounds):
+                assert int(ge[blk, i]) == _mask_of((xs & 0x7FFF) >= bound), (shift, blk, bound)
+
+
+def test_vector_masks_refuse_other_arrays():
+    with pytest.raises(nb.core.errors.TypingError):
+        _block_masks_of(np.zeros(64, np.int32), np.zeros(64, np.int32), np.zeros(1, np.int64))
 
 
 def _interval_cost(n: float, k: float) -> float:
@@ -106,7 +146,7 @@ def test_positions_invert_the_encoder_scan(n):
     assert sizes.sum() == n
     order = np.lexsort((ranks, cls))
     first = np.searchsorted(cls[order], np.arange(ec.MAX_CLASSES + 1)).astype(np.int64)
-    at, status = ec.positions(n, ec.block_words(b), ec.swar_thresholds(thresholds), ranks[order], first, pos.size, _NO_COPY)
+    at, status = ec.positions(n, ec.blocks(b), np.asarray(thresholds, np.int64), ranks[order], first, pos.size, _NO_COPY)
     assert status == 0 and np.array_equal(at, pos)
 
 
@@ -115,8 +155,8 @@ def test_positions_refuse_ranks_beyond_a_class():
     of a partial block, is refused rather than placed."""
     n = 100  # one full block and a padded one
     b = np.full(n, 0x3F80, np.uint16)  # every element in the top class
-    thresholds = np.array([0x7F])
-    words, T = ec.block_words(b), ec.swar_thresholds(thresholds)
+    T = np.array([0x7F], np.int64)
+    words = ec.blocks(b)
     ok = np.array([0, 99], np.int64)
     first = np.array([0, 0] + [2] * 7, np.int64)
     at, status = ec.positions(n, words, T, ok, first, 2, _NO_COPY)

@@ -9,7 +9,8 @@ only on the exponent. So every element gets a context: its base exponent (the ke
   Bernoulli sequence. We code the gaps (runs of unchanged elements of the same class) with a
   geometric model whose parameter is sent as one of 256 quantised levels per (tensor, class).
   Cost ~ the order-0 entropy of the mask given (tensor, exponent class), paid per change, not per
-  element; 8 intervals come within ~2% of one context per exponent, and make the scans SWAR.
+  element; 8 intervals come within ~2% of one context per exponent, and let the scans
+  describe a block of 64 elements with 7 vector comparisons.
 - Values: the change as a signed step in ordered-integer space (ord(x) = ~x for negatives,
   x ^ 0x8000 for positives), zigzagged and tokenized, coded with one table per key shared by all
   tensors of the payload (small weights move more ULPs). Exponent/sign changes, zero crossings,
@@ -317,18 +318,19 @@ def _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key,
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode(b, bw, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key,
-            out, out_words):
+def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key,
+            out, copy_to):
     """The three phases in one compiled call: (positions, values, status). With a non-empty `out`
-    (and `out_words`, its 64-bit view, when the base's words are a view too) the target is built
-    there as well: the base copied during the scan, the values written as they are decoded."""
+    the target is built there as well: the base copied during the scan (into `copy_to`, which is
+    `out` itself when the base needs no padding to whole blocks), the values written as they are
+    decoded."""
     ranks, first, x, other, pos, status = _decode_gaps(b.size, words, x0, x1, levels, counts, mcum, mfreq, mslot)
     if status:
         return np.empty(0, np.int64), np.empty(0, np.uint16), status
-    at, status = ec.positions(b.size, bw, ec.swar_thresholds(thresholds), ranks, first, ranks.size, out_words)
+    at, status = ec.positions(b.size, bb, thresholds, ranks, first, ranks.size, copy_to)
     if status:
         return at, np.empty(0, np.uint16), status
-    if out.size and not out_words.size:
+    if out.size and not copy_to.size:
         out[:] = b
     val, status = _decode_values(b, at, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key, out)
     return at, val, status
@@ -578,7 +580,6 @@ def decode_target(entry: Entry, base: np.ndarray, shared: dict) -> tuple[Patch, 
 
 
 _NO_OUT = np.empty(0, np.uint16)
-_NO_WORDS = np.empty(0, np.uint64)
 
 
 def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None) -> Patch:
@@ -596,15 +597,14 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
     words, (x0, x1) = parsed
     base = base.reshape(-1)
-    bw = ec.block_words(base)
-    out_words = _NO_WORDS
+    copy_to = _NO_OUT
     if out is None:
         out = _NO_OUT
-    elif base.size % ec.BLOCK == 0 and base.ctypes.data % 8 == 0 and out.ctypes.data % 8 == 0:
-        out_words = out.view(np.uint64)  # bw is a view of the base: the scan copies it word for word
+    elif base.size % ec.BLOCK == 0:
+        copy_to = out  # the base is its own blocks: the scan copies it block by block
     mfreq, mcum, mslot = mask_tables()
-    at, val, status = _decode(base, bw, words, np.int64(x0), np.int64(x1), thresholds, levels, counts,
-                              mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out, out_words)
+    at, val, status = _decode(base, ec.blocks(base), words, np.int64(x0), np.int64(x1), thresholds, levels, counts,
+                              mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out, copy_to)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(at, val)

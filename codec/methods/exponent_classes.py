@@ -3,10 +3,12 @@
 An element's class is the number of class thresholds at or below its exponent ((bits >> 7) & 0xFF),
 so a tensor's classes are at most 8 intervals of the exponent axis. Intervals, because the chance
 that a BF16 element changes falls monotonically with its exponent (ulp doubles per binade); at
-most 8, because the scans then count every class of 4 elements at once with SWAR arithmetic on
-64-bit words (4 BF16 lanes per word), which LLVM vectorises: ~1 cycle per element instead of a
-histogram update per element. Blocks of 64 elements are counted whole; only blocks holding a
-change look inside, with a 64-bit class-membership mask and a broadword popcount / select.
+most 8, because the scans then describe a block of 64 elements by 7 masks: bit i of mask c is set
+where element i's magnitude |bits| reaches class c's lower bound (thresholds[c - 1] << 7). Each
+mask is one vector comparison of 64 16-bit lanes (`_at_least`: two AVX-512 compares and a mask
+move; LLVM lowers the same IR for AVX2, SSE or NEON), so a block's class counts are popcounts
+and class c's members are `ge[c] & ~ge[c + 1]`, in element order, ready for a rank (popcount
+below a bit) or a select (PDEP).
 
 - `sample_stats`: exponents (and changes) of a sample of elements, to choose classes from.
 - `choose_classes`: thresholds minimising the order-0 cost of the mask (an exact DP over exponents).
@@ -31,18 +33,12 @@ KEY_SHIFT = 7
 SAMPLE_BITS = 14  # a tensor of n elements samples 1 in max(1, n >> 14) of its elements
 CLASS_OVERHEAD_BITS = 24.0  # a threshold, a level and a change count in the params
 
-_H = np.uint64(0x8000800080008000)  # the top bit of each 16-bit lane
-_LOW = np.uint64(0x7FFF7FFF7FFF7FFF)
-_ONE = np.uint64(0x0001000100010001)
-_LANES4 = np.uint64((1 << 48) | (1 << 33) | (1 << 18) | (1 << 3))  # gathers 4 lane flags into bits 48..51
-_U15 = np.uint64(15)
-_U48 = np.uint64(48)
+BLOCK = 64  # elements per block: one bit each in a 64-bit mask
+NO_ELEMENT = 0x8000  # a lower bound no magnitude (|bits| <= 0x7FFF) reaches: an unused class
+_FAR = 1 << 62
 _U0 = np.uint64(0)
 _U1 = np.uint64(1)
-_LANE = np.uint64(0xFFFF)
-BLOCK_WORDS = 16
-BLOCK = 4 * BLOCK_WORDS  # 64 elements: one bit each in a membership mask
-_FAR = 1 << 62
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def sample_stride(n: int) -> int:
@@ -62,109 +58,116 @@ def class_lut(thresholds):
 
 
 @nb.njit(cache=True, nogil=True)
-def swar_thresholds(thresholds):
-    """9 words: T[c] is class c's lower bound (exponent << 7) in every lane; T[0] = 0 (every element
-    is at or above it), unused and T[8] = 0x8000 (no element reaches it)."""
-    t = np.empty(MAX_CLASSES + 1, np.uint64)
-    t[0] = _U0
-    for c in range(1, MAX_CLASSES + 1):
-        bound = np.uint64(thresholds[c - 1]) << np.uint64(KEY_SHIFT) if c - 1 < thresholds.size else np.uint64(0x8000)
-        t[c] = bound * _ONE
-    return t
+def lower_bounds(thresholds):
+    """MAX_CLASSES + 1 magnitudes: class c holds the elements with bounds[c] <= |bits| < bounds[c + 1].
+    bounds[0] = 0; classes past the tensor's last (and bounds[MAX_CLASSES]) start at NO_ELEMENT."""
+    bounds = np.full(MAX_CLASSES + 1, NO_ELEMENT, np.int64)
+    bounds[0] = 0
+    for c in range(min(thresholds.size, MAX_CLASSES - 1)):
+        bounds[c + 1] = thresholds[c] << KEY_SHIFT
+    return bounds
 
 
-def block_words(a: np.ndarray) -> np.ndarray:
-    """A flat uint16 array as 64-bit words (4 elements each) in whole blocks of 64 elements.
-
-    A view when the size is a multiple of 64 and the data 8-byte aligned (every tensor of usual
-    models); otherwise a copy padded with +0.0, which is class 0 (thresholds start at 1) and lies
-    after every real element, so it changes no rank of a real one."""
-    if a.size % BLOCK == 0 and a.ctypes.data % 8 == 0:
-        return a.view(np.uint64)
+def blocks(a: np.ndarray) -> np.ndarray:
+    """A flat uint16 array in whole blocks of 64 elements: itself when its size is a multiple of
+    64 (every tensor of usual models); otherwise a copy padded with +0.0, which is class 0
+    (thresholds start at 1) and lies after every real element, so it changes no rank of a real one."""
+    if a.size % BLOCK == 0:
+        return a
     padded = np.zeros(-(-a.size // BLOCK) * BLOCK, np.uint16)
     padded[: a.size] = a
-    return padded.view(np.uint64)
+    return padded
 
 
-# ---------------------------------------------------------------- SWAR primitives
+# ---------------------------------------------------------------- vector masks, bit tricks
+
+_LANES = ir.VectorType(ir.IntType(16), BLOCK)
+
+
+def _check_u16(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.dtype == types.uint16 and arr.ndim == 1 and arr.layout == "C"
+
+
+def _block_vector(context, builder, aryty, ary, off):
+    """The 64 uint16 lanes arr[off:off + 64] as one LLVM vector (an unaligned load; the caller
+    guarantees off + 64 <= arr.size)."""
+    data = context.make_array(aryty)(context, builder, value=ary).data
+    ptr = builder.bitcast(builder.gep(data, [off]), _LANES.as_pointer())
+    return builder.load(ptr, align=2)
+
+
+@intrinsic
+def _at_least(typingctx, arr, off, bound):
+    """64-bit mask of arr[off:off + 64]: bit i set where |arr[off + i]| (the bits below the sign)
+    >= bound (0..0x8000)."""
+    if not _check_u16(arr):
+        return None
+    sig = types.uint64(arr, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        x = builder.and_(_block_vector(context, builder, signature.args[0], args[0], args[1]),
+                         ir.Constant(_LANES, [0x7FFF] * BLOCK))
+        lane = builder.trunc(args[2], ir.IntType(16))
+        splat = builder.insert_element(ir.Constant(_LANES, ir.Undefined), lane, ir.Constant(ir.IntType(32), 0))
+        splat = builder.shuffle_vector(splat, ir.Constant(_LANES, ir.Undefined),
+                                       ir.Constant(ir.VectorType(ir.IntType(32), BLOCK), [0] * BLOCK))
+        # a bound of 0x8000 truncates to the unsigned lane 0x8000, which no masked lane reaches
+        return builder.bitcast(builder.icmp_unsigned(">=", x, splat), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def _differ(typingctx, a, b, off):
+    """64-bit mask of the elements of a[off:off + 64] and b[off:off + 64] that differ."""
+    if not (_check_u16(a) and _check_u16(b)):
+        return None
+    sig = types.uint64(a, b, types.intp)
+
+    def codegen(context, builder, signature, args):
+        va = _block_vector(context, builder, signature.args[0], args[0], args[2])
+        vb = _block_vector(context, builder, signature.args[1], args[1], args[2])
+        return builder.bitcast(builder.icmp_unsigned("!=", va, vb), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def _copy_block(typingctx, dst, src, off):
+    """dst[off:off + 64] = src[off:off + 64] as one vector load and store (an element loop
+    would be scalar: LLVM cannot rule out that the arrays overlap)."""
+    if not (_check_u16(dst) and _check_u16(src)):
+        return None
+    sig = types.none(dst, src, types.intp)
+
+    def codegen(context, builder, signature, args):
+        v = _block_vector(context, builder, signature.args[1], args[1], args[2])
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        builder.store(v, builder.bitcast(builder.gep(data, [args[2]]), _LANES.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _popcount(typingctx, x):
+    """Set bits of a uint64 (llvm.ctpop: one POPCNT where the CPU has it)."""
+    sig = types.int64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.ctpop.i64")
+        return builder.call(fn, [args[0]])
+
+    return sig, codegen
+
 
 @nb.njit(inline="always", cache=True)
-def _ge(v, t):
-    """Top bit of each lane set where the lane's |bits| >= the lane's threshold; v = (w & LOW) | H."""
-    return (v - t) & _H
-
-
-@nb.njit(inline="always", cache=True)
-def _hsum(acc):
-    """Sum of the four 16-bit lane counters."""
-    return np.int64((acc * _ONE) >> _U48)
-
-
-@nb.njit(inline="always", cache=True)
-def _lane_bits(m):
-    """The four lane flags (top bits) of m as bits 0..3."""
-    return ((m >> _U15) * _LANES4) >> _U48
-
-
-@nb.njit(inline="always", cache=True)
-def _nonzero_lanes(x):
-    """Top bit of each lane set where the lane of x is not zero."""
-    return (((x & _LOW) + _LOW) | x) & _H
-
-
-@nb.njit(inline="always", cache=True)
-def _block_counts(w, o, T, cnt):
-    """Elements of each class in the block of BLOCK_WORDS words at word o, into cnt[0..7]."""
-    t1 = T[1]
-    t2 = T[2]
-    t3 = T[3]
-    t4 = T[4]
-    t5 = T[5]
-    t6 = T[6]
-    t7 = T[7]
-    a1 = _U0
-    a2 = _U0
-    a3 = _U0
-    a4 = _U0
-    a5 = _U0
-    a6 = _U0
-    a7 = _U0
-    for j in range(BLOCK_WORDS):
-        v = (w[o + j] & _LOW) | _H
-        a1 += _ge(v, t1) >> _U15
-        a2 += _ge(v, t2) >> _U15
-        a3 += _ge(v, t3) >> _U15
-        a4 += _ge(v, t4) >> _U15
-        a5 += _ge(v, t5) >> _U15
-        a6 += _ge(v, t6) >> _U15
-        a7 += _ge(v, t7) >> _U15
-    g1 = _hsum(a1)
-    g2 = _hsum(a2)
-    g3 = _hsum(a3)
-    g4 = _hsum(a4)
-    g5 = _hsum(a5)
-    g6 = _hsum(a6)
-    g7 = _hsum(a7)
-    cnt[0] = BLOCK - g1
-    cnt[1] = g1 - g2
-    cnt[2] = g2 - g3
-    cnt[3] = g3 - g4
-    cnt[4] = g4 - g5
-    cnt[5] = g5 - g6
-    cnt[6] = g6 - g7
-    cnt[7] = g7
-
-
-@nb.njit(inline="always", cache=True)
-def _members(w, o, T, c):
-    """Bit i set where element i of the block at word o belongs to class c (32 bits)."""
-    lo = T[c]
-    hi = T[c + 1]
-    m = _U0
-    for j in range(BLOCK_WORDS):
-        v = (w[o + j] & _LOW) | _H
-        m |= _lane_bits(_ge(v, lo) & ~_ge(v, hi)) << np.uint64(4 * j)
-    return m
+def _block_masks(a, o, bounds, nclass, ge):
+    """ge[c] for c = 1..nclass-1: the block at o's elements at or above class c's lower bound
+    (ge[0] stays all ones, ge[nclass..] stay zero, so class c's members are ge[c] & ~ge[c + 1])."""
+    for c in range(1, nclass):
+        ge[c] = _at_least(a, o, bounds[c])
 
 
 _M1 = np.uint64(0x5555555555555555)
@@ -184,52 +187,6 @@ def _byte_counts(x):
     s = x - ((x >> _U1) & _M1)
     s = (s & _M2) + ((s >> _U2) & _M2)
     return (s + (s >> _U4)) & _M4
-
-
-@nb.njit(inline="always", cache=True)
-def _members_lanes(w, o, T, c):
-    """Class-c membership of the block at word o in lane-major order: bit 16*l + j is element
-    4*j + l. Two operations per word fewer than element order (no lane gathering), which is all
-    a count needs; `_element_order` converts for a select."""
-    lo = T[c]
-    hi = T[c + 1]
-    m = _U0
-    for j in range(BLOCK_WORDS):
-        v = (w[o + j] & _LOW) | _H
-        m |= (_ge(v, lo) & ~_ge(v, hi)) >> np.uint64(15 - j)
-    return m
-
-
-@nb.njit(inline="always", cache=True)
-def _before_lanes(at):
-    """Lane-major mask of the block's elements before element `at`."""
-    j = np.uint64(at >> 2)
-    lane = np.uint64(at & 3)
-    return (((_U1 << j) - _U1) * _ONE) | (((_U1 << (np.uint64(16) * lane)) - _U1) & (_ONE << j))
-
-
-_EVERY4 = np.uint64(0x1111111111111111)
-
-
-@nb.njit(inline="always", cache=True)
-def _element_order(m):
-    """Lane-major mask (bit 16*l + j) to element order (bit 4*j + l): four PDEPs."""
-    out = _U0
-    for lane in range(4):
-        out |= _pdep((m >> np.uint64(16 * lane)) & _LANE, _EVERY4 << np.uint64(lane))
-    return out
-
-
-@nb.njit(inline="always", cache=True)
-def _members_pdep(w, o, T, c):
-    return _element_order(_members_lanes(w, o, T, c))
-
-
-
-
-@nb.njit(inline="always", cache=True)
-def _popcount(x):
-    return np.int64((_byte_counts(x) * _BYTES) >> _U56)
 
 
 def _select_in_byte_table() -> np.ndarray:
@@ -289,13 +246,9 @@ def _select_broadword(x, r):
     return 8 * byte + np.int64(_SELECT_IN_BYTE[r - before, in_byte])
 
 
-
-
-# Where the CPU has PDEP: the set bit of x with r set bits below it in one instruction, and the
-# membership mask built lane-major then reordered (~1/3 cheaper than gathering lanes per word).
-# Elsewhere the portable forms. Both are tested wherever BMI2 exists.
+# Where the CPU has PDEP: the set bit of x with r set bits below it in one instruction; elsewhere
+# the portable broadword form. Both are tested wherever BMI2 exists.
 _select = _select_pdep if HAVE_BMI2 else _select_broadword
-_members_ordered = _members_pdep if HAVE_BMI2 else _members
 
 
 # ---------------------------------------------------------------- encoder side
@@ -399,59 +352,57 @@ def unzigzag(u):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_changes(bw, tw, T, lut, cap):
+def _scan_changes(b, t, bounds, nclass, lut, cap):
     """One pass: class sizes, and every change's position, exponent, class, rank, zigzag step.
-    Buffers hold `cap` changes (growing them in the loop costs 5x); a count k > cap means retry."""
+    b and t are whole blocks (`blocks`). Buffers hold `cap` changes (growing them in the loop
+    costs 5x); a count k > cap means retry."""
     pos = np.empty(cap, np.int64)
     keys = np.empty(cap, np.uint8)
     cls = np.empty(cap, np.uint8)
     rank = np.empty(cap, np.int64)
     zig = np.empty(cap, np.int64)
-    pre = np.zeros(MAX_CLASSES, np.int64)
-    cnt = np.zeros(MAX_CLASSES, np.int64)
+    ge = np.zeros(MAX_CLASSES + 1, np.uint64)
+    ge[0] = _ALL
+    seen = np.zeros(MAX_CLASSES + 1, np.int64)  # elements at or above bounds[c] before the block
     changes = np.zeros(MAX_CLASSES, np.int64)
     k = 0
-    for blk in range(bw.size // BLOCK_WORDS):
-        o = blk * BLOCK_WORDS
-        d = _U0
-        for j in range(BLOCK_WORDS):
-            d |= bw[o + j] ^ tw[o + j]
-        if d != _U0:
-            # the block's changed elements as one 64-bit mask: one loop over changes, not a
-            # data-dependent branch per word
-            changed = _U0
-            for j in range(BLOCK_WORDS):
-                changed |= _lane_bits(_nonzero_lanes(bw[o + j] ^ tw[o + j])) << np.uint64(4 * j)
-            while changed != _U0:
-                at = np.int64(trailing_zeros(changed))  # element within the block
-                changed &= changed - _U1
-                if k < cap:
-                    sh = np.uint64(16 * (at & 3))
-                    bv = np.int64((bw[o + (at >> 2)] >> sh) & _LANE)
-                    tv = np.int64((tw[o + (at >> 2)] >> sh) & _LANE)
-                    e = (bv >> KEY_SHIFT) & 0xFF
-                    c = np.int64(lut[e])
-                    pos[k] = 4 * o + at
-                    keys[k] = e
-                    cls[k] = c
-                    changes[c] += 1
-                    rank[k] = pre[c] + _popcount(_members_lanes(bw, o, T, c) & _before_lanes(at))
-                    zig[k] = _zigzag(bv, tv)
-                k += 1
-        _block_counts(bw, o, T, cnt)
-        for c in range(MAX_CLASSES):
-            pre[c] += cnt[c]
-    return pos, keys, cls, rank, zig, pre, changes, k
+    for o in range(0, b.size, BLOCK):
+        seen[0] = o
+        _block_masks(b, o, bounds, nclass, ge)
+        changed = _differ(b, t, o)
+        while changed != _U0:
+            at = np.int64(trailing_zeros(changed))  # element within the block
+            changed &= changed - _U1
+            if k < cap:
+                bv = np.int64(b[o + at])
+                tv = np.int64(t[o + at])
+                e = (bv >> KEY_SHIFT) & 0xFF
+                c = np.int64(lut[e])
+                pos[k] = o + at
+                keys[k] = e
+                cls[k] = c
+                changes[c] += 1
+                below = (_U1 << np.uint64(at)) - _U1
+                rank[k] = seen[c] - seen[c + 1] + _popcount(ge[c] & ~ge[c + 1] & below)
+                zig[k] = _zigzag(bv, tv)
+            k += 1
+        for c in range(1, nclass):
+            seen[c] += _popcount(ge[c])
+    seen[0] = b.size
+    sizes = np.empty(MAX_CLASSES, np.int64)
+    for c in range(MAX_CLASSES):
+        sizes[c] = seen[c] - seen[c + 1]
+    return pos, keys, cls, rank, zig, sizes, changes, k
 
 
 @nb.njit(cache=True, nogil=True)
-def _analyze(b, t, bw, tw, stride, cap, thresholds, choose):
+def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
     if choose:
         n_e, k_e = sample_stats(b, t, stride)
         thresholds = np.empty(0, np.int64)
         if k_e.sum() > 0:
             thresholds = choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
-    out = _scan_changes(bw, tw, swar_thresholds(thresholds), class_lut(thresholds), cap)
+    out = _scan_changes(bb, tb, lower_bounds(thresholds), thresholds.size + 1, class_lut(thresholds), cap)
     return (thresholds,) + out
 
 
@@ -459,58 +410,61 @@ def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None):
     """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class, changes
     per class) of two flat uint16 arrays: classes chosen from a sample (or the given thresholds),
     then one scan. One compiled call (a call costs microseconds, and a model has ~100 small tensors)."""
-    bw, tw = block_words(b), block_words(t)
+    bb, tb = blocks(b), blocks(t)
     choose = thresholds is None
     given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
     cap = max(1024, b.size // 16)
-    out = _analyze(b, t, bw, tw, sample_stride(b.size), cap, given, choose)
+    out = _analyze(b, t, bb, tb, sample_stride(b.size), cap, given, choose)
     if out[-1] > cap:
-        out = _analyze(b, t, bw, tw, sample_stride(b.size), out[-1], given, choose)
+        out = _analyze(b, t, bb, tb, sample_stride(b.size), out[-1], given, choose)
     thresholds, pos, keys, cls, rank, zig, sizes, changes, k = out
-    sizes[0] -= 4 * bw.size - b.size  # the padding is class 0
+    sizes[0] -= bb.size - b.size  # the padding is class 0
     return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes, changes
 
 
 # ---------------------------------------------------------------- decoder side
 
 @nb.njit(cache=True, nogil=True)
-def positions(n, bw, T, ranks_, first, expected, copy_to):
+def positions(n, b, thresholds, ranks_, first, expected, copy_to):
     """Positions of the changes, in tensor order, from each class's ranks
-    (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing).
+    (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing); b is the base of
+    n elements in whole blocks (`blocks`).
 
-    Block by block: count the block's classes (SWAR); one comparison per class of its next rank
-    with its running count gives a bit mask of the classes with a change in this block (no
-    branch per class: a per-class walk mispredicted about once per change); for those, select
-    each change's bit in the class's membership mask. Returns (positions, status): status 0, or
-    2 when a rank lies beyond its class's elements. When copy_to (words, like bw) is not empty,
-    the base is copied into it on the way, while the block is in L1: the decoder's output
-    without a second pass over the base."""
-    nblocks = bw.size // BLOCK_WORDS
+    Block by block: the block's class masks (`_block_masks`) give its class counts; one
+    comparison per class of its next rank with its running count gives a bit mask of the classes
+    with a change in this block (no branch per class: a per-class walk mispredicted about once per
+    change); for those, select each change's bit in the class's members. Returns (positions,
+    status): status 0, or 2 when a rank lies beyond its class's elements. When copy_to (as long
+    as b) is not empty, the base is copied into it on the way, while the block is in L1: the
+    decoder's output without a second pass over the base."""
     copying = copy_to.size > 0
+    bounds = lower_bounds(thresholds)
+    nclass = min(thresholds.size + 1, MAX_CLASSES)
+    ge = np.zeros(MAX_CLASSES + 1, np.uint64)
+    ge[0] = _ALL
     cnt = np.zeros(MAX_CLASSES, np.int64)
     nxt = first[:MAX_CLASSES].copy()  # index of each class's next change
     seen = np.zeros(MAX_CLASSES, np.int64)  # class elements before the current block
     target = np.full(MAX_CLASSES, _FAR, np.int64)  # rank of each class's next change
-    for c in range(MAX_CLASSES):
+    for c in range(nclass):
         if first[c] < first[c + 1]:
             target[c] = ranks_[first[c]]
     out = np.empty(expected, np.int64)
     k = 0
-    for blk in range(nblocks):
-        o = blk * BLOCK_WORDS
-        _block_counts(bw, o, T, cnt)
+    for o in range(0, b.size, BLOCK):
+        _block_masks(b, o, bounds, nclass, ge)
         if copying:
-            for j in range(BLOCK_WORDS):
-                copy_to[o + j] = bw[o + j]
+            _copy_block(copy_to, b, o)
         hit = 0
-        for c in range(MAX_CLASSES):
+        for c in range(nclass):
+            cnt[c] = _popcount(ge[c] & ~ge[c + 1])
             hit |= np.int64(target[c] < seen[c] + cnt[c]) << c
         if hit != 0:
             found = _U0
             while hit != 0:
                 c = np.int64(trailing_zeros(np.uint64(hit)))
                 hit &= hit - 1
-                m = _members_ordered(bw, o, T, c)
+                m = ge[c] & ~ge[c + 1]
                 s = seen[c]
                 t = target[c]
                 j = nxt[c]
@@ -522,13 +476,13 @@ def positions(n, bw, T, ranks_, first, expected, copy_to):
                 nxt[c] = j
                 target[c] = t
             while found != _U0:
-                q = blk * BLOCK + np.int64(trailing_zeros(found))
+                q = o + np.int64(trailing_zeros(found))
                 if q >= n or k >= expected:  # a rank in the padding
                     return out, 2
                 out[k] = q
                 k += 1
                 found &= found - _U1
-        for c in range(MAX_CLASSES):
+        for c in range(nclass):
             seen[c] += cnt[c]
     for c in range(MAX_CLASSES):
         if nxt[c] != first[c + 1]:
