@@ -14,10 +14,10 @@ _NO_COPY = np.empty(0, np.uint16)
 
 
 @nb.njit
-def _selects(xs, rs, use_pdep):
+def _selects(xs, rs):
     out = np.empty(xs.size, np.int64)
     for i in range(xs.size):
-        out[i] = ec._select_pdep(xs[i], rs[i]) if use_pdep else ec._select_broadword(xs[i], rs[i])
+        out[i] = ec._select_broadword(xs[i], rs[i])
     return out
 
 
@@ -38,17 +38,38 @@ def _random_words(n: int) -> np.ndarray:
     return words[words != 0]
 
 
-@pytest.mark.parametrize("use_pdep", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not ec.HAVE_BMI2, reason="this CPU has no BMI2"))])
-def test_select_finds_the_bit_with_r_set_bits_below(use_pdep):
+def test_select_finds_the_bit_with_r_set_bits_below():
     words = _random_words(3000)
     rng = np.random.default_rng(2)
     counts = np.array([bin(int(w)).count("1") for w in words])
     rs = (rng.random(words.size) * counts).astype(np.int64)
-    got = _selects(words, rs, use_pdep)
+    got = _selects(words, rs)
     for w, r, g in zip(words, rs, got):
         bits = [i for i in range(64) if int(w) >> i & 1]
         assert g == bits[r]
+
+
+@nb.njit
+def _deposits(xs, ms, use_pdep):
+    out = np.empty(xs.size, np.uint64)
+    for i in range(xs.size):
+        out[i] = ec._deposit_pdep(xs[i], ms[i]) if use_pdep else ec._deposit_broadword(xs[i], ms[i])
+    return out
+
+
+@pytest.mark.parametrize("use_pdep", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not ec.HAVE_BMI2, reason="this CPU has no BMI2"))])
+def test_deposit_places_the_low_bits_at_the_mask_bits(use_pdep):
+    masks = np.concatenate([_random_words(2000), np.array([(1 << 64) - 1], np.uint64)])
+    xs = np.random.default_rng(5).integers(0, 1 << 63, masks.size, dtype=np.uint64) * np.uint64(3)  # bits above the mask's count too
+    got = _deposits(xs, masks, use_pdep)
+    for x, m, g in zip(xs, masks, got):
+        want, i = 0, 0
+        for bit in range(64):
+            if int(m) >> bit & 1:
+                want |= (int(x) >> i & 1) << bit
+                i += 1
+        assert int(g) == want
 
 
 def test_popcount():
@@ -57,12 +78,11 @@ def test_popcount():
 
 
 @nb.njit
-def _block_masks_of(a, b, bounds):
-    ge = np.empty((a.size // ec.BLOCK, bounds.size), np.uint64)
+def _block_masks_of(a, b, lanes):
+    ge = np.zeros((a.size // ec.BLOCK, ec.MAX_CLASSES + 1), np.uint64)
     ne = np.empty(a.size // ec.BLOCK, np.uint64)
     for blk in range(a.size // ec.BLOCK):
-        for i in range(bounds.size):
-            ge[blk, i] = ec._at_least(a, blk * ec.BLOCK, bounds[i])
+        ec._block_masks(a, blk * ec.BLOCK, lanes, ge[blk])
         ne[blk] = ec._differ(a, b, blk * ec.BLOCK)
     return ge, ne
 
@@ -71,29 +91,33 @@ def _mask_of(bits: np.ndarray) -> int:
     return sum(1 << int(i) for i in np.flatnonzero(bits))
 
 
-def test_vector_masks_match_elementwise_comparisons():
-    """Bit i of each block's masks is element i's comparison, for every bound including 0 and
-    NO_ELEMENT, both signs and every special exponent, at unaligned offsets too."""
+@pytest.mark.parametrize("thresholds", [[], [1], [100, 118, 120, 121, 122, 124, 127], [1, 2, 127, 128, 200, 254, 255]])
+def test_vector_masks_match_elementwise_comparisons(thresholds):
+    """Bit i of each block's masks is element i's comparison, for thresholds from 1 to 255, both
+    signs and every special exponent, at unaligned offsets too; classes a tensor lacks are empty."""
     rng = np.random.default_rng(4)
     a = _bits(rng, 64 * 40 + 1)
     a[100:164] |= 0x8000  # a block of negatives
     a[200:264] = 0x7FFF  # the largest magnitude
+    a[300:364] = rng.integers(0, 1 << 16, 64, dtype=np.uint16)  # every exponent
     b = a.copy()
     b[rng.random(a.size) < 0.1] ^= 1
-    bounds = np.array([0, 1, 0x3C00, 0x3F80, 0x7F80, 0x7FFF, ec.NO_ELEMENT], np.int64)
+    thresholds = np.array(thresholds, np.int64)
+    lanes = ec.lane_bounds(thresholds)
     for shift in (0, 1):  # a view starting one element in: loads not aligned to 4 bytes
         x, y = a[shift: shift + 64 * 40], b[shift: shift + 64 * 40]
-        ge, ne = _block_masks_of(x, y, bounds)
+        ge, ne = _block_masks_of(x, y, lanes)
         for blk in range(x.size // ec.BLOCK):
             xs, ys = x[blk * 64: blk * 64 + 64], y[blk * 64: blk * 64 + 64]
             assert int(ne[blk]) == _mask_of(xs != ys)
-            for i, bound in enumerate(bounds):
-                assert int(ge[blk, i]) == _mask_of((xs & 0x7FFF) >= bound), (shift, blk, bound)
+            for c in range(1, ec.MAX_CLASSES):
+                want = _mask_of(((xs >> 7) & 0xFF) >= thresholds[c - 1]) if c <= thresholds.size else 0
+                assert int(ge[blk, c]) == want, (shift, blk, c)
 
 
 def test_vector_masks_refuse_other_arrays():
     with pytest.raises(nb.core.errors.TypingError):
-        _block_masks_of(np.zeros(64, np.int32), np.zeros(64, np.int32), np.zeros(1, np.int64))
+        _block_masks_of(np.zeros(64, np.int32), np.zeros(64, np.int32), np.zeros(1, np.uint8))
 
 
 def _interval_cost(n: float, k: float) -> float:
@@ -146,7 +170,10 @@ def test_positions_invert_the_encoder_scan(n):
     assert sizes.sum() == n
     order = np.lexsort((ranks, cls))
     first = np.searchsorted(cls[order], np.arange(ec.MAX_CLASSES + 1)).astype(np.int64)
-    at, status = ec.positions(n, ec.blocks(b), np.asarray(thresholds, np.int64), ranks[order], first, pos.size, _NO_COPY)
+    bb = ec.blocks(b)
+    bits, start, lim, status = ec.rank_bitmaps(ranks[order], first, bb.size)
+    assert status == 0
+    at, status = ec.positions(n, bb, np.asarray(thresholds, np.int64), bits, start, lim, pos.size, _NO_COPY)
     assert status == 0 and np.array_equal(at, pos)
 
 
@@ -159,11 +186,15 @@ def test_positions_refuse_ranks_beyond_a_class():
     words = ec.blocks(b)
     ok = np.array([0, 99], np.int64)
     first = np.array([0, 0] + [2] * 7, np.int64)
-    at, status = ec.positions(n, words, T, ok, first, 2, _NO_COPY)
+
+    def run(ranks, first, expected):
+        bits, start, lim, status = ec.rank_bitmaps(np.array(ranks, np.int64), np.array(first, np.int64), words.size)
+        return status if status else ec.positions(n, words, T, bits, start, lim, expected, _NO_COPY)[1]
+
+    at, status = ec.positions(n, words, T, *ec.rank_bitmaps(np.array([0, 99], np.int64), first, words.size)[:3], 2, _NO_COPY)
     assert status == 0 and list(at) == [0, 99]
-    for bad in ([0, 100], [5, 127], [5, 1000]):
-        at, status = ec.positions(n, words, T, np.array(bad, np.int64), first, 2, _NO_COPY)
-        assert status == 2, bad
-    padding_is_class_0 = np.array([0, 0, 0] + [1] * 6, np.int64)
-    at, status = ec.positions(n, words, T, np.array([0], np.int64), padding_is_class_0, 1, _NO_COPY)
-    assert status == 2  # class 0 is empty here: its only elements are padding
+    for bad in ([0, 100], [5, 127], [5, 1000], [5, 1 << 40]):
+        assert run(bad, first, 2) == 2, bad
+    padding_is_class_0 = [0, 1] + [1] * 7
+    assert run([0], padding_is_class_0, 1) == 2  # class 0 is empty here: its only elements are padding
+    assert run([27], padding_is_class_0, 1) == 2  # ... whatever the rank

@@ -16,8 +16,8 @@ only on the exponent. So every element gets a context: its base exponent (the ke
   tensors of the payload (small weights move more ULPs). Exponent/sign changes, zero crossings,
   NaN and Inf are just large steps: no escape needed, every bit pattern round-trips.
 - One rANS stream per tensor: every class's gaps first, then the values in tensor order, so
-  the decoder runs three tight compiled phases (ranks, one pass over the base that turns ranks
-  into positions, values) instead of stopping its scan at every change.
+  the decoder runs three tight compiled phases (class bitmaps, one pass over the base that
+  deposits them into positions, values) instead of stopping its scan at every change.
 
 Measured on MiniLM corpora (see the closing notes): the base's top mantissa bit adds nothing to
 the mask (ulp is constant within a binade); per-tensor mask levels win ~2-9%; the key cuts the
@@ -220,22 +220,23 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_gaps(n, words, x, other, level_of_class, class_changes, mcum, mfreq, mslot):
-    """Phase 1: every class's change ranks from its gap symbols, class 0 first.
-    x is the state of the next symbol, `other` the other interleaved state; they swap per symbol.
-    The hot loop is written out (not via rans helpers): their inlined tuple returns cost 2-3x here.
-    Returns (ranks, first, x, other, pos, status); class c's ranks are ranks[first[c]:first[c + 1]]."""
-    expected = 0
-    for c in range(class_changes.size):
-        expected += class_changes[c]
-    ranks = np.empty(expected, np.int64)
-    first = np.full(MAX_CLASSES + 1, expected, np.int64)
+def _decode_gaps(n, padded, words, x, other, level_of_class, class_changes, mcum, mfreq, mslot):
+    """Phase 1: every class's changes from its gap symbols, class 0 first, as the class bitmaps
+    `ec.positions` reads (`ec.rank_bitmaps` layout: bit r of class c's region set where element r
+    of the class changed). x is the state of the next symbol, `other` the other interleaved state;
+    they swap per symbol. The hot loop is written out (not via rans helpers): their inlined tuple
+    returns cost 2-3x here. Returns (bits, start, lim, x, other, pos, status)."""
+    bits = np.zeros(ec.bitmap_words(padded), np.uint64)
+    start = np.zeros(MAX_CLASSES, np.int64)
+    lim = np.zeros(MAX_CLASSES, np.int64)
     pos = words.size - 1
-    j = 0
+    at = 0
     L = rans.RANS_L
     mmask = (1 << MASK_SCALE) - 1
-    for c in range(class_changes.size):
-        first[c] = j
+    for c in range(MAX_CLASSES):
+        start[c] = at
+        if c >= class_changes.size:
+            continue
         lv = level_of_class[c]
         r = -1
         for _ in range(class_changes[c]):
@@ -244,7 +245,7 @@ def _decode_gaps(n, words, x, other, level_of_class, class_changes, mcum, mfreq,
             x = mfreq[lv, tok] * (x >> MASK_SCALE) + slot - mcum[lv, tok]
             if x < L:
                 if pos < 0:
-                    return ranks, first, x, other, pos, 1
+                    return bits, start, lim, x, other, pos, 1
                 x = (x << 32) | words[pos]
                 pos -= 1
             gap = tok
@@ -253,23 +254,30 @@ def _decode_gaps(n, words, x, other, level_of_class, class_changes, mcum, mfreq,
                 if nbits > 16:
                     extra, x, pos = rans.dec_bits(x, words, pos, nbits)
                     if pos == -2:
-                        return ranks, first, x, other, pos, 1
+                        return bits, start, lim, x, other, pos, 1
                     gap += extra
                 else:
                     gap += x & ((1 << nbits) - 1)
                     x >>= nbits
                     if x < L:
                         if pos < 0:
-                            return ranks, first, x, other, pos, 1
+                            return bits, start, lim, x, other, pos, 1
                         x = (x << 32) | words[pos]
                         pos -= 1
             x, other = other, x
             r += gap + 1
             if r >= n:  # a rank beyond the tensor (also keeps r from overflowing)
-                return ranks, first, x, other, pos, 6
-            ranks[j] = r
-            j += 1
-    return ranks, first, x, other, pos, 0
+                return bits, start, lim, x, other, pos, 6
+            w = at + (r >> 6)
+            if w + 2 >= bits.size:  # more than any honest tensor's classes hold
+                return bits, start, lim, x, other, pos, 2
+            bits[w] |= np.uint64(1) << np.uint64(r & 63)
+        if r >= 0:
+            lim[c] = (r >> 6) + 1
+        at += lim[c] + 2
+        if at > bits.size:
+            return bits, start, lim, x, other, pos, 2
+    return bits, start, lim, x, other, pos, 0
 
 
 @nb.njit(cache=True, nogil=True)
@@ -324,10 +332,11 @@ def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot
     the target is built there as well: the base copied during the scan (into `copy_to`, which is
     `out` itself when the base needs no padding to whole blocks), the values written as they are
     decoded."""
-    ranks, first, x, other, pos, status = _decode_gaps(b.size, words, x0, x1, levels, counts, mcum, mfreq, mslot)
+    bits, start, lim, x, other, pos, status = _decode_gaps(b.size, bb.size, words, x0, x1, levels, counts,
+                                                           mcum, mfreq, mslot)
     if status:
         return np.empty(0, np.int64), np.empty(0, np.uint16), status
-    at, status = ec.positions(b.size, bb, thresholds, ranks, first, ranks.size, copy_to)
+    at, status = ec.positions(b.size, bb, thresholds, bits, start, lim, counts.sum(), copy_to)
     if status:
         return at, np.empty(0, np.uint16), status
     if out.size and not copy_to.size:

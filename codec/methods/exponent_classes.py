@@ -4,16 +4,16 @@ An element's class is the number of class thresholds at or below its exponent ((
 so a tensor's classes are at most 8 intervals of the exponent axis. Intervals, because the chance
 that a BF16 element changes falls monotonically with its exponent (ulp doubles per binade); at
 most 8, because the scans then describe a block of 64 elements by 7 masks: bit i of mask c is set
-where element i's magnitude |bits| reaches class c's lower bound (thresholds[c - 1] << 7). Each
-mask is one vector comparison of 64 16-bit lanes (`_at_least`: two AVX-512 compares and a mask
-move; LLVM lowers the same IR for AVX2, SSE or NEON), so a block's class counts are popcounts
-and class c's members are `ge[c] & ~ge[c + 1]`, in element order, ready for a rank (popcount
-below a bit) or a select (PDEP).
+where element i's exponent reaches class c. The block's 64 exponents are one vector of bytes,
+and each mask one vector comparison (`_block_masks`: numba intrinsics emitting LLVM vector IR,
+one AVX-512 instruction per mask here; LLVM lowers the same IR for AVX2, SSE or NEON). So a
+block's class counts are popcounts, and class c's members are `ge[c] & ~ge[c + 1]` in element
+order, ready for a rank (popcount below a bit) or a deposit (PDEP).
 
 - `sample_stats`: exponents (and changes) of a sample of elements, to choose classes from.
 - `choose_classes`: thresholds minimising the order-0 cost of the mask (an exact DP over exponents).
 - `analyze` (encoder): every change with its exponent, class, rank in its class and step.
-- `positions` (decoder): the inverse, from every class's ranks.
+- `positions` (decoder): the inverse, from every class's changes as a bitmap over its elements.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ SAMPLE_BITS = 14  # a tensor of n elements samples 1 in max(1, n >> 14) of its e
 CLASS_OVERHEAD_BITS = 24.0  # a threshold, a level and a change count in the params
 
 BLOCK = 64  # elements per block: one bit each in a 64-bit mask
-NO_ELEMENT = 0x8000  # a lower bound no magnitude (|bits| <= 0x7FFF) reaches: an unused class
 _FAR = 1 << 62
 _U0 = np.uint64(0)
 _U1 = np.uint64(1)
@@ -57,17 +56,6 @@ def class_lut(thresholds):
     return lut
 
 
-@nb.njit(cache=True, nogil=True)
-def lower_bounds(thresholds):
-    """MAX_CLASSES + 1 magnitudes: class c holds the elements with bounds[c] <= |bits| < bounds[c + 1].
-    bounds[0] = 0; classes past the tensor's last (and bounds[MAX_CLASSES]) start at NO_ELEMENT."""
-    bounds = np.full(MAX_CLASSES + 1, NO_ELEMENT, np.int64)
-    bounds[0] = 0
-    for c in range(min(thresholds.size, MAX_CLASSES - 1)):
-        bounds[c + 1] = thresholds[c] << KEY_SHIFT
-    return bounds
-
-
 def blocks(a: np.ndarray) -> np.ndarray:
     """A flat uint16 array in whole blocks of 64 elements: itself when its size is a multiple of
     64 (every tensor of usual models); otherwise a copy padded with +0.0, which is class 0
@@ -82,39 +70,70 @@ def blocks(a: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- vector masks, bit tricks
 
 _LANES = ir.VectorType(ir.IntType(16), BLOCK)
+_EXPONENTS = ir.VectorType(ir.IntType(8), BLOCK)
+_PREFETCH = 2048  # elements (4 KiB) ahead: measured 2x on the mask scan over tensors larger than L2
 
 
 def _check_u16(arr) -> bool:
     return isinstance(arr, types.Array) and arr.dtype == types.uint16 and arr.ndim == 1 and arr.layout == "C"
 
 
-def _block_vector(context, builder, aryty, ary, off):
+def _block_vector(context, builder, aryty, ary, off, prefetch=False):
     """The 64 uint16 lanes arr[off:off + 64] as one LLVM vector (an unaligned load; the caller
-    guarantees off + 64 <= arr.size)."""
+    guarantees off + 64 <= arr.size), optionally prefetching _PREFETCH elements ahead (a hint:
+    it never faults, even past the array's end)."""
     data = context.make_array(aryty)(context, builder, value=ary).data
+    if prefetch:
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        ahead = builder.gep(data, [builder.add(off, ir.Constant(off.type, _PREFETCH))])
+        builder.call(fn, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
     ptr = builder.bitcast(builder.gep(data, [off]), _LANES.as_pointer())
     return builder.load(ptr, align=2)
 
 
 @intrinsic
-def _at_least(typingctx, arr, off, bound):
-    """64-bit mask of arr[off:off + 64]: bit i set where |arr[off + i]| (the bits below the sign)
-    >= bound (0..0x8000)."""
-    if not _check_u16(arr):
+def _block_masks(typingctx, arr, off, lanes, ge):
+    """ge[c] for c = 1..7: the mask of arr[off:off + 64] whose exponents reach class c's lower
+    bound, i.e. exceed lanes[64 * (c - 1)] (`lane_bounds`; 255 for a class past the tensor's
+    last: an empty mask). ge[0] (all ones) and ge[8] (zero) are the caller's, so class c's
+    members are ge[c] & ~ge[c + 1].
+
+    The 64 exponents are narrowed to bytes once (one vector of 64 lanes), then compared seven
+    times: on AVX-512 each comparison is one instruction giving the 64-bit mask. (Seven separate
+    16-bit comparisons cost 1.5x; without the prefetch, tensors larger than L2 cost 2x.)"""
+    if not (_check_u16(arr) and isinstance(lanes, types.Array) and lanes.dtype == types.uint8
+            and isinstance(ge, types.Array) and ge.dtype == types.uint64):
         return None
-    sig = types.uint64(arr, types.intp, types.int64)
+    sig = types.none(arr, types.intp, lanes, ge)
 
     def codegen(context, builder, signature, args):
-        x = builder.and_(_block_vector(context, builder, signature.args[0], args[0], args[1]),
-                         ir.Constant(_LANES, [0x7FFF] * BLOCK))
-        lane = builder.trunc(args[2], ir.IntType(16))
-        splat = builder.insert_element(ir.Constant(_LANES, ir.Undefined), lane, ir.Constant(ir.IntType(32), 0))
-        splat = builder.shuffle_vector(splat, ir.Constant(_LANES, ir.Undefined),
-                                       ir.Constant(ir.VectorType(ir.IntType(32), BLOCK), [0] * BLOCK))
-        # a bound of 0x8000 truncates to the unsigned lane 0x8000, which no masked lane reaches
-        return builder.bitcast(builder.icmp_unsigned(">=", x, splat), ir.IntType(64))
+        i64 = ir.IntType(64)
+        x = _block_vector(context, builder, signature.args[0], args[0], args[1], prefetch=True)
+        x = builder.lshr(builder.and_(x, ir.Constant(_LANES, [0x7FFF] * BLOCK)), ir.Constant(_LANES, [KEY_SHIFT] * BLOCK))
+        exponents = builder.trunc(x, _EXPONENTS)
+        ld = context.make_array(signature.args[2])(context, builder, value=args[2]).data
+        gd = context.make_array(signature.args[3])(context, builder, value=args[3]).data
+        for c in range(1, MAX_CLASSES):
+            below = builder.load(builder.bitcast(builder.gep(ld, [ir.Constant(i64, BLOCK * (c - 1))]),
+                                                 _EXPONENTS.as_pointer()), align=1)
+            mask = builder.bitcast(builder.icmp_unsigned(">", exponents, below), i64)
+            builder.store(mask, builder.gep(gd, [ir.Constant(i64, c)]))
+        return context.get_dummy_value()
 
     return sig, codegen
+
+
+@nb.njit(cache=True, nogil=True)
+def lane_bounds(thresholds):
+    """`_block_masks`' bounds: for classes 1..7, the largest exponent below the class (its
+    threshold - 1; thresholds start at 1), or 255 for a class the tensor lacks, in 64 byte lanes."""
+    lanes = np.full((MAX_CLASSES - 1) * BLOCK, 255, np.uint8)
+    for c in range(min(thresholds.size, MAX_CLASSES - 1)):
+        lanes[c * BLOCK: (c + 1) * BLOCK] = thresholds[c] - 1
+    return lanes
 
 
 @intrinsic
@@ -126,7 +145,7 @@ def _differ(typingctx, a, b, off):
 
     def codegen(context, builder, signature, args):
         va = _block_vector(context, builder, signature.args[0], args[0], args[2])
-        vb = _block_vector(context, builder, signature.args[1], args[1], args[2])
+        vb = _block_vector(context, builder, signature.args[1], args[1], args[2], prefetch=True)
         return builder.bitcast(builder.icmp_unsigned("!=", va, vb), ir.IntType(64))
 
     return sig, codegen
@@ -162,12 +181,18 @@ def _popcount(typingctx, x):
     return sig, codegen
 
 
-@nb.njit(inline="always", cache=True)
-def _block_masks(a, o, bounds, nclass, ge):
-    """ge[c] for c = 1..nclass-1: the block at o's elements at or above class c's lower bound
-    (ge[0] stays all ones, ge[nclass..] stay zero, so class c's members are ge[c] & ~ge[c + 1])."""
-    for c in range(1, nclass):
-        ge[c] = _at_least(a, o, bounds[c])
+@intrinsic
+def _funnel_right(typingctx, hi, lo, shift):
+    """The 64 bits of hi:lo starting at bit (shift mod 64) of lo (llvm.fshr: one SHRD): a window
+    of a bitmap that straddles two words."""
+    sig = types.uint64(types.uint64, types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)] * 3)
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fshr.i64")
+        return builder.call(fn, list(args))
+
+    return sig, codegen
 
 
 _M1 = np.uint64(0x5555555555555555)
@@ -230,11 +255,6 @@ def _pdep(typingctx, src, mask):
 
 
 @nb.njit(inline="always", cache=True)
-def _select_pdep(x, r):
-    return np.int64(trailing_zeros(_pdep(_U1 << np.uint64(r), x)))
-
-
-@nb.njit(inline="always", cache=True)
 def _select_broadword(x, r):
     """Index of the set bit of x with r set bits below it (0 <= r < popcount(x)), without a loop:
     byte prefix counts locate the byte, a table the bit (broadword select)."""
@@ -246,9 +266,30 @@ def _select_broadword(x, r):
     return 8 * byte + np.int64(_SELECT_IN_BYTE[r - before, in_byte])
 
 
-# Where the CPU has PDEP: the set bit of x with r set bits below it in one instruction; elsewhere
-# the portable broadword form. Both are tested wherever BMI2 exists.
-_select = _select_pdep if HAVE_BMI2 else _select_broadword
+
+
+@nb.njit(inline="always", cache=True)
+def _deposit_pdep(bits, m):
+    return _pdep(bits, m)
+
+
+@nb.njit(inline="always", cache=True)
+def _deposit_broadword(bits, m):
+    """PDEP without BMI2: the low popcount(m) bits of `bits` placed at m's set bits, one select
+    per set bit (the set bits are the changes: few)."""
+    cnt = _popcount(m)
+    if cnt < 64:
+        bits &= (_U1 << np.uint64(cnt)) - _U1
+    out = _U0
+    while bits != _U0:
+        out |= _U1 << np.uint64(_select_broadword(m, np.int64(trailing_zeros(bits))))
+        bits &= bits - _U1
+    return out
+
+
+# Where the CPU has PDEP, a deposit is one instruction; elsewhere the broadword form. Both are
+# tested wherever BMI2 exists.
+_deposit = _deposit_pdep if HAVE_BMI2 else _deposit_broadword
 
 
 # ---------------------------------------------------------------- encoder side
@@ -352,7 +393,7 @@ def unzigzag(u):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_changes(b, t, bounds, nclass, lut, cap):
+def _scan_changes(b, t, lanes, nclass, lut, cap):
     """One pass: class sizes, and every change's position, exponent, class, rank, zigzag step.
     b and t are whole blocks (`blocks`). Buffers hold `cap` changes (growing them in the loop
     costs 5x); a count k > cap means retry."""
@@ -368,7 +409,7 @@ def _scan_changes(b, t, bounds, nclass, lut, cap):
     k = 0
     for o in range(0, b.size, BLOCK):
         seen[0] = o
-        _block_masks(b, o, bounds, nclass, ge)
+        _block_masks(b, o, lanes, ge)
         changed = _differ(b, t, o)
         while changed != _U0:
             at = np.int64(trailing_zeros(changed))  # element within the block
@@ -402,7 +443,7 @@ def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
         thresholds = np.empty(0, np.int64)
         if k_e.sum() > 0:
             thresholds = choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
-    out = _scan_changes(bb, tb, lower_bounds(thresholds), thresholds.size + 1, class_lut(thresholds), cap)
+    out = _scan_changes(bb, tb, lane_bounds(thresholds), thresholds.size + 1, class_lut(thresholds), cap)
     return (thresholds,) + out
 
 
@@ -424,67 +465,84 @@ def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None):
 
 # ---------------------------------------------------------------- decoder side
 
-@nb.njit(cache=True, nogil=True)
-def positions(n, b, thresholds, ranks_, first, expected, copy_to):
-    """Positions of the changes, in tensor order, from each class's ranks
-    (class c's ranks are ranks_[first[c]:first[c + 1]], strictly increasing); b is the base of
-    n elements in whole blocks (`blocks`).
+@nb.njit(inline="always", cache=True)
+def bitmap_words(padded):
+    """Capacity, in words, of the class bitmaps of a tensor of `padded` elements (whole blocks):
+    every honest tensor's fit, since a class's region spans at most its elements plus 3 words."""
+    return padded // BLOCK + 3 * MAX_CLASSES
 
-    Block by block: the block's class masks (`_block_masks`) give its class counts; one
-    comparison per class of its next rank with its running count gives a bit mask of the classes
-    with a change in this block (no branch per class: a per-class walk mispredicted about once per
-    change); for those, select each change's bit in the class's members. Returns (positions,
-    status): status 0, or 2 when a rank lies beyond its class's elements. When copy_to (as long
-    as b) is not empty, the base is copied into it on the way, while the block is in L1: the
-    decoder's output without a second pass over the base."""
+
+@nb.njit(cache=True, nogil=True)
+def rank_bitmaps(ranks_, first, padded):
+    """The decoder's form of every class's changes: bit r of class c's region set where element r
+    of class c changed (class c's ranks are ranks_[first[c]:first[c + 1]], increasing).
+
+    Regions follow each other in class order; class c's holds `lim[c]` words (up to its last
+    rank) and then two zero guard words, so a scan may read any window of it without a bound
+    check. Returns (bits, start, lim, status); status 2 when the ranks cannot belong to a tensor
+    of `padded` elements (then they overflow the capacity that every honest tensor fits in)."""
+    bits = np.zeros(bitmap_words(padded), np.uint64)
+    start = np.zeros(MAX_CLASSES, np.int64)
+    lim = np.zeros(MAX_CLASSES, np.int64)
+    at = 0
+    for c in range(MAX_CLASSES):
+        start[c] = at
+        for j in range(first[c], first[c + 1]):
+            w = at + (ranks_[j] >> 6)
+            if w + 2 >= bits.size:
+                return bits, start, lim, 2
+            bits[w] |= _U1 << np.uint64(ranks_[j] & 63)
+        if first[c] < first[c + 1]:
+            lim[c] = (ranks_[first[c + 1] - 1] >> 6) + 1
+        at += lim[c] + 2
+        if at > bits.size:
+            return bits, start, lim, 2
+    return bits, start, lim, 0
+
+
+@nb.njit(cache=True, nogil=True)
+def positions(n, b, thresholds, bits, start, lim, expected, copy_to):
+    """Positions of the changes, in tensor order, from the class bitmaps (`rank_bitmaps` layout);
+    b is the base of n elements in whole blocks (`blocks`).
+
+    Block by block, branch-free per class: the block's class masks (`_block_masks`) give each
+    class's members m; the class's next popcount(m) bitmap bits, deposited at m's set bits (PDEP),
+    are its changes in this block. Returns (positions, status): status 0, or 2 when a class's
+    changes lie beyond its elements (bits never deposited, or deposited in the padding). When
+    copy_to (as long as b) is not empty, the base is copied into it on the way, while the block
+    is in L1: the decoder's output without a second pass over the base."""
     copying = copy_to.size > 0
-    bounds = lower_bounds(thresholds)
+    lanes = lane_bounds(thresholds)
     nclass = min(thresholds.size + 1, MAX_CLASSES)
     ge = np.zeros(MAX_CLASSES + 1, np.uint64)
     ge[0] = _ALL
-    cnt = np.zeros(MAX_CLASSES, np.int64)
-    nxt = first[:MAX_CLASSES].copy()  # index of each class's next change
-    seen = np.zeros(MAX_CLASSES, np.int64)  # class elements before the current block
-    target = np.full(MAX_CLASSES, _FAR, np.int64)  # rank of each class's next change
-    for c in range(nclass):
-        if first[c] < first[c + 1]:
-            target[c] = ranks_[first[c]]
+    # class c's next unread bit, as a bit index into `bits`, and its first guard word; unsigned,
+    # so indexing needs no wraparound code
+    at = np.empty(MAX_CLASSES, np.uint64)
+    guard = np.empty(MAX_CLASSES, np.uint64)
+    for c in range(MAX_CLASSES):
+        at[c] = np.uint64(start[c] * 64)
+        guard[c] = np.uint64(start[c] + lim[c])
     out = np.empty(expected, np.int64)
     k = 0
     for o in range(0, b.size, BLOCK):
-        _block_masks(b, o, bounds, nclass, ge)
+        _block_masks(b, o, lanes, ge)
         if copying:
             _copy_block(copy_to, b, o)
-        hit = 0
+        found = _U0
         for c in range(nclass):
-            cnt[c] = _popcount(ge[c] & ~ge[c + 1])
-            hit |= np.int64(target[c] < seen[c] + cnt[c]) << c
-        if hit != 0:
-            found = _U0
-            while hit != 0:
-                c = np.int64(trailing_zeros(np.uint64(hit)))
-                hit &= hit - 1
-                m = ge[c] & ~ge[c + 1]
-                s = seen[c]
-                t = target[c]
-                j = nxt[c]
-                end = first[c + 1]
-                while t < s + cnt[c]:
-                    found |= _U1 << np.uint64(_select(m, t - s))
-                    j += 1
-                    t = ranks_[j] if j < end else _FAR
-                nxt[c] = j
-                target[c] = t
-            while found != _U0:
-                q = o + np.int64(trailing_zeros(found))
-                if q >= n or k >= expected:  # a rank in the padding
-                    return out, 2
-                out[k] = q
-                k += 1
-                found &= found - _U1
-        for c in range(nclass):
-            seen[c] += cnt[c]
-    for c in range(MAX_CLASSES):
-        if nxt[c] != first[c + 1]:
-            return out, 2
+            m = ge[c] & ~ge[c + 1]
+            p = at[c]
+            w = min(p >> np.uint64(6), guard[c])  # past the class's last change: its zero guards
+            found |= _deposit(_funnel_right(bits[w + _U1], bits[w], p), m)
+            at[c] = p + np.uint64(_popcount(m))
+        while found != _U0:
+            q = o + np.int64(trailing_zeros(found))
+            if q >= n or k >= expected:  # a rank in the padding
+                return out, 2
+            out[k] = q
+            k += 1
+            found &= found - _U1
+    if k != expected:
+        return out, 2
     return out, 0
