@@ -189,9 +189,11 @@ def test_entropy_kernels_round_trip(changes):
         assert np.array_equal(got_part, want_part)
     base = np.full(len(changes), 0x3F80, np.uint16)
     out = base.copy()
-    values, status = conditional._decode_values(base, np.arange(len(changes)), w, x, other, pos, model.cum, model.freq,
-                                                model.slots, model.row_of_key, out)
-    assert status == 0  # includes: state back to L, every word consumed
+    values = np.empty(len(changes), np.uint16)
+    x, other, pos, status = conditional._decode_values(base, np.arange(len(changes)), 0, len(changes), w, x, other, pos,
+                                                       model.cum, model.freq, model.slots, model.row_of_key, values, out)
+    assert status == 0
+    assert x == other == rans.RANS_L and pos == -1  # the stream ends exactly: every word consumed
     steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))
     assert np.array_equal(values.astype(np.int64), 0x3F80 + steps)
     assert np.array_equal(out, values)  # the target under construction got them too

@@ -501,31 +501,36 @@ def rank_bitmaps(ranks_, first, padded):
 
 
 @nb.njit(cache=True, nogil=True)
-def positions(n, b, thresholds, bits, start, lim, expected, copy_to):
-    """Positions of the changes, in tensor order, from the class bitmaps (`rank_bitmaps` layout);
-    b is the base of n elements in whole blocks (`blocks`).
-
-    Block by block, branch-free per class: the block's class masks (`_block_masks`) give each
-    class's members m; the class's next popcount(m) bitmap bits, deposited at m's set bits (PDEP),
-    are its changes in this block. Returns (positions, status): status 0, or 2 when a class's
-    changes lie beyond its elements (bits never deposited, or deposited in the padding). When
-    copy_to (as long as b) is not empty, the base is copied into it on the way, while the block
-    is in L1: the decoder's output without a second pass over the base."""
-    copying = copy_to.size > 0
+def scan_state(thresholds, start, lim):
+    """The position scan's state, for `positions_between`: (byte lanes of the class bounds, number
+    of classes, class masks of the current block, each class's next unread bit as an index into
+    the bitmaps, each class's first guard word). Unsigned, so indexing needs no wraparound code."""
     lanes = lane_bounds(thresholds)
     nclass = min(thresholds.size + 1, MAX_CLASSES)
     ge = np.zeros(MAX_CLASSES + 1, np.uint64)
     ge[0] = _ALL
-    # class c's next unread bit, as a bit index into `bits`, and its first guard word; unsigned,
-    # so indexing needs no wraparound code
     at = np.empty(MAX_CLASSES, np.uint64)
     guard = np.empty(MAX_CLASSES, np.uint64)
     for c in range(MAX_CLASSES):
         at[c] = np.uint64(start[c] * 64)
         guard[c] = np.uint64(start[c] + lim[c])
-    out = np.empty(expected, np.int64)
-    k = 0
-    for o in range(0, b.size, BLOCK):
+    return lanes, nclass, ge, at, guard
+
+
+@nb.njit(cache=True, nogil=True)
+def positions_between(n, b, o0, o1, lanes, nclass, ge, bits, at, guard, out, k, copy_to):
+    """The changes among elements [o0, o1) (whole blocks) of the base b of n elements (in whole
+    blocks, `blocks`), from the class bitmaps (`rank_bitmaps` layout), appended to out from
+    out[k]. Resumable: the scan's state (`scan_state`) carries on to the next range.
+
+    Block by block, branch-free per class: the block's class masks (`_block_masks`) give each
+    class's members m; the class's next popcount(m) bitmap bits, deposited at m's set bits (PDEP),
+    are its changes in this block. Returns (k, status): status 2 when a change falls in the
+    padding or past out's end. When copy_to (as long as b) is not empty, the base is copied into
+    it on the way, while the block is in L1: the decoder's output without a second pass."""
+    copying = copy_to.size > 0
+    expected = out.size
+    for o in range(o0, o1, BLOCK):
         _block_masks(b, o, lanes, ge)
         if copying:
             _copy_block(copy_to, b, o)
@@ -539,10 +544,22 @@ def positions(n, b, thresholds, bits, start, lim, expected, copy_to):
         while found != _U0:
             q = o + np.int64(trailing_zeros(found))
             if q >= n or k >= expected:  # a rank in the padding
-                return out, 2
+                return k, 2
             out[k] = q
             k += 1
             found &= found - _U1
-    if k != expected:
-        return out, 2
-    return out, 0
+    return k, 0
+
+
+@nb.njit(cache=True, nogil=True)
+def positions(n, b, thresholds, bits, start, lim, expected, copy_to):
+    """Positions of the changes, in tensor order, from the class bitmaps (`rank_bitmaps` layout),
+    in one scan over the base b of n elements (whole blocks, `blocks`). Returns (positions,
+    status): status 0, or 2 when a class's changes lie beyond its elements (bits never
+    deposited, or deposited in the padding)."""
+    lanes, nclass, ge, at, guard = scan_state(thresholds, start, lim)
+    out = np.empty(expected, np.int64)
+    k, status = positions_between(n, b, 0, b.size, lanes, nclass, ge, bits, at, guard, out, 0, copy_to)
+    if status == 0 and k != expected:
+        status = 2
+    return out, status
