@@ -12,7 +12,7 @@ import torch
 from . import container, device, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
-from .hashing import digest_elements
+from .hashing import digest_elements, digester, feed
 from .methods import conditional, same, sparse, xor_planes
 from .methods.base import Patch
 
@@ -77,9 +77,23 @@ class _Pending:
         self._tensors = (base, target)
         self._host: tuple[np.ndarray, np.ndarray] | None = None
         self.analysis: conditional.Analysis | None = None
+        self.target_digest: bytes | None = None
         on_device = target.device.type != "cpu" and base.device == target.device
+        if use_conditional and self.dt is tensors.BF16 and not on_device:
+            # both digests fed while the scan's chunks are still in cache: one read of each tensor
+            b, t = (a.reshape(-1) for a in self.host)
+            hb, ht = digester(self.dt.name, self.shape), digester(self.dt.name, self.shape)
+
+            def hashed(start: int, stop: int) -> None:
+                feed(hb, b[start:stop])
+                feed(ht, t[start:stop])
+
+            self.analysis = conditional.analyze(b, t, on_chunk=hashed)
+            self.index = self.analysis.index
+            self.base_digest, self.target_digest = hb.digest(), ht.digest()
+            return
         if use_conditional and self.dt is tensors.BF16:
-            self.analysis = device.analyze_on_device(base, target) if on_device else conditional.analyze(*self.host)
+            self.analysis = device.analyze_on_device(base, target)
             self.index = self.analysis.index
         else:
             b, t = self.host
@@ -127,7 +141,7 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
             return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
         b, t = p.host
         c = _encode_tensor(b, t, p.dt, p.index, effort, p.analysis, model)
-        td = digest_elements(p.dt.name, p.shape, t)
+        td = p.target_digest if p.target_digest is not None else digest_elements(p.dt.name, p.shape, t)
         return Entry(p.name, p.dt, p.shape, c.method, int(p.index.size), p.base_digest, td, c.params, c.streams)
 
     entries = run(code, pending)

@@ -13,8 +13,19 @@ import xxhash
 DIGEST_SIZE = 16
 
 
-def digest_elements(dtype_name: str, shape: tuple[int, ...], elems: np.ndarray) -> bytes:
+def digester(dtype_name: str, shape: tuple[int, ...]) -> xxhash.xxh3_128:
+    """A tensor's running digest: `feed` it the tensor's elements in order, in any pieces (xxh3
+    streams: the digest does not depend on how the bytes were split)."""
     h = xxhash.xxh3_128()
     h.update(f"{dtype_name}{list(shape)}".encode())
+    return h
+
+
+def feed(h: xxhash.xxh3_128, elems: np.ndarray) -> None:
     h.update(memoryview(np.ascontiguousarray(elems)).cast("B"))
+
+
+def digest_elements(dtype_name: str, shape: tuple[int, ...], elems: np.ndarray) -> bytes:
+    h = digester(dtype_name, shape)
+    feed(h, elems)
     return h.digest()

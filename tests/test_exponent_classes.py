@@ -198,3 +198,22 @@ def test_positions_refuse_ranks_beyond_a_class():
     padding_is_class_0 = [0, 1] + [1] * 7
     assert run([0], padding_is_class_0, 1) == 2  # class 0 is empty here: its only elements are padding
     assert run([27], padding_is_class_0, 1) == 2  # ... whatever the rank
+
+
+@pytest.mark.parametrize("changed", [0.001, 0.3])  # 30%: the change buffers must grow mid-scan
+def test_chunked_scan_matches_one_scan_and_reports_every_chunk(changed):
+    """With on_chunk, a large tensor is scanned chunk by chunk (for the caller's digests): same
+    result as one scan, and the chunks cover every element once, in order."""
+    n = 2 * ec.SCAN_CHUNK + 64 * 5 + 37
+    rng = np.random.default_rng(7)
+    b = _bits(rng, n)
+    t = b.copy()
+    flip = rng.random(n) < changed
+    t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+    chunks = []
+    got = ec.analyze(b, t, on_chunk=lambda start, stop: chunks.append((start, stop)))
+    want = ec.analyze(b, t)
+    assert len(chunks) == 3 and chunks[0][0] == 0 and chunks[-1][1] == n
+    assert all(a[1] == c[0] for a, c in zip(chunks, chunks[1:]))
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)

@@ -26,6 +26,7 @@ value stream from ~1.8 to ~1.35 bits per change; the base's sign adds < 0.01 bit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numba as nb
@@ -422,8 +423,11 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
     return ec.choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
-def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
-    thresholds, pos, keys, classes, ranks, zig, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1))
+def analyze(base: np.ndarray, target: np.ndarray, on_chunk: Callable[[int, int], None] | None = None) -> Analysis:
+    """The changes of two BF16 tensors (as uint16), with classes chosen for them; on_chunk as in
+    `exponent_classes.analyze` (flat element ranges, each called once the scan has read it)."""
+    thresholds, pos, keys, classes, ranks, zig, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1),
+                                                                            on_chunk=on_chunk)
     return Analysis(thresholds, sizes, pos, keys, classes, ranks, zig, changes[: thresholds.size + 1])
 
 

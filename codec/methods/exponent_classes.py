@@ -19,6 +19,7 @@ order, ready for a rank (popcount below a bit) or a deposit (PDEP).
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 import numba as nb
 import numpy as np
@@ -393,72 +394,128 @@ def unzigzag(u):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_changes(b, t, lanes, nclass, lut, cap):
-    """One pass: class sizes, and every change's position, exponent, class, rank, zigzag step.
-    b and t are whole blocks (`blocks`). Buffers hold `cap` changes (growing them in the loop
-    costs 5x); a count k > cap means retry."""
-    pos = np.empty(cap, np.int64)
-    keys = np.empty(cap, np.uint8)
-    cls = np.empty(cap, np.uint8)
-    rank = np.empty(cap, np.int64)
-    zig = np.empty(cap, np.int64)
-    ge = np.zeros(MAX_CLASSES + 1, np.uint64)
-    ge[0] = _ALL
-    seen = np.zeros(MAX_CLASSES + 1, np.int64)  # elements at or above bounds[c] before the block
-    changes = np.zeros(MAX_CLASSES, np.int64)
-    k = 0
-    for o in range(0, b.size, BLOCK):
+def _scan_range(b, t, o0, o1, lanes, nclass, lut, ge, seen, k, pos, keys, cls, rank, zig):
+    """Blocks [o0, o1) of b and t (whole blocks, `blocks`): every change's position, exponent,
+    class, rank in its class and zigzag step, stored from index k while the buffers last.
+    Returns the new count (beyond the buffers' size: retry with larger ones). Resumable: ge
+    (class masks, ge[0] all ones) and seen (elements at or above each class's bound before the
+    block) carry on to the next range."""
+    cap = pos.size
+    for o in range(o0, o1, BLOCK):
         seen[0] = o
         _block_masks(b, o, lanes, ge)
         changed = _differ(b, t, o)
         while changed != _U0:
-            at = np.int64(trailing_zeros(changed))  # element within the block
+            at = np.uint64(trailing_zeros(changed))  # element within the block
             changed &= changed - _U1
-            if k < cap:
-                bv = np.int64(b[o + at])
-                tv = np.int64(t[o + at])
+            if k < cap:  # indices unsigned: numba then emits no wraparound code
+                i = np.uint64(o) + at
+                bv = np.int64(b[i])
+                tv = np.int64(t[i])
                 e = (bv >> KEY_SHIFT) & 0xFF
-                c = np.int64(lut[e])
-                pos[k] = o + at
-                keys[k] = e
-                cls[k] = c
-                changes[c] += 1
-                below = (_U1 << np.uint64(at)) - _U1
-                rank[k] = seen[c] - seen[c + 1] + _popcount(ge[c] & ~ge[c + 1] & below)
-                zig[k] = _zigzag(bv, tv)
+                c = np.uint64(lut[np.uint64(e)])
+                j = np.uint64(k)
+                pos[j] = np.int64(i)
+                keys[j] = e
+                cls[j] = c
+                rank[j] = seen[c] - seen[c + _U1] + _popcount(ge[c] & ~ge[c + _U1] & ((_U1 << at) - _U1))
+                zig[j] = _zigzag(bv, tv)
             k += 1
         for c in range(1, nclass):
             seen[c] += _popcount(ge[c])
-    seen[0] = b.size
+    return k
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_buffers(cap):
+    return (np.empty(cap, np.int64), np.empty(cap, np.uint8), np.empty(cap, np.uint8), np.empty(cap, np.int64),
+            np.empty(cap, np.int64))
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_state():
+    ge = np.zeros(MAX_CLASSES + 1, np.uint64)
+    ge[0] = _ALL
+    return ge, np.zeros(MAX_CLASSES + 1, np.int64)
+
+
+@nb.njit(cache=True, nogil=True)
+def _class_totals(cls, k, seen, total):
+    """(elements, changes) per class once the scan has seen `total` elements."""
+    changes = np.zeros(MAX_CLASSES, np.int64)
+    for j in range(k):
+        changes[np.uint64(cls[j])] += 1
+    seen[0] = total
     sizes = np.empty(MAX_CLASSES, np.int64)
     for c in range(MAX_CLASSES):
         sizes[c] = seen[c] - seen[c + 1]
-    return pos, keys, cls, rank, zig, sizes, changes, k
+    return sizes, changes
+
+
+@nb.njit(cache=True, nogil=True)
+def _thresholds(b, t, stride, thresholds, choose):
+    if not choose:
+        return thresholds
+    n_e, k_e = sample_stats(b, t, stride)
+    if k_e.sum() == 0:
+        return np.empty(0, np.int64)
+    return choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
 @nb.njit(cache=True, nogil=True)
 def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
-    if choose:
-        n_e, k_e = sample_stats(b, t, stride)
-        thresholds = np.empty(0, np.int64)
-        if k_e.sum() > 0:
-            thresholds = choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
-    out = _scan_changes(bb, tb, lane_bounds(thresholds), thresholds.size + 1, class_lut(thresholds), cap)
-    return (thresholds,) + out
+    """Classes and one whole scan in one compiled call (a call costs microseconds, and a model
+    has ~100 small tensors)."""
+    thresholds = _thresholds(b, t, stride, thresholds, choose)
+    pos, keys, cls, rank, zig = _scan_buffers(cap)
+    ge, seen = _scan_state()
+    k = _scan_range(bb, tb, 0, bb.size, lane_bounds(thresholds), thresholds.size + 1, class_lut(thresholds), ge, seen,
+                    0, pos, keys, cls, rank, zig)
+    sizes, changes = _class_totals(cls, min(k, cap), seen, bb.size)
+    return thresholds, pos, keys, cls, rank, zig, sizes, changes, k
 
 
-def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None):
+# Elements scanned between two calls of analyze's on_chunk: 512 KiB of each array, so the
+# caller's digests read both from L2 rather than from memory.
+SCAN_CHUNK = 1 << 18
+
+
+def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
+            on_chunk: Callable[[int, int], None] | None = None):
     """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class, changes
     per class) of two flat uint16 arrays: classes chosen from a sample (or the given thresholds),
-    then one scan. One compiled call (a call costs microseconds, and a model has ~100 small tensors)."""
+    then one scan. on_chunk(start, stop), if given, is called as soon as elements [start, stop)
+    have been scanned (every element once, in order), while they are still in cache."""
     bb, tb = blocks(b), blocks(t)
     choose = thresholds is None
     given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
     cap = max(1024, b.size // 16)
-    out = _analyze(b, t, bb, tb, sample_stride(b.size), cap, given, choose)
-    if out[-1] > cap:
-        out = _analyze(b, t, bb, tb, sample_stride(b.size), out[-1], given, choose)
-    thresholds, pos, keys, cls, rank, zig, sizes, changes, k = out
+    stride = sample_stride(b.size)
+    if on_chunk is None or b.size <= SCAN_CHUNK:
+        out = _analyze(b, t, bb, tb, stride, cap, given, choose)
+        if out[-1] > cap:
+            out = _analyze(b, t, bb, tb, stride, out[-1], given, choose)
+        if on_chunk is not None:
+            on_chunk(0, b.size)
+        thresholds, pos, keys, cls, rank, zig, sizes, changes, k = out
+    else:
+        thresholds = _thresholds(b, t, stride, given, choose)
+        lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
+        buffers = _scan_buffers(cap)
+        ge, seen = _scan_state()
+        k = 0
+        for start in range(0, bb.size, SCAN_CHUNK):
+            stop = min(start + SCAN_CHUNK, bb.size)
+            before, seen_before = k, seen.copy()
+            k = _scan_range(bb, tb, start, stop, lanes, thresholds.size + 1, lut, ge, seen, before, *buffers)
+            if k > cap:  # the buffers ran out in this chunk: grow them and scan the chunk again
+                cap = max(2 * cap, k)
+                buffers = tuple(np.concatenate([a[:before], np.empty(cap - before, a.dtype)]) for a in buffers)
+                seen[:] = seen_before
+                k = _scan_range(bb, tb, start, stop, lanes, thresholds.size + 1, lut, ge, seen, before, *buffers)
+            on_chunk(start, min(stop, b.size))
+        pos, keys, cls, rank, zig = buffers
+        sizes, changes = _class_totals(cls, k, seen, bb.size)
     sizes[0] -= bb.size - b.size  # the padding is class 0
     return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes, changes
 
