@@ -208,18 +208,19 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
                 tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
                 if nbits > 16:
                     x, nw = rans.enc_bits(x, words, nw, v & ((1 << nbits) - 1), nbits)
-                else:
-                    if x >= (L >> nbits) << 32:
-                        words[nw] = x & WM
-                        nw += 1
-                        x >>= 32
+                else:  # emits written branch-free: gaps almost all carry raw bits, and whether
+                    # a word goes out is a coin flip (measured ~8% faster than branches here)
+                    e = np.int64(x >= (L >> nbits) << 32)
+                    words[_U(nw)] = x & WM
+                    nw += e
+                    x >>= 32 * e
                     x = (x << nbits) | (v & ((1 << nbits) - 1))
             t = _U(tok)
             f = np.int64(fr[t])
-            if x >= ((L >> MASK_SCALE) << 32) * f:
-                words[nw] = x & WM
-                nw += 1
-                x >>= 32
+            e = np.int64(x >= ((L >> MASK_SCALE) << 32) * f)
+            words[_U(nw)] = x & WM
+            nw += e
+            x >>= 32 * e
             q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), rc[t]) >> np.uint64(rs[t]))
             x, other = other, (q << MASK_SCALE) + (x - q * f) + cu[t]
     return words, nw, other, x  # after symbol 0 (state 0) the swap left state 0 in `other`
