@@ -394,7 +394,7 @@ def unzigzag(u):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_range(b, t, o0, o1, lanes, nclass, lut, ge, seen, k, pos, keys, cls, rank, zig):
+def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pos, keys, cls, rank, zig):
     """Blocks [o0, o1) of b and t (whole blocks, `blocks`): every change's position, exponent,
     class, rank in its class and zigzag step, stored from index k while the buffers last.
     Returns the new count (beyond the buffers' size: retry with larger ones). Resumable: ge
@@ -421,7 +421,7 @@ def _scan_range(b, t, o0, o1, lanes, nclass, lut, ge, seen, k, pos, keys, cls, r
                 rank[j] = seen[c] - seen[c + _U1] + _popcount(ge[c] & ~ge[c + _U1] & ((_U1 << at) - _U1))
                 zig[j] = _zigzag(bv, tv)
             k += 1
-        for c in range(1, nclass):
+        for c in range(1, MAX_CLASSES):  # a fixed count unrolls; absent classes' masks are empty
             seen[c] += _popcount(ge[c])
     return k
 
@@ -469,8 +469,8 @@ def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
     thresholds = _thresholds(b, t, stride, thresholds, choose)
     pos, keys, cls, rank, zig = _scan_buffers(cap)
     ge, seen = _scan_state()
-    k = _scan_range(bb, tb, 0, bb.size, lane_bounds(thresholds), thresholds.size + 1, class_lut(thresholds), ge, seen,
-                    0, pos, keys, cls, rank, zig)
+    k = _scan_range(bb, tb, 0, bb.size, lane_bounds(thresholds), class_lut(thresholds), ge, seen, 0, pos, keys, cls,
+                    rank, zig)
     sizes, changes = _class_totals(cls, min(k, cap), seen, bb.size)
     return thresholds, pos, keys, cls, rank, zig, sizes, changes, k
 
@@ -507,12 +507,12 @@ def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
         for start in range(0, bb.size, SCAN_CHUNK):
             stop = min(start + SCAN_CHUNK, bb.size)
             before, seen_before = k, seen.copy()
-            k = _scan_range(bb, tb, start, stop, lanes, thresholds.size + 1, lut, ge, seen, before, *buffers)
+            k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
             if k > cap:  # the buffers ran out in this chunk: grow them and scan the chunk again
                 cap = max(2 * cap, k)
                 buffers = tuple(np.concatenate([a[:before], np.empty(cap - before, a.dtype)]) for a in buffers)
                 seen[:] = seen_before
-                k = _scan_range(bb, tb, start, stop, lanes, thresholds.size + 1, lut, ge, seen, before, *buffers)
+                k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
             on_chunk(start, min(stop, b.size))
         pos, keys, cls, rank, zig = buffers
         sizes, changes = _class_totals(cls, k, seen, bb.size)
