@@ -136,7 +136,7 @@ def _count_value_tokens(keys, zig, hist):
         if v >= rans.DIRECT:
             n = 63 - np.int64(leading_zeros(np.uint64(v)))
             tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> (n - rans.SUB_BITS)) & ((1 << rans.SUB_BITS) - 1))
-        hist[keys[j], tok] += 1
+        hist[np.uint64(keys[j]), np.uint64(tok)] += 1  # unsigned: no wraparound code
 
 
 @nb.njit(cache=True, nogil=True)
