@@ -13,7 +13,7 @@ from . import container, device, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import digest_elements, digester, feed
-from .methods import conditional, same, sparse, xor_planes
+from .methods import conditional, exponent_classes, same, sparse, xor_planes
 from .methods.base import Patch
 
 EFFORTS = ("fast", "default", "max")
@@ -97,7 +97,7 @@ class _Pending:
             self.index = self.analysis.index
         else:
             b, t = self.host
-            self.index = np.flatnonzero(b != t)
+            self.index = exponent_classes.differences(b, t) if b.dtype == np.uint16 else np.flatnonzero(b != t)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
     @property

@@ -217,3 +217,14 @@ def test_chunked_scan_matches_one_scan_and_reports_every_chunk(changed):
     assert all(a[1] == c[0] for a, c in zip(chunks, chunks[1:]))
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 64 * 50 + 7])
+@pytest.mark.parametrize("changed", [0.0, 0.05, 1.0])  # 100%: the positions buffer must grow
+def test_differences_are_flatnonzero(n, changed):
+    rng = np.random.default_rng(n)
+    b = _bits(rng, n) if n else np.zeros(0, np.uint16)
+    t = b.copy()
+    flip = rng.random(n) < changed
+    t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+    assert np.array_equal(ec.differences(b, t), np.flatnonzero(b != t))

@@ -477,6 +477,31 @@ def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
     return thresholds, pos, keys, cls, rank, zig, sizes, changes, k
 
 
+@nb.njit(cache=True, nogil=True)
+def _differences(b, t, cap):
+    out = np.empty(cap, np.int64)
+    k = 0
+    for o in range(0, b.size, BLOCK):
+        changed = _differ(b, t, o)
+        while changed != _U0:
+            if k < cap:
+                out[np.uint64(k)] = o + np.int64(trailing_zeros(changed))
+            k += 1
+            changed &= changed - _U1
+    return out, k
+
+
+def differences(b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Positions where two flat uint16 arrays differ (np.flatnonzero(b != t) without its
+    temporary mask: one compiled pass, 64 elements per vector comparison)."""
+    bb, tb = blocks(b.reshape(-1)), blocks(t.reshape(-1))
+    cap = max(1024, bb.size // 16)
+    out, k = _differences(bb, tb, cap)
+    if k > cap:
+        out, k = _differences(bb, tb, k)
+    return out[:k]
+
+
 # Elements scanned between two calls of analyze's on_chunk: 512 KiB of each array, so the
 # caller's digests read both from L2 rather than from memory.
 SCAN_CHUNK = 1 << 18

@@ -9,11 +9,13 @@ of position coding, so it is never larger than ARCv3 on the same compressors.
 
 from __future__ import annotations
 
+import numba as nb
 import numpy as np
 
 from ..container import Entry, Stream
 from ..errors import DeltaError
-from ..wire import Reader, Writer
+from ..wire import Reader, Writer, uvarints
+from . import exponent_classes as ec
 from .base import Patch, check_index, expect_streams, pack_stream, read_stream
 
 ID = 2
@@ -24,25 +26,6 @@ POS_GAPS, POS_BITMASK = 0, 1
 HIGH_BITS = np.uint16(0xFF80)  # BF16 sign + exponent
 MAX_VARINT_BYTES = 7  # gaps < 2**49
 BITMASK_DENSITY = 16  # race the bitmask when more than 1 in 16 elements changed
-
-
-def varint_encode(values: np.ndarray) -> bytes:
-    """Vectorised LEB128 of non-negative integers."""
-    v = values.astype(np.uint64)
-    nbytes = np.ones(v.size, np.int64)
-    for k in range(1, MAX_VARINT_BYTES):
-        nbytes += v >= (np.uint64(1) << np.uint64(7 * k))
-    total = int(nbytes.sum())
-    out = np.empty(total, np.uint8)
-    starts = np.cumsum(nbytes) - nbytes
-    for k in range(MAX_VARINT_BYTES):
-        sel = nbytes > k
-        if not sel.any():
-            break
-        chunk = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
-        more = (nbytes[sel] > k + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + k] = (chunk | more).astype(np.uint8)
-    return out.tobytes()
 
 
 def varint_decode(data: bytes, count: int, what: str, tensor: str) -> np.ndarray:
@@ -61,15 +44,41 @@ def varint_decode(data: bytes, count: int, what: str, tensor: str) -> np.ndarray
     return vals
 
 
+@nb.njit(cache=True, nogil=True)
+def _split(base, target, index):
+    """One pass over the changes: (position gaps, kind of each change, mantissa bytes of the
+    mantissa-only changes, high and low bytes of the others' XORs)."""
+    n = index.size
+    gaps = np.empty(n, np.int64)
+    full = np.empty(n, np.bool_)
+    low = np.empty(n, np.uint8)
+    hi = np.empty(n, np.uint8)
+    lo = np.empty(n, np.uint8)
+    nl = 0
+    nf = 0
+    prev = -1
+    for j in range(n):
+        i = index[j]
+        x = base[i] ^ target[i]
+        gaps[j] = i - prev - 1
+        prev = i
+        if x & HIGH_BITS:
+            full[j] = True
+            hi[nf] = x >> 8
+            lo[nf] = x & 0xFF
+            nf += 1
+        else:
+            full[j] = False
+            low[nl] = x & 0x7F
+            nl += 1
+    return gaps, full, low[:nl], hi[:nf], lo[:nf]
+
+
 def encode(base: np.ndarray, target: np.ndarray, effort: str, index: np.ndarray | None = None) -> tuple[bytes, list[Stream]]:
     if index is None:
-        index = np.flatnonzero(base != target)
-    x = base[index] ^ target[index]
-    full = (x & HIGH_BITS) != 0
-    low = (x[~full] & 0x7F).astype(np.uint8)
-    hi_lo = x[full]
-    gaps = np.diff(index, prepend=-1) - 1
-    pos_gaps = pack_stream(varint_encode(gaps), effort)
+        index = ec.differences(base, target)
+    gaps, full, low, hi, lo = _split(base.reshape(-1), target.reshape(-1), np.asarray(index, np.int64))
+    pos_gaps = pack_stream(uvarints(gaps), effort)
     mode, pos = POS_GAPS, pos_gaps
     # a bitmask costs numel/8 bytes before compression: only worth racing when changes are dense
     if effort == "max" or (effort == "default" and index.size * BITMASK_DENSITY > base.size):
@@ -85,7 +94,7 @@ def encode(base: np.ndarray, target: np.ndarray, effort: str, index: np.ndarray 
         pos,
         pack_stream(np.packbits(full, bitorder="little").tobytes(), effort),
         pack_stream(low.tobytes(), effort),
-        pack_stream((hi_lo >> 8).astype(np.uint8).tobytes() + (hi_lo & 0xFF).astype(np.uint8).tobytes(), effort),
+        pack_stream(hi.tobytes() + lo.tobytes(), effort),
     ]
     return w.getvalue(), streams
 
