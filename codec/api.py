@@ -48,16 +48,18 @@ class _Candidate:
         return len(self.params) + sum(len(s.stored) for s in self.streams)
 
 
-def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, index: np.ndarray, effort: str,
-                   analysis: conditional.Analysis | None, model: conditional.ValueModel | None) -> _Candidate:
+def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, changes: int, index: np.ndarray | None,
+                   effort: str, analysis: conditional.Analysis | None,
+                   model: conditional.ValueModel | None) -> _Candidate:
     """Per tensor, the smallest of the methods worth trying at this effort.
 
     BF16 tensors try the conditional method alone unless their changes are dense (where the XOR
     planes can win) or effort is "max": racing general-purpose compressors on ~100 small tensors
-    costs more encode time than the bytes it might save.
+    costs more encode time than the bytes it might save. `index` (the changed positions) may be
+    None: the sparse method then finds them itself.
     """
     cands: list[_Candidate] = []
-    dense = index.size > DENSE_FRACTION * b.size
+    dense = changes > DENSE_FRACTION * b.size
     if analysis is not None and model is not None:
         cands.append(_Candidate(conditional.ID, *conditional.encode(analysis, model)))
     if dt is tensors.BF16 and (analysis is None or dense or effort == "max"):
@@ -89,7 +91,8 @@ class _Pending:
                 feed(ht, t[start:stop])
 
             self.analysis = conditional.analyze(b, t, on_chunk=hashed)
-            self.index = self.analysis.index
+            self.index: np.ndarray | None = None  # the scan does not keep positions; sparse finds them if asked
+            self.changes = self.analysis.changes
             self.base_digest, self.target_digest = hb.digest(), ht.digest()
             return
         if use_conditional and self.dt is tensors.BF16:
@@ -98,6 +101,7 @@ class _Pending:
         else:
             b, t = self.host
             self.index = exponent_classes.differences(b, t) if b.dtype == np.uint16 else np.flatnonzero(b != t)
+        self.changes = int(self.index.size)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
     @property
@@ -133,16 +137,16 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
             return list(pool.map(fn, items))
 
     pending = run(prepare, list(target.items()))
-    analyses = [p.analysis for p in pending if p.analysis is not None and p.index.size]
+    analyses = [p.analysis for p in pending if p.analysis is not None and p.changes]
     model = conditional.ValueModel.fit(analyses) if analyses else None
 
     def code(p: _Pending) -> Entry:
-        if not p.index.size:
+        if not p.changes:
             return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
         b, t = p.host
-        c = _encode_tensor(b, t, p.dt, p.index, effort, p.analysis, model)
+        c = _encode_tensor(b, t, p.dt, p.changes, p.index, effort, p.analysis, model)
         td = p.target_digest if p.target_digest is not None else digest_elements(p.dt.name, p.shape, t)
-        return Entry(p.name, p.dt, p.shape, c.method, int(p.index.size), p.base_digest, td, c.params, c.streams)
+        return Entry(p.name, p.dt, p.shape, c.method, p.changes, p.base_digest, td, c.params, c.streams)
 
     entries = run(code, pending)
     shared = {}

@@ -21,10 +21,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
 
 
-def _ord(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(v >= 0x8000, v ^ 0xFFFF, v ^ 0x8000)
-
-
 def analyze_on_device(base: torch.Tensor, target: torch.Tensor) -> Analysis:
     """Same result as `conditional.analyze`, computed on base/target's device.
 
@@ -45,7 +41,6 @@ def analyze_on_device(base: torch.Tensor, target: torch.Tensor) -> Analysis:
     k_e = host(torch.bincount(sk[b[idx] != t[idx]], minlength=256), np.int64)
     thresholds = choose_thresholds(n_e, k_e, stride)
     changed = torch.nonzero(b != t).reshape(-1)
-    ck = keys[changed]
     lut = torch.from_numpy(ec.class_lut(thresholds).astype(np.int64)).to(b.device)
     cls = lut[keys]
     sizes = torch.bincount(cls, minlength=MAX_CLASSES)
@@ -57,9 +52,8 @@ def analyze_on_device(base: torch.Tensor, target: torch.Tensor) -> Analysis:
         start = torch.cumsum(sizes, 0) - sizes
         cc = cls[changed]
         ranks = where[changed] - start[cc]
-        s = _ord(t[changed]) - _ord(b[changed])
-        zig = torch.where(s > 0, 2 * s - 2, -2 * s - 1)
+        pairs = (b[changed].to(torch.int64) << 16) | t[changed]
     else:
-        cc = ranks = zig = changed
-    return Analysis(thresholds, host(sizes, np.int64), host(changed, np.int64), host(ck, np.uint8),
-                    host(cc, np.uint8), host(ranks, np.int64), host(zig, np.int64))
+        cc = ranks = pairs = changed
+    return Analysis(thresholds, host(sizes, np.int64), host(pairs, np.uint32), host(cc, np.uint8),
+                    host(ranks, np.int64), index=host(changed, np.int64))

@@ -68,9 +68,10 @@ def test_ranks_count_class_members_before_each_change():
         a = conditional.analyze(b, t)
         lut = conditional.ec.class_lut(a.thresholds)
         cls = lut[(b >> 7) & 0xFF]
-        assert np.array_equal(a.index, np.flatnonzero(flip))
+        index = np.flatnonzero(flip)
+        assert np.array_equal(a.pairs, (b[index].astype(np.uint32) << 16) | t[index])
         assert np.array_equal(a.class_sizes[: a.nclass], np.bincount(cls, minlength=a.nclass))
-        for j, q in enumerate(a.index):
+        for j, q in enumerate(index):
             assert a.classes[j] == cls[q] and a.ranks[j] == np.count_nonzero(cls[:q] == cls[q])
 
 
@@ -112,8 +113,9 @@ def test_device_path_matches_host_analysis():
     bt, tt = bf16_from_bits(b), bf16_from_bits(t)
     host = conditional.analyze(b, t)
     dev = analyze_on_device(bt, tt)
-    for field in ("thresholds", "class_sizes", "index", "keys", "classes", "ranks", "zig"):
+    for field in ("thresholds", "class_sizes", "pairs", "keys", "classes", "ranks", "zig"):
         assert np.array_equal(getattr(host, field), getattr(dev, field)), field
+    assert np.array_equal(dev.index, np.flatnonzero(flip))
     model = conditional.ValueModel.fit([dev])
     params, streams = conditional.encode(dev, model)
     assert (params, bytes(streams[0].stored)) == tuple(
@@ -165,14 +167,18 @@ def test_entropy_kernels_round_trip(changes):
     for j, (c, g) in enumerate(zip(cls, gaps)):
         last[c] += g + 1
         ranks[j] = last[c]
-    keys = np.full(len(changes), 0x7F, np.uint8)  # base 1.0: a step of < 0x3F80 stays in range
+    # base 1.0 (exponent 0x7F): a step of < 0x3F80 stays among positive values, where the
+    # order-preserving map is bits ^ 0x8000
+    steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))
+    pairs = (np.uint32(0x3F80) << np.uint32(16)) | (((0x3F80 ^ 0x8000) + steps) ^ 0x8000).astype(np.uint32)
+    assert np.array_equal(conditional.Analysis(np.zeros(0, np.int64), np.zeros(8, np.int64), pairs, cls, ranks).zig, zig)
     hist = np.ones(conditional.VALUE_TOKENS)
     model = conditional.ValueModel(rans.normalize(hist, conditional.VALUE_SCALE, floor_all=True)[None, :],
                                    np.array([0x7F]))
     levels = np.array([0, 10, 40, 80, 120, 160, 200, 255], np.int64)
     mfreq, mcum, mslot = conditional.mask_tables()
     mrcp, mrsh = conditional.mask_reciprocals()
-    words, nw, x0, x1 = conditional._encode(keys, cls, ranks, zig, levels, mcum, mfreq, mrcp, mrsh,
+    words, nw, x0, x1 = conditional._encode(pairs, cls, ranks, levels, mcum, mfreq, mrcp, mrsh,
                                        model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
     w, (x0, x1) = rans.bytes_to_words(rans.words_to_bytes(words, nw, (int(x0), int(x1))), 2)
     counts = np.bincount(cls, minlength=8)
@@ -194,7 +200,6 @@ def test_entropy_kernels_round_trip(changes):
                                                        model.cum, model.freq, model.slots, model.row_of_key, values, out)
     assert status == 0
     assert x == other == rans.RANS_L and pos == -1  # the stream ends exactly: every word consumed
-    steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))
     assert np.array_equal(values.astype(np.int64), 0x3F80 + steps)
     assert np.array_equal(out, values)  # the target under construction got them too
 

@@ -165,8 +165,9 @@ def test_positions_invert_the_encoder_scan(n):
     flip = rng.random(n) < 0.2
     t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
     thresholds = np.array([100, 118, 120, 121, 122, 124, 127])
-    _, pos, keys, cls, ranks, zig, sizes, _ = ec.analyze(b, t, thresholds)
-    assert np.array_equal(pos, np.flatnonzero(b != t))
+    _, pairs, cls, ranks, sizes, _ = ec.analyze(b, t, thresholds)
+    pos = np.flatnonzero(b != t)
+    assert np.array_equal(pairs, (b[pos].astype(np.uint32) << 16) | t[pos])
     assert sizes.sum() == n
     order = np.lexsort((ranks, cls))
     first = np.searchsorted(cls[order], np.arange(ec.MAX_CLASSES + 1)).astype(np.int64)

@@ -128,19 +128,20 @@ def mask_reciprocals() -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- compiled kernels
 
 @nb.njit(cache=True, nogil=True)
-def _count_value_tokens(keys, zig, hist):
+def _count_value_tokens(pairs, hist):
     """hist[key, token] += 1 for every change (the value tables' statistics)."""
-    for j in range(keys.size):
-        v = zig[j]
+    for j in range(pairs.size):
+        bv = np.int64(pairs[j] >> np.uint32(16))
+        v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
         tok = v
         if v >= rans.DIRECT:
             n = 63 - np.int64(leading_zeros(np.uint64(v)))
             tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> (n - rans.SUB_BITS)) & ((1 << rans.SUB_BITS) - 1))
-        hist[np.uint64(keys[j]), np.uint64(tok)] += 1  # unsigned: no wraparound code
+        hist[np.uint64((bv >> KEY_SHIFT) & 0xFF), np.uint64(tok)] += 1  # unsigned: no wraparound code
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key):
+def _encode(pairs, cls, ranks, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key):
     """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
     first every class's gaps (class 0 first), then every value in tensor order. Symbol i of that
     order uses state i % 2: two interleaved states halve the decoder's dependency chain.
@@ -149,7 +150,7 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
     loops are written out: inlined helpers returning tuples cost 2-3x here, and the division by
     the token's frequency is a multiply by its reciprocal (rans.reciprocals).
     Returns (words, n_words, final state 0, final state 1)."""
-    k = keys.size
+    k = pairs.size
     words = np.empty(8 * k + 16, np.int64)
     nw = 0
     L = rans.RANS_L
@@ -157,8 +158,9 @@ def _encode(keys, cls, ranks, zig, level_of_class, mcum, mfreq, mrcp, mrsh, vcum
     other = np.int64(L)
     WM = rans.WORD_MASK
     for j in range(k - 1, -1, -1):  # values, last change first
-        row = _U(vrow_of_key[_U(keys[j])])
-        v = zig[j]
+        bv = np.int64(pairs[j] >> np.uint32(16))
+        row = _U(vrow_of_key[_U((bv >> KEY_SHIFT) & 0xFF)])
+        v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
         tok = v
         if v >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
             n = 63 - np.int64(leading_zeros(np.uint64(v)))
@@ -391,20 +393,21 @@ _STATUS = {
 
 @dataclass
 class Analysis:
-    """What the encoder's scans learned: enough to pick a method and to code it."""
+    """What the encoder's scans learned: enough to pick a method and to code it. Per change, in
+    tensor order: its (base, target) pair, its class and its rank among its class's elements."""
 
     thresholds: np.ndarray  # exponents where classes 1.. start (strictly increasing)
     class_sizes: np.ndarray  # elements per class, MAX_CLASSES entries
-    index: np.ndarray  # changed positions
-    keys: np.ndarray  # base exponent of each change
+    pairs: np.ndarray  # uint32 base << 16 | target of each change
     classes: np.ndarray  # class of each change
     ranks: np.ndarray  # rank of each change among the elements of its class
-    zig: np.ndarray  # zigzagged ULP step of each change
+    index: np.ndarray | None = None  # changed positions, where the scan had them for free
     _class_changes: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _steps: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @property
     def changes(self) -> int:
-        return int(self.index.size)
+        return int(self.pairs.size)
 
     @property
     def nclass(self) -> int:
@@ -414,6 +417,21 @@ class Analysis:
         if self._class_changes is None:
             self._class_changes = np.bincount(self.classes, minlength=MAX_CLASSES)[: self.nclass]
         return self._class_changes
+
+    @property
+    def keys(self) -> np.ndarray:
+        """The base exponent of each change."""
+        return self._pair_steps()[0]
+
+    @property
+    def zig(self) -> np.ndarray:
+        """The zigzagged ULP step of each change."""
+        return self._pair_steps()[1]
+
+    def _pair_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._steps is None:
+            self._steps = ec.pair_steps(self.pairs)
+        return self._steps
 
 
 def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarray:
@@ -427,9 +445,8 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
 def analyze(base: np.ndarray, target: np.ndarray, on_chunk: Callable[[int, int], None] | None = None) -> Analysis:
     """The changes of two BF16 tensors (as uint16), with classes chosen for them; on_chunk as in
     `exponent_classes.analyze` (flat element ranges, each called once the scan has read it)."""
-    thresholds, pos, keys, classes, ranks, zig, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1),
-                                                                            on_chunk=on_chunk)
-    return Analysis(thresholds, sizes, pos, keys, classes, ranks, zig, changes[: thresholds.size + 1])
+    thresholds, pairs, classes, ranks, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1), on_chunk=on_chunk)
+    return Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
 
 
 class ValueModel:
@@ -461,7 +478,7 @@ class ValueModel:
     def fit(cls, analyses: list[Analysis]) -> "ValueModel":
         hist = np.zeros((N_KEYS, VALUE_TOKENS), np.int64)
         for a in analyses:
-            _count_value_tokens(a.keys, a.zig, hist)
+            _count_value_tokens(a.pairs, hist)
         keys = np.flatnonzero(hist.sum(axis=1))
         freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
         return cls(freq, keys)
@@ -565,7 +582,7 @@ def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
     levels = _choose_levels(a.class_sizes[:nclass].astype(np.float64), changes.astype(np.float64))
     mfreq, mcum, _ = mask_tables()
     mrcp, mrsh = mask_reciprocals()
-    words, nw, x0, x1 = _encode(a.keys, a.classes, a.ranks, a.zig, levels, mcum, mfreq, mrcp, mrsh,
+    words, nw, x0, x1 = _encode(a.pairs, a.classes, a.ranks, levels, mcum, mfreq, mrcp, mrsh,
                                 model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
     data = rans.words_to_bytes(words, nw, (int(x0), int(x1)))
     w = Writer()

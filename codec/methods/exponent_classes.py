@@ -396,13 +396,16 @@ def unzigzag(u):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pos, keys, cls, rank, zig):
-    """Blocks [o0, o1) of b and t (whole blocks, `blocks`): every change's position, exponent,
-    class, rank in its class and zigzag step, stored from index k while the buffers last.
-    Returns the new count (beyond the buffers' size: retry with larger ones). Resumable: ge
+def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank):
+    """Blocks [o0, o1) of b and t (whole blocks, `blocks`): every change's (base, target) pair
+    (base << 16 | target), class and rank in its class, stored from index k while the buffers
+    last. Returns the new count (beyond the buffers' size: retry with larger ones). Resumable: ge
     (class masks, ge[0] all ones) and seen (elements at or above each class's bound before the
-    block) carry on to the next range."""
-    cap = pos.size
+    block) carry on to the next range.
+
+    Only what the coder needs, 13 bytes per change: positions, exponents and steps follow from
+    these (storing them too cost ~30% more time, in stores and in the buffers' page faults)."""
+    cap = pairs.size
     for o in range(o0, o1, BLOCK):
         seen[0] = o
         _block_masks(b, o, lanes, ge)
@@ -412,16 +415,12 @@ def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pos, keys, cls, rank, zig
             changed &= changed - _U1
             if k < cap:  # indices unsigned: numba then emits no wraparound code
                 i = np.uint64(o) + at
-                bv = np.int64(b[i])
-                tv = np.int64(t[i])
-                e = (bv >> KEY_SHIFT) & 0xFF
-                c = np.uint64(lut[np.uint64(e)])
+                bv = np.uint32(b[i])
+                c = np.uint64(lut[np.uint64(bv >> np.uint32(KEY_SHIFT)) & np.uint64(0xFF)])
                 j = np.uint64(k)
-                pos[j] = np.int64(i)
-                keys[j] = e
+                pairs[j] = (bv << np.uint32(16)) | np.uint32(t[i])
                 cls[j] = c
                 rank[j] = seen[c] - seen[c + _U1] + _popcount(ge[c] & ~ge[c + _U1] & ((_U1 << at) - _U1))
-                zig[j] = _zigzag(bv, tv)
             k += 1
         for c in range(1, MAX_CLASSES):  # a fixed count unrolls; absent classes' masks are empty
             seen[c] += _popcount(ge[c])
@@ -430,8 +429,7 @@ def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pos, keys, cls, rank, zig
 
 @nb.njit(cache=True, nogil=True)
 def _scan_buffers(cap):
-    return (np.empty(cap, np.int64), np.empty(cap, np.uint8), np.empty(cap, np.uint8), np.empty(cap, np.int64),
-            np.empty(cap, np.int64))
+    return np.empty(cap, np.uint32), np.empty(cap, np.uint8), np.empty(cap, np.int64)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -469,12 +467,69 @@ def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
     """Classes and one whole scan in one compiled call (a call costs microseconds, and a model
     has ~100 small tensors)."""
     thresholds = _thresholds(b, t, stride, thresholds, choose)
-    pos, keys, cls, rank, zig = _scan_buffers(cap)
+    pairs, cls, rank = _scan_buffers(cap)
     ge, seen = _scan_state()
-    k = _scan_range(bb, tb, 0, bb.size, lane_bounds(thresholds), class_lut(thresholds), ge, seen, 0, pos, keys, cls,
-                    rank, zig)
+    k = _scan_range(bb, tb, 0, bb.size, lane_bounds(thresholds), class_lut(thresholds), ge, seen, 0, pairs, cls, rank)
     sizes, changes = _class_totals(cls, min(k, cap), seen, bb.size)
-    return thresholds, pos, keys, cls, rank, zig, sizes, changes, k
+    return thresholds, pairs, cls, rank, sizes, changes, k
+
+
+# Elements scanned between two calls of analyze's on_chunk: 512 KiB of each array, so the
+# caller's digests read both from L2 rather than from memory.
+SCAN_CHUNK = 1 << 18
+
+
+def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
+            on_chunk: Callable[[int, int], None] | None = None):
+    """(thresholds, pairs, classes, ranks, elements per class, changes per class) of two flat
+    uint16 arrays, in tensor order of the changes: pair = base << 16 | target (uint32). Classes
+    are chosen from a sample (or the given thresholds), then one scan. on_chunk(start, stop), if
+    given, is called as soon as elements [start, stop) have been scanned (every element once, in
+    order), while they are still in cache."""
+    bb, tb = blocks(b), blocks(t)
+    choose = thresholds is None
+    given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
+    cap = max(1024, b.size // 16)
+    stride = sample_stride(b.size)
+    if on_chunk is None or b.size <= SCAN_CHUNK:
+        out = _analyze(b, t, bb, tb, stride, cap, given, choose)
+        if out[-1] > cap:
+            out = _analyze(b, t, bb, tb, stride, out[-1], given, choose)
+        if on_chunk is not None:
+            on_chunk(0, b.size)
+        thresholds, pairs, cls, rank, sizes, changes, k = out
+    else:
+        thresholds = _thresholds(b, t, stride, given, choose)
+        lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
+        buffers = _scan_buffers(cap)
+        ge, seen = _scan_state()
+        k = 0
+        for start in range(0, bb.size, SCAN_CHUNK):
+            stop = min(start + SCAN_CHUNK, bb.size)
+            before, seen_before = k, seen.copy()
+            k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
+            if k > cap:  # the buffers ran out in this chunk: grow them and scan the chunk again
+                cap = max(2 * cap, k)
+                buffers = tuple(np.concatenate([a[:before], np.empty(cap - before, a.dtype)]) for a in buffers)
+                seen[:] = seen_before
+                k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
+            on_chunk(start, min(stop, b.size))
+        pairs, cls, rank = buffers
+        sizes, changes = _class_totals(cls, k, seen, bb.size)
+    sizes[0] -= bb.size - b.size  # the padding is class 0
+    return thresholds, pairs[:k], cls[:k], rank[:k], sizes, changes
+
+
+@nb.njit(cache=True, nogil=True)
+def pair_steps(pairs):
+    """(exponent of the base, zigzagged ULP step) of each (base << 16 | target) pair."""
+    keys = np.empty(pairs.size, np.uint8)
+    zig = np.empty(pairs.size, np.int64)
+    for j in range(pairs.size):
+        bv = np.int64(pairs[j] >> np.uint32(16))
+        keys[j] = (bv >> KEY_SHIFT) & 0xFF
+        zig[j] = _zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
+    return keys, zig
 
 
 @nb.njit(cache=True, nogil=True)
@@ -500,51 +555,6 @@ def differences(b: np.ndarray, t: np.ndarray) -> np.ndarray:
     if k > cap:
         out, k = _differences(bb, tb, k)
     return out[:k]
-
-
-# Elements scanned between two calls of analyze's on_chunk: 512 KiB of each array, so the
-# caller's digests read both from L2 rather than from memory.
-SCAN_CHUNK = 1 << 18
-
-
-def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
-            on_chunk: Callable[[int, int], None] | None = None):
-    """(thresholds, positions, exponents, classes, ranks, zigzag steps, elements per class, changes
-    per class) of two flat uint16 arrays: classes chosen from a sample (or the given thresholds),
-    then one scan. on_chunk(start, stop), if given, is called as soon as elements [start, stop)
-    have been scanned (every element once, in order), while they are still in cache."""
-    bb, tb = blocks(b), blocks(t)
-    choose = thresholds is None
-    given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
-    cap = max(1024, b.size // 16)
-    stride = sample_stride(b.size)
-    if on_chunk is None or b.size <= SCAN_CHUNK:
-        out = _analyze(b, t, bb, tb, stride, cap, given, choose)
-        if out[-1] > cap:
-            out = _analyze(b, t, bb, tb, stride, out[-1], given, choose)
-        if on_chunk is not None:
-            on_chunk(0, b.size)
-        thresholds, pos, keys, cls, rank, zig, sizes, changes, k = out
-    else:
-        thresholds = _thresholds(b, t, stride, given, choose)
-        lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
-        buffers = _scan_buffers(cap)
-        ge, seen = _scan_state()
-        k = 0
-        for start in range(0, bb.size, SCAN_CHUNK):
-            stop = min(start + SCAN_CHUNK, bb.size)
-            before, seen_before = k, seen.copy()
-            k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
-            if k > cap:  # the buffers ran out in this chunk: grow them and scan the chunk again
-                cap = max(2 * cap, k)
-                buffers = tuple(np.concatenate([a[:before], np.empty(cap - before, a.dtype)]) for a in buffers)
-                seen[:] = seen_before
-                k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
-            on_chunk(start, min(stop, b.size))
-        pos, keys, cls, rank, zig = buffers
-        sizes, changes = _class_totals(cls, k, seen, bb.size)
-    sizes[0] -= bb.size - b.size  # the padding is class 0
-    return thresholds, pos[:k], keys[:k], cls[:k], rank[:k], zig[:k], sizes, changes
 
 
 # ---------------------------------------------------------------- decoder side
