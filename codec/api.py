@@ -192,31 +192,40 @@ def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     return parsed
 
 
-def _patch(entry: Entry, elems: np.ndarray, parsed: Payload, *, with_target: bool = False
-           ) -> Patch | tuple[Patch, np.ndarray]:
-    """The entry's patch (and, with_target, the whole reconstructed tensor, flat), every failure a
-    DeltaError naming the tensor. Methods that build the target while decoding (`decode_target`)
-    save the copy of the base and the scatter."""
+def _decoded(entry: Entry, elems: np.ndarray, parsed: Payload, with_target: bool) -> tuple[int, Patch | None, np.ndarray | None]:
+    """(changes, patch, target) of one entry, every failure a DeltaError naming the tensor. With
+    with_target, methods that build the target while decoding (`decode_target`) do so (no copy of
+    the base beforehand, no scatter, no patch); the others' patch is applied to a copy."""
     module = methods.lookup(entry, parsed.version)
     build = getattr(module, "decode_target", None) if with_target else None
+    patch = new = None
     try:
         if build is not None:
-            patch, new = build(entry, elems, parsed.shared)
+            count, new = build(entry, elems, parsed.shared)
         else:
             patch = module.decode(entry, elems, parsed.shared)
-            new = None
+            count = patch.count
     except DeltaError:
         raise
     except (ValueError, IndexError, OverflowError, MemoryError) as exc:  # defence in depth on forged input
         raise DeltaError(f"cannot decode ({type(exc).__name__}: {exc})", tensor=entry.name) from None
-    if patch.count != entry.changes:
-        raise DeltaError(f"decoded {patch.count} changes, index says {entry.changes}", tensor=entry.name)
-    if not with_target:
-        return patch
+    if count != entry.changes:
+        raise DeltaError(f"decoded {count} changes, index says {entry.changes}", tensor=entry.name)
+    return count, patch, new
+
+
+def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
+    """The entry's patch (its changed positions and new values)."""
+    return _decoded(entry, elems, parsed, False)[1]
+
+
+def _target(entry: Entry, elems: np.ndarray, parsed: Payload) -> np.ndarray:
+    """The entry's whole reconstructed tensor, flat (not yet verified)."""
+    _, patch, new = _decoded(entry, elems, parsed, True)
     if new is None:
         new = elems.reshape(-1).copy()
         new[patch.index] = patch.values
-    return patch, new
+    return new
 
 
 def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payload) -> torch.Tensor:
@@ -228,7 +237,7 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
         new = elems.copy()
     else:
         try:
-            _, new = _patch(entry, elems, parsed, with_target=True)
+            new = _target(entry, elems, parsed)
         except DeltaError as exc:
             raise _explain(entry, elems, exc) from None
         if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:

@@ -296,7 +296,7 @@ def _decode_gaps(n, padded, words, x, other, level_of_class, class_changes, mcum
 @nb.njit(cache=True, nogil=True)
 def _decode_values(b, at, j0, j1, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key, vals, out):
     """Phase 3, for changes j0..j1-1 (positions at[j]): their new values, in tensor order, into
-    vals and, unless it is empty, into `out` (the target under construction). Returns
+    `out` (the target under construction) or, when `out` is empty, into vals. Returns
     (x, other, pos, status)."""
     L = rans.RANS_L
     vmask = (1 << VALUE_SCALE) - 1
@@ -332,9 +332,10 @@ def _decode_values(b, at, j0, j1, words, x, other, pos, vcum, vfreq, vslot, vrow
         if o < 0 or o > 0xFFFF:
             return x, other, pos, 4
         new = ec.unordered(o)
-        vals[j] = new
         if writing:
             out[where] = new
+        else:
+            vals[j] = new
     return x, other, pos, 0
 
 
@@ -347,38 +348,44 @@ CHUNK = 1 << 12
 @nb.njit(cache=True, nogil=True)
 def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key,
             out, copy_to):
-    """The three phases in one compiled call: (positions, values, status). Phase 1 decodes every
-    class's gaps into bitmaps; then, chunk by chunk, phase 2 turns them into positions with a scan
-    of the base and phase 3 decodes those changes' values. With a non-empty `out` the target is
-    built there as well: the base copied during the scan (into `copy_to`, which is `out` itself
-    when the base needs no padding to whole blocks), the values written as they are decoded.
-    Finally the stream must end exactly: both states back at L, every word consumed."""
+    """The three phases in one compiled call: (positions, values, changes decoded, status).
+    Phase 1 decodes every class's gaps into bitmaps; then, chunk by chunk, phase 2 turns them
+    into positions with a scan of the base and phase 3 decodes those changes' values.
+
+    With an empty `out`, the positions and values of every change are returned (a patch). With
+    a non-empty `out` the target is built there instead: the base copied during the scan (into
+    `copy_to`, which is `out` itself when the base needs no padding to whole blocks), the values
+    written as they are decoded, and positions kept only for the current chunk (no per-change
+    arrays to allocate and fill). Finally the stream must end exactly: both states back at L,
+    every word consumed."""
     bits, start, lim, x, other, pos, status = _decode_gaps(b.size, bb.size, words, x0, x1, levels, counts,
                                                            mcum, mfreq, mslot)
     expected = counts.sum()
-    at = np.empty(expected, np.int64)
-    vals = np.empty(expected, np.uint16)
+    building = out.size > 0
+    at = np.empty(min(expected, CHUNK) if building else expected, np.int64)
+    vals = np.empty(0 if building else expected, np.uint16)
     if status:
-        return at, vals, status
-    if out.size and not copy_to.size:
+        return at, vals, 0, status
+    if building and not copy_to.size:
         out[:] = b
     lanes, nclass, ge, cursor, guard = ec.scan_state(thresholds, start, lim)
-    k = 0
+    total = 0
     for o in range(0, bb.size, CHUNK):
-        done = k
+        done = 0 if building else total
         k, status = ec.positions_between(b.size, bb, o, min(o + CHUNK, bb.size), lanes, nclass, ge, bits, cursor, guard,
-                                         at, k, copy_to)
+                                         at, done, copy_to)
         if status:
-            return at, vals, status
+            return at, vals, total, status
         x, other, pos, status = _decode_values(b, at, done, k, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key,
                                                vals, out)
         if status:
-            return at, vals, status
-    if k != expected:
-        return at, vals, 2
+            return at, vals, total, status
+        total += k - done
+    if total != expected:
+        return at, vals, total, 2
     if x != rans.RANS_L or other != rans.RANS_L or pos != -1:
-        return at, vals, 7
-    return at, vals, 0
+        return at, vals, total, 7
+    return at, vals, total, 0
 
 
 _STATUS = {
@@ -632,20 +639,23 @@ def _model(shared: dict) -> ValueModel:
 
 
 def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
-    return _decode_entry(entry, base, shared, None)
+    at, val, _ = _decode_entry(entry, base, shared, None)
+    return Patch(at, val)
 
 
-def decode_target(entry: Entry, base: np.ndarray, shared: dict) -> tuple[Patch, np.ndarray]:
-    """The patch and the whole target tensor (flat), built in the decoding pass: no separate copy
-    of the base, no scatter."""
+def decode_target(entry: Entry, base: np.ndarray, shared: dict) -> tuple[int, np.ndarray]:
+    """(changes decoded, the whole target tensor, flat), built in the decoding pass: no copy of
+    the base beforehand, no scatter, no per-change arrays."""
     out = np.empty(base.size, base.dtype)
-    return _decode_entry(entry, base, shared, out), out
+    _, _, count = _decode_entry(entry, base, shared, out)
+    return count, out
 
 
 _NO_OUT = np.empty(0, np.uint16)
 
 
-def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None) -> Patch:
+def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
     if base.dtype != np.uint16:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     if len(entry.streams) != 1:
@@ -666,11 +676,12 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
     elif base.size % ec.BLOCK == 0:
         copy_to = out  # the base is its own blocks: the scan copies it block by block
     mfreq, mcum, mslot = mask_tables()
-    at, val, status = _decode(base, ec.blocks(base), words, np.int64(x0), np.int64(x1), thresholds, levels, counts,
-                              mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out, copy_to)
+    at, val, count, status = _decode(base, ec.blocks(base), words, np.int64(x0), np.int64(x1), thresholds, levels,
+                                     counts, mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key,
+                                     out, copy_to)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
-    return Patch(at, val)
+    return at, val, int(count)
 
 
 def stream_names(entry: Entry) -> list[str]:
