@@ -18,6 +18,9 @@ from .methods.base import Patch
 
 EFFORTS = ("fast", "default", "max")
 DENSE_FRACTION = 0.25  # above this changed fraction, also try the dense XOR path
+# BF16 tensors up to this many elements (norm weights, biases) are analysed and coded in batches:
+# one compiled call each for all of them, instead of two per tensor and their Python wrappers
+SMALL_TENSOR = 1 << 14
 
 
 def _check_structure(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
@@ -69,8 +72,15 @@ def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, changes: int
     return min(cands, key=lambda c: c.size)
 
 
+def _small(base: torch.Tensor, target: torch.Tensor) -> bool:
+    return (target.dtype == torch.bfloat16 and target.device.type == "cpu" and base.device.type == "cpu"
+            and 0 < target.numel() <= SMALL_TENSOR)
+
+
 class _Pending:
     """One tensor on its way into the payload; host copies of device tensors are made on demand."""
+
+    batched = False  # analysed with other small tensors (`batch`): coded with them too
 
     def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, use_conditional: bool) -> None:
         self.name = name
@@ -104,6 +114,24 @@ class _Pending:
         self.changes = int(self.index.size)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
+    @classmethod
+    def batch(cls, names: list[str], base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]
+              ) -> dict[str, _Pending]:
+        """Small BF16 CPU tensors (`_small`), analysed in one compiled call."""
+        if not names:
+            return {}
+        hosts = [(tensors.element_view(base[n]), tensors.element_view(target[n])) for n in names]
+        out = {}
+        for name, host, analysis in zip(names, hosts, conditional.analyze_many(*zip(*hosts))):
+            p = cls.__new__(cls)
+            p.name, p.dt, p.shape = name, tensors.BF16, tuple(target[name].shape)
+            p._tensors, p._host = (base[name], target[name]), host
+            p.analysis, p.index, p.changes, p.batched = analysis, None, analysis.changes, True
+            p.base_digest = digest_elements(p.dt.name, p.shape, host[0])
+            p.target_digest = digest_elements(p.dt.name, p.shape, host[1])
+            out[name] = p
+        return out
+
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host is None:
@@ -136,15 +164,27 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(fn, items))
 
-    pending = run(prepare, list(target.items()))
+    small = {name for name, t in target.items() if use_conditional and _small(base[name], t)}
+    ready = _Pending.batch([name for name in target if name in small], base, target)
+    rest = dict(zip((name for name in target if name not in small),
+                    run(prepare, [item for item in target.items() if item[0] not in small])))
+    pending = [ready[name] if name in small else rest[name] for name in target]
     analyses = [p.analysis for p in pending if p.analysis is not None and p.changes]
     model = conditional.ValueModel.fit(analyses) if analyses else None
+    # the batch's sparse tensors are coded together; dense ones (and every one at "max") race methods
+    together = [p for p in pending if p.batched and p.changes and effort != "max"
+                and p.changes <= DENSE_FRACTION * p.host[0].size]
+    coded = dict(zip((p.name for p in together), conditional.encode_many([p.analysis for p in together], model))
+                 ) if together else {}
 
     def code(p: _Pending) -> Entry:
         if not p.changes:
             return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
         b, t = p.host
-        c = _encode_tensor(b, t, p.dt, p.changes, p.index, effort, p.analysis, model)
+        if p.name in coded:
+            c = _Candidate(conditional.ID, *coded[p.name])
+        else:
+            c = _encode_tensor(b, t, p.dt, p.changes, p.index, effort, p.analysis, model)
         td = p.target_digest if p.target_digest is not None else digest_elements(p.dt.name, p.shape, t)
         return Entry(p.name, p.dt, p.shape, c.method, p.changes, p.base_digest, td, c.params, c.streams)
 

@@ -229,3 +229,23 @@ def test_differences_are_flatnonzero(n, changed):
     flip = rng.random(n) < changed
     t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
     assert np.array_equal(ec.differences(b, t), np.flatnonzero(b != t))
+
+
+def test_batched_analysis_matches_one_tensor_at_a_time():
+    """analyze_many (one compiled call for many small tensors) gives every tensor exactly what
+    analyze gives it alone: sizes that are and are not whole blocks, no change, every element
+    changed (the shared buffers must grow)."""
+    rng = np.random.default_rng(9)
+    bs, ts = [], []
+    for n, changed in [(1, 1.0), (63, 0.1), (64, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0), (4000, 0.03)]:
+        b = _bits(rng, n)
+        t = b.copy()
+        flip = rng.random(n) < changed
+        t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+        bs.append(b)
+        ts.append(t)
+    for got, b, t in zip(ec.analyze_many(bs, ts), bs, ts):
+        want = ec.analyze(b, t)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w)

@@ -37,7 +37,7 @@ from .. import rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
-from ..wire import Writer, read_uvarints, uvarints
+from ..wire import read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
 
@@ -456,6 +456,13 @@ def analyze(base: np.ndarray, target: np.ndarray, on_chunk: Callable[[int, int],
     return Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
 
 
+def analyze_many(bases: list[np.ndarray], targets: list[np.ndarray]) -> list[Analysis]:
+    """`analyze` of many small tensors in one compiled call (same results, tested)."""
+    return [Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
+            for thresholds, pairs, classes, ranks, sizes, changes
+            in ec.analyze_many([b.reshape(-1) for b in bases], [t.reshape(-1) for t in targets])]
+
+
 class ValueModel:
     """One value-token table per key, shared by every conditional tensor of a payload."""
 
@@ -574,29 +581,105 @@ def _argmin_levels(n, k, logs):
     return out
 
 
-def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Mask level minimising the ideal Bernoulli cost of k changes among n elements, per class."""
+def _level_logs() -> np.ndarray:
+    """log2 p and log2 (1 - p) of every mask level (for choosing levels)."""
     global _LEVEL_LOGS
     if _LEVEL_LOGS is None:
         p = level_probability()
         _LEVEL_LOGS = np.stack([np.log2(p), np.log2(1.0 - p)])
-    return _argmin_levels(np.asarray(n, np.float64), np.asarray(k, np.float64), _LEVEL_LOGS)
+    return _LEVEL_LOGS
+
+
+def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Mask level minimising the ideal Bernoulli cost of k changes among n elements, per class."""
+    return _argmin_levels(np.asarray(n, np.float64), np.asarray(k, np.float64), _level_logs())
+
+
+@nb.njit(cache=True, nogil=True)
+def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
+                 vrsh, vrow_of_key):
+    """Params and stream of every tensor of a batch (tensor i's changes are [first[i], first[i+1])
+    of pairs, cls and ranks; its classes, sizes and changes are row i of the rest), into two
+    buffers: (params bytes, params offsets, stream words, stream offsets). The stream is the
+    emitted words then each final state as (low, high) 32-bit words (docs/FORMAT.md)."""
+    m = first.size - 1
+    params = np.empty(m * (2 * MAX_CLASSES + 10 * MAX_CLASSES), np.uint8)
+    poff = np.zeros(m + 1, np.int64)
+    streams = np.empty(8 * pairs.size + 20 * m, np.uint32)
+    soff = np.zeros(m + 1, np.int64)
+    p = 0
+    q = 0
+    for i in range(m):
+        a = first[i]
+        b = first[i + 1]
+        nclass = nthr[i] + 1
+        levels = _argmin_levels(sizes[i, :nclass].astype(np.float64), changes[i, :nclass].astype(np.float64), logs)
+        words, nw, x0, x1 = _encode(pairs[a:b], cls[a:b], ranks[a:b], levels, mcum, mfreq, mrcp, mrsh,
+                                    vcum, vfreq, vrcp, vrsh, vrow_of_key)
+        params[p] = nclass
+        p += 1
+        for c in range(nclass - 1):
+            params[p] = thr[i, c]
+            p += 1
+        for c in range(nclass):
+            params[p] = levels[c]
+            p += 1
+        for c in range(nclass):  # LEB128
+            v = changes[i, c]
+            while v >= 0x80:
+                params[p] = (v & 0x7F) | 0x80
+                p += 1
+                v >>= 7
+            params[p] = v
+            p += 1
+        poff[i + 1] = p
+        for j in range(nw):
+            streams[q + j] = words[j]
+        q += nw
+        for x in (x0, x1):
+            streams[q] = x & rans.WORD_MASK
+            streams[q + 1] = x >> 32
+            q += 2
+        soff[i + 1] = q
+    return params, poff, streams, soff
+
+
+def encode_many(analyses: list[Analysis], model: ValueModel) -> list[tuple[bytes, list[Stream]]]:
+    """(params, streams) of each analysed tensor, coded in one compiled call (a model's dozens of
+    norm weights and biases cost more in per-call overhead than in coding)."""
+    m = len(analyses)
+    if m == 1:
+        a = analyses[0]
+        pairs, cls, ranks = a.pairs, a.classes, a.ranks
+    else:
+        pairs = np.concatenate([a.pairs for a in analyses])
+        cls = np.concatenate([a.classes for a in analyses])
+        ranks = np.concatenate([a.ranks for a in analyses])
+    first = np.zeros(m + 1, np.int64)
+    thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
+    nthr = np.zeros(m, np.int64)
+    sizes = np.zeros((m, MAX_CLASSES), np.int64)
+    changes = np.zeros((m, MAX_CLASSES), np.int64)
+    for i, a in enumerate(analyses):
+        first[i + 1] = first[i] + a.changes
+        nthr[i] = a.thresholds.size
+        thr[i, : nthr[i]] = a.thresholds
+        sizes[i] = a.class_sizes
+        changes[i, : a.nclass] = a.class_changes()
+    mfreq, mcum, _ = mask_tables()
+    mrcp, mrsh = mask_reciprocals()
+    params, poff, streams, soff = _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, _level_logs(), mcum,
+                                               mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh,
+                                               model.row_of_key)
+    out = []
+    for i in range(m):
+        data = streams[soff[i]: soff[i + 1]].astype("<u4").tobytes()
+        out.append((params[poff[i]: poff[i + 1]].tobytes(), [Stream(RAW, len(data), data)]))
+    return out
 
 
 def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
-    nclass = a.nclass
-    changes = a.class_changes()
-    levels = _choose_levels(a.class_sizes[:nclass].astype(np.float64), changes.astype(np.float64))
-    mfreq, mcum, _ = mask_tables()
-    mrcp, mrsh = mask_reciprocals()
-    words, nw, x0, x1 = _encode(a.pairs, a.classes, a.ranks, levels, mcum, mfreq, mrcp, mrsh,
-                                model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
-    data = rans.words_to_bytes(words, nw, (int(x0), int(x1)))
-    w = Writer()
-    for count in changes:
-        w.uvarint(int(count))
-    params = bytes([nclass]) + a.thresholds.astype(np.uint8).tobytes() + levels.astype(np.uint8).tobytes() + w.getvalue()
-    return params, [Stream(RAW, len(data), data)]
+    return encode_many([a], model)[0]
 
 
 # ---------------------------------------------------------------- decoder side

@@ -41,7 +41,8 @@ _U1 = np.uint64(1)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def sample_stride(n: int) -> int:
+@nb.njit(cache=True, nogil=True)
+def sample_stride(n):
     return max(1, n >> SAMPLE_BITS)
 
 
@@ -396,10 +397,10 @@ def unzigzag(u):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank):
-    """Blocks [o0, o1) of b and t (whole blocks, `blocks`): every change's (base, target) pair
-    (base << 16 | target), class and rank in its class, stored from index k while the buffers
-    last. Returns the new count (beyond the buffers' size: retry with larger ones). Resumable: ge
+def _scan_range(b, t, origin, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank):
+    """Blocks [o0, o1) of b and t (whole blocks, `blocks`), of a tensor starting at `origin`:
+    every change's (base, target) pair (base << 16 | target), class and rank in its class, stored
+    from index k while the buffers last. Returns the new count (beyond the buffers' size: retry with larger ones). Resumable: ge
     (class masks, ge[0] all ones) and seen (elements at or above each class's bound before the
     block) carry on to the next range.
 
@@ -407,7 +408,7 @@ def _scan_range(b, t, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank):
     these (storing them too cost ~30% more time, in stores and in the buffers' page faults)."""
     cap = pairs.size
     for o in range(o0, o1, BLOCK):
-        seen[0] = o
+        seen[0] = o - origin
         _block_masks(b, o, lanes, ge)
         changed = _differ(b, t, o)
         while changed != _U0:
@@ -440,10 +441,11 @@ def _scan_state():
 
 
 @nb.njit(cache=True, nogil=True)
-def _class_totals(cls, k, seen, total):
-    """(elements, changes) per class once the scan has seen `total` elements."""
+def _class_totals(cls, k0, k1, seen, total):
+    """(elements, changes) per class of a tensor whose changes are cls[k0:k1], once the scan has
+    seen its `total` elements."""
     changes = np.zeros(MAX_CLASSES, np.int64)
-    for j in range(k):
+    for j in range(k0, k1):
         changes[np.uint64(cls[j])] += 1
     seen[0] = total
     sizes = np.empty(MAX_CLASSES, np.int64)
@@ -469,8 +471,9 @@ def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
     thresholds = _thresholds(b, t, stride, thresholds, choose)
     pairs, cls, rank = _scan_buffers(cap)
     ge, seen = _scan_state()
-    k = _scan_range(bb, tb, 0, bb.size, lane_bounds(thresholds), class_lut(thresholds), ge, seen, 0, pairs, cls, rank)
-    sizes, changes = _class_totals(cls, min(k, cap), seen, bb.size)
+    k = _scan_range(bb, tb, 0, 0, bb.size, lane_bounds(thresholds), class_lut(thresholds), ge, seen, 0, pairs, cls,
+                    rank)
+    sizes, changes = _class_totals(cls, 0, min(k, cap), seen, bb.size)
     return thresholds, pairs, cls, rank, sizes, changes, k
 
 
@@ -507,17 +510,71 @@ def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
         for start in range(0, bb.size, SCAN_CHUNK):
             stop = min(start + SCAN_CHUNK, bb.size)
             before, seen_before = k, seen.copy()
-            k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
+            k = _scan_range(bb, tb, 0, start, stop, lanes, lut, ge, seen, before, *buffers)
             if k > cap:  # the buffers ran out in this chunk: grow them and scan the chunk again
                 cap = max(2 * cap, k)
                 buffers = tuple(np.concatenate([a[:before], np.empty(cap - before, a.dtype)]) for a in buffers)
                 seen[:] = seen_before
-                k = _scan_range(bb, tb, start, stop, lanes, lut, ge, seen, before, *buffers)
+                k = _scan_range(bb, tb, 0, start, stop, lanes, lut, ge, seen, before, *buffers)
             on_chunk(start, min(stop, b.size))
         pairs, cls, rank = buffers
-        sizes, changes = _class_totals(cls, k, seen, bb.size)
+        sizes, changes = _class_totals(cls, 0, k, seen, bb.size)
     sizes[0] -= bb.size - b.size  # the padding is class 0
     return thresholds, pairs[:k], cls[:k], rank[:k], sizes, changes
+
+
+@nb.njit(cache=True, nogil=True)
+def _analyze_many(bb, tb, starts, counts, cap):
+    """`analyze` of many small tensors in one compiled call: tensor i has counts[i] elements at
+    bb[starts[i]:] and tb[starts[i]:] (starts are multiples of 64; the gaps between tensors hold
+    zeros). Returns (pairs, classes, ranks, first change of each tensor and the end,
+    thresholds (one row per tensor, thresholds[i, :nthr[i]]), nthr, class sizes, class changes,
+    changes found)."""
+    m = starts.size
+    pairs, cls, rank = _scan_buffers(cap)
+    first = np.empty(m + 1, np.int64)
+    thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
+    nthr = np.zeros(m, np.int64)
+    sizes = np.zeros((m, MAX_CLASSES), np.int64)
+    changes = np.zeros((m, MAX_CLASSES), np.int64)
+    k = 0
+    for i in range(m):
+        s = starts[i]
+        n = counts[i]
+        padded = -(-n // BLOCK) * BLOCK
+        th = _thresholds(bb[s:s + n], tb[s:s + n], sample_stride(n), np.empty(0, np.int64), True)
+        thr[i, :th.size] = th
+        nthr[i] = th.size
+        ge, seen = _scan_state()
+        first[i] = k
+        k = _scan_range(bb, tb, s, s, s + padded, lane_bounds(th), class_lut(th), ge, seen, k, pairs, cls, rank)
+        tensor_sizes, tensor_changes = _class_totals(cls, first[i], min(k, cap), seen, padded)
+        sizes[i] = tensor_sizes
+        changes[i] = tensor_changes
+        sizes[i, 0] -= padded - n  # the padding is class 0
+    first[m] = k
+    return pairs, cls, rank, first, thr, nthr, sizes, changes, k
+
+
+def analyze_many(bs: list[np.ndarray], ts: list[np.ndarray]) -> list[tuple]:
+    """`analyze` (classes chosen from a sample) of many small flat uint16 tensors at once: a
+    compiled call costs microseconds of dispatch and a Python wrapper more, and a model has dozens
+    of norm weights and biases of a few hundred elements."""
+    counts = np.array([b.size for b in bs], np.int64)
+    padded = -(-counts // BLOCK) * BLOCK
+    starts = np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64)
+    bb = np.zeros(int(padded.sum()), np.uint16)
+    tb = np.zeros(bb.size, np.uint16)
+    for s, b, t in zip(starts, bs, ts):
+        bb[s:s + b.size] = b
+        tb[s:s + t.size] = t
+    cap = max(1024, bb.size // 16)
+    out = _analyze_many(bb, tb, starts, counts, cap)
+    if out[-1] > cap:
+        out = _analyze_many(bb, tb, starts, counts, out[-1])
+    pairs, cls, rank, first, thr, nthr, sizes, changes, _ = out
+    return [(thr[i, :nthr[i]].copy(), pairs[first[i]:first[i + 1]], cls[first[i]:first[i + 1]],
+             rank[first[i]:first[i + 1]], sizes[i], changes[i]) for i in range(len(bs))]
 
 
 @nb.njit(cache=True, nogil=True)
