@@ -285,6 +285,24 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
     return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
 
 
+def _decode_small(base: Mapping[str, torch.Tensor], parsed: Payload) -> dict[str, torch.Tensor]:
+    """The verified targets of the payload's small conditional tensors, decoded in one compiled
+    call. One that fails is left out: `_decode_entry` then decodes it alone and says why."""
+    small = [e for e in parsed.entries if e.method == conditional.ID and e.dtype is tensors.BF16
+             and 0 < e.numel <= SMALL_TENSOR and e.changes]
+    if not small:
+        return {}
+    views = [_base_view(e, base.get(e.name)) for e in small]
+    done = {}
+    for entry, result in zip(small, conditional.decode_targets(small, views, parsed.shared)):
+        if result is None or result[0] != entry.changes:
+            continue
+        new = result[1]
+        if digest_elements(entry.dtype.name, entry.shape, new) == entry.target_digest:
+            done[entry.name] = tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
+    return done
+
+
 def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
            workers: int = 1) -> dict[str, torch.Tensor]:
     """The target checkpoint, every tensor verified against the trainer's digest.
@@ -293,12 +311,15 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     `workers` > 1 decodes tensors on that many threads (the compiled kernels release the GIL).
     """
     parsed = _parse(base, payload)
+    done = _decode_small(base, parsed)
+    rest = [entry for entry in parsed.entries if entry.name not in done]
     if workers <= 1:
-        return {entry.name: _decode_entry(base, entry, parsed) for entry in parsed.entries}
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        # largest first, so one big tensor does not start last
-        order = sorted(parsed.entries, key=lambda e: -e.numel)
-        done = dict(zip((e.name for e in order), pool.map(lambda e: _decode_entry(base, e, parsed), order)))
+        done.update((entry.name, _decode_entry(base, entry, parsed)) for entry in rest)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            # largest first, so one big tensor does not start last
+            order = sorted(rest, key=lambda e: -e.numel)
+            done.update(zip((e.name for e in order), pool.map(lambda e: _decode_entry(base, e, parsed), order)))
     return {entry.name: done[entry.name] for entry in parsed.entries}
 
 
