@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -232,16 +232,18 @@ def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     return parsed
 
 
-def _decoded(entry: Entry, elems: np.ndarray, parsed: Payload, with_target: bool) -> tuple[int, Patch | None, np.ndarray | None]:
+def _decoded(entry: Entry, elems: np.ndarray, parsed: Payload, with_target: bool,
+             on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[int, Patch | None, np.ndarray | None]:
     """(changes, patch, target) of one entry, every failure a DeltaError naming the tensor. With
     with_target, methods that build the target while decoding (`decode_target`) do so (no copy of
-    the base beforehand, no scatter, no patch); the others' patch is applied to a copy."""
+    the base beforehand, no scatter, no patch; on_chunk sees the target in final parts), the
+    others' patch is applied to a copy."""
     module = methods.lookup(entry, parsed.version)
     build = getattr(module, "decode_target", None) if with_target else None
     patch = new = None
     try:
         if build is not None:
-            count, new = build(entry, elems, parsed.shared)
+            count, new = build(entry, elems, parsed.shared, on_chunk)
         else:
             patch = module.decode(entry, elems, parsed.shared)
             count = patch.count
@@ -259,13 +261,16 @@ def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
     return _decoded(entry, elems, parsed, False)[1]
 
 
-def _target(entry: Entry, elems: np.ndarray, parsed: Payload) -> np.ndarray:
-    """The entry's whole reconstructed tensor, flat (not yet verified)."""
-    _, patch, new = _decoded(entry, elems, parsed, True)
-    if new is None:
-        new = elems.reshape(-1).copy()
-        new[patch.index] = patch.values
-    return new
+def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np.ndarray, bytes]:
+    """The entry's whole reconstructed tensor, flat, and its digest: fed part by part while the
+    decoder builds it, where the method can, else computed afterwards."""
+    h = digester(entry.dtype.name, entry.shape)
+    _, patch, new = _decoded(entry, elems, parsed, True, lambda part: feed(h, part))
+    if new is not None:
+        return new, h.digest()
+    new = elems.reshape(-1).copy()
+    new[patch.index] = patch.values
+    return new, digest_elements(entry.dtype.name, entry.shape, new)
 
 
 def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payload) -> torch.Tensor:
@@ -277,10 +282,10 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
         new = elems.copy()
     else:
         try:
-            new = _target(entry, elems, parsed)
+            new, digest = _target_digest(entry, elems, parsed)
         except DeltaError as exc:
             raise _explain(entry, elems, exc) from None
-        if digest_elements(entry.dtype.name, entry.shape, new) != entry.target_digest:
+        if digest != entry.target_digest:
             raise _explain(entry, elems, DeltaError("reconstruction does not match the target digest", tensor=entry.name))
     return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
 

@@ -266,3 +266,12 @@ def test_digests_of_tensors_scanned_in_chunks():
         assert entry.target_digest == digest_elements(tensors.BF16.name, entry.shape, bits_of(target[entry.name]))
     out = codec.decode(base, payload)
     assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
+    # a corrupted stream of the large tensor, decoded chunk by chunk, is refused naming it
+    parsed = container.unpack(payload)
+    entry = next(e for e in parsed.entries if e.name == "big")
+    junk = bytearray(entry.streams[0].stored)
+    junk[len(junk) // 2] ^= 0x10
+    entry.streams[0] = container.Stream(0, len(junk), bytes(junk))
+    with pytest.raises(codec.DeltaError) as err:
+        codec.decode(base, container.pack(parsed))
+    assert err.value.tensor == "big"

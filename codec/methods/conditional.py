@@ -346,20 +346,63 @@ CHUNK = 1 << 12
 
 
 @nb.njit(cache=True, nogil=True)
+def _decode_start(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot):
+    """Phase 1, every class's gaps into bitmaps, and the state the scan starts from:
+    (bitmaps, scan state (`ec.scan_state`), st = [x, other, pos, changes decoded], status)."""
+    bits, start, lim, x, other, pos, status = _decode_gaps(b.size, bb.size, words, x0, x1, levels, counts,
+                                                           mcum, mfreq, mslot)
+    lanes, nclass, ge, cursor, guard = ec.scan_state(thresholds, start, lim)
+    st = np.array([x, other, pos, 0], np.int64)
+    return bits, lanes, nclass, ge, cursor, guard, st, status
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_span(b, bb, o0, o1, words, st, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot, vrow_of_key,
+                 at, vals, out, copy_to):
+    """Phases 2 and 3 over elements [o0, o1) (whole blocks), chunk by chunk: positions from a
+    scan of the base, then those changes' values, so a chunk's base and output are decoded while
+    in L1. Resumable: st = [x, other, pos, changes decoded] carries on. Building a target (`out`
+    not empty), `at` holds one chunk's positions; otherwise at and vals collect the patch.
+    Returns the status."""
+    x, other, pos, total = st[0], st[1], st[2], st[3]
+    building = out.size > 0
+    for o in range(o0, o1, CHUNK):
+        done = 0 if building else total
+        k, status = ec.positions_between(b.size, bb, o, min(o + CHUNK, o1), lanes, nclass, ge, bits, cursor, guard,
+                                         at, done, copy_to)
+        if status:
+            return status
+        x, other, pos, status = _decode_values(b, at, done, k, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key,
+                                               vals, out)
+        if status:
+            return status
+        total += k - done
+    st[0], st[1], st[2], st[3] = x, other, pos, total
+    return 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_end(st, expected):
+    """The stream must end exactly: every change decoded, both states back at L, every word consumed."""
+    if st[3] != expected:
+        return 2
+    if st[0] != rans.RANS_L or st[1] != rans.RANS_L or st[2] != -1:
+        return 7
+    return 0
+
+
+@nb.njit(cache=True, nogil=True)
 def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key,
             out, copy_to):
     """The three phases in one compiled call: (positions, values, changes decoded, status).
-    Phase 1 decodes every class's gaps into bitmaps; then, chunk by chunk, phase 2 turns them
-    into positions with a scan of the base and phase 3 decodes those changes' values.
 
     With an empty `out`, the positions and values of every change are returned (a patch). With
     a non-empty `out` the target is built there instead: the base copied during the scan (into
     `copy_to`, which is `out` itself when the base needs no padding to whole blocks), the values
     written as they are decoded, and positions kept only for the current chunk (no per-change
-    arrays to allocate and fill). Finally the stream must end exactly: both states back at L,
-    every word consumed."""
-    bits, start, lim, x, other, pos, status = _decode_gaps(b.size, bb.size, words, x0, x1, levels, counts,
-                                                           mcum, mfreq, mslot)
+    arrays to allocate and fill)."""
+    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(b, bb, words, x0, x1, thresholds, levels, counts,
+                                                                       mcum, mfreq, mslot)
     expected = counts.sum()
     building = out.size > 0
     at = np.empty(min(expected, CHUNK) if building else expected, np.int64)
@@ -368,24 +411,11 @@ def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot
         return at, vals, 0, status
     if building and not copy_to.size:
         out[:] = b
-    lanes, nclass, ge, cursor, guard = ec.scan_state(thresholds, start, lim)
-    total = 0
-    for o in range(0, bb.size, CHUNK):
-        done = 0 if building else total
-        k, status = ec.positions_between(b.size, bb, o, min(o + CHUNK, bb.size), lanes, nclass, ge, bits, cursor, guard,
-                                         at, done, copy_to)
-        if status:
-            return at, vals, total, status
-        x, other, pos, status = _decode_values(b, at, done, k, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key,
-                                               vals, out)
-        if status:
-            return at, vals, total, status
-        total += k - done
-    if total != expected:
-        return at, vals, total, 2
-    if x != rans.RANS_L or other != rans.RANS_L or pos != -1:
-        return at, vals, total, 7
-    return at, vals, total, 0
+    status = _decode_span(b, bb, 0, bb.size, words, st, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot,
+                          vrow_of_key, at, vals, out, copy_to)
+    if status == 0:
+        status = _decode_end(st, expected)
+    return at, vals, st[3], status
 
 
 _STATUS = {
@@ -726,12 +756,41 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     return Patch(at, val)
 
 
-def decode_target(entry: Entry, base: np.ndarray, shared: dict) -> tuple[int, np.ndarray]:
+def decode_target(entry: Entry, base: np.ndarray, shared: dict,
+                  on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[int, np.ndarray]:
     """(changes decoded, the whole target tensor, flat), built in the decoding pass: no copy of
-    the base beforehand, no scatter, no per-change arrays."""
+    the base beforehand, no scatter, no per-change arrays. on_chunk(part), if given, receives the
+    target in consecutive final parts while they are still in cache (for the caller's digest):
+    tensors larger than ec.SCAN_CHUNK elements are decoded a chunk at a time for it."""
     out = np.empty(base.size, base.dtype)
-    _, _, count = _decode_entry(entry, base, shared, out)
-    return count, out
+    if on_chunk is None or base.size <= ec.SCAN_CHUNK:
+        _, _, count = _decode_entry(entry, base, shared, out)
+        if on_chunk is not None:
+            on_chunk(out)
+        return count, out
+    flat, thresholds, levels, counts, words, x0, x1, model = _checked(entry, base, shared)
+    bb = ec.blocks(flat)
+    copy_to = out if flat.size % ec.BLOCK == 0 else _NO_OUT
+    if not copy_to.size:
+        out[:] = flat
+    mfreq, mcum, mslot = mask_tables()
+    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(flat, bb, words, np.int64(x0), np.int64(x1),
+                                                                       thresholds, levels, counts, mcum, mfreq, mslot)
+    expected = int(counts.sum())
+    at = np.empty(min(expected, CHUNK), np.int64)
+    for start in range(0, bb.size, ec.SCAN_CHUNK):
+        if status:
+            break
+        stop = min(start + ec.SCAN_CHUNK, bb.size)
+        status = _decode_span(flat, bb, start, stop, words, st, bits, lanes, nclass, ge, cursor, guard, model.cum,
+                              model.freq, model.slots, model.row_of_key, at, _NO_OUT, out, copy_to)
+        if not status:
+            on_chunk(out[start: min(stop, flat.size)])
+    if status == 0:
+        status = _decode_end(st, expected)
+    if status:
+        raise DeltaError(_STATUS[status], tensor=entry.name)
+    return int(st[3]), out
 
 
 _NO_OUT = np.empty(0, np.uint16)
@@ -751,14 +810,19 @@ def _stream(entry: Entry) -> tuple[np.ndarray, int, int]:
     return words, x0, x1
 
 
-def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None
-                  ) -> tuple[np.ndarray, np.ndarray, int]:
+def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
+    """(flat base, thresholds, levels, changes per class, words, state 0, state 1, value model)
+    of a record, every field checked."""
     if base.dtype != np.uint16:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     thresholds, levels, counts = _params(entry)
     words, x0, x1 = _stream(entry)
-    model = _model(shared)
-    base = base.reshape(-1)
+    return base.reshape(-1), thresholds, levels, counts, words, x0, x1, _model(shared)
+
+
+def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
+    base, thresholds, levels, counts, words, x0, x1, model = _checked(entry, base, shared)
     copy_to = _NO_OUT
     if out is None:
         out = _NO_OUT
@@ -804,14 +868,13 @@ def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) 
     ok, params, streams = [], [], []
     for i, (entry, base) in enumerate(zip(entries, bases)):
         try:
-            if base.dtype != np.uint16 or base.size == 0:
-                raise DeltaError("not a BF16 tensor with elements", tensor=entry.name)
-            entry_params, entry_stream = _params(entry), _stream(entry)
+            _, thresholds, levels, counts, words, x0, x1, _ = _checked(entry, base, shared)
         except DeltaError:
             continue
-        params.append(entry_params)
-        streams.append(entry_stream)
-        ok.append(i)
+        if base.size:
+            params.append((thresholds, levels, counts))
+            streams.append((words, x0, x1))
+            ok.append(i)
     results: list[tuple[int, np.ndarray] | None] = [None] * len(entries)
     if not ok:
         return results
