@@ -52,17 +52,23 @@ class Writer:
         return b"".join(self._parts)
 
 
+@nb.njit(inline="always", cache=True)
+def put_uvarint(out, n, v):
+    """Write non-negative v as a LEB128 varint at out[n] (room for 10 bytes); the next free index."""
+    while v >= 0x80:
+        out[n] = (v & 0x7F) | 0x80
+        n += 1
+        v >>= 7
+    out[n] = v
+    return n + 1
+
+
 @nb.njit(cache=True)
 def _encode_uvarints(values):
     out = np.empty(10 * values.size, np.uint8)
     n = 0
     for v in values:
-        while v >= 0x80:
-            out[n] = (v & 0x7F) | 0x80
-            n += 1
-            v >>= 7
-        out[n] = v
-        n += 1
+        n = put_uvarint(out, n, v)
     return out[:n]
 
 

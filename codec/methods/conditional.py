@@ -37,7 +37,7 @@ from .. import rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
-from ..wire import read_uvarints, uvarints
+from ..wire import put_uvarint, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
 
@@ -654,14 +654,8 @@ def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum
         for c in range(nclass):
             params[p] = levels[c]
             p += 1
-        for c in range(nclass):  # LEB128
-            v = changes[i, c]
-            while v >= 0x80:
-                params[p] = (v & 0x7F) | 0x80
-                p += 1
-                v >>= 7
-            params[p] = v
-            p += 1
+        for c in range(nclass):
+            p = put_uvarint(params, p, changes[i, c])
         poff[i + 1] = p
         for j in range(nw):
             streams[q + j] = words[j]
