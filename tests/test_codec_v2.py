@@ -178,8 +178,8 @@ def test_entropy_kernels_round_trip(changes):
     levels = np.array([0, 10, 40, 80, 120, 160, 200, 255], np.int64)
     mfreq, mcum, mslot = conditional.mask_tables()
     mrcp, mrsh = conditional.mask_reciprocals()
-    words, nw, x0, x1 = conditional._encode(pairs, cls, ranks, levels, mcum, mfreq, mrcp, mrsh,
-                                       model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
+    words, nw, x0, x1 = conditional._encode(pairs, cls, ranks, np.bincount(cls, minlength=8), levels, mcum, mfreq,
+                                            mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
     w, (x0, x1) = rans.bytes_to_words(rans.words_to_bytes(words, nw, (int(x0), int(x1))), 2)
     counts = np.bincount(cls, minlength=8)
     # a tensor just large enough: its classes hold every rank

@@ -141,7 +141,8 @@ def _count_value_tokens(pairs, hist):
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode(pairs, cls, ranks, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key):
+def _encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
+            vrow_of_key):
     """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
     first every class's gaps (class 0 first), then every value in tensor order. Symbol i of that
     order uses state i % 2: two interleaved states halve the decoder's dependency chain.
@@ -179,10 +180,11 @@ def _encode(pairs, cls, ranks, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vf
             x >>= 32
         q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), vrcp[row, t]) >> np.uint64(vrsh[row, t]))
         x, other = other, (q << VALUE_SCALE) + (x - q * f) + vcum[row, t]
-    # the gaps, grouped by class (a stable counting sort: ranks stay increasing within a class)
+    # the gaps, grouped by class (a stable counting sort: ranks stay increasing within a class;
+    # the classes' change counts are the scan's)
     end = np.zeros(MAX_CLASSES + 1, np.int64)
-    for j in range(k):
-        end[cls[j] + 1] += 1
+    for c in range(class_changes.size):
+        end[c + 1] = class_changes[c]
     for c in range(MAX_CLASSES):
         end[c + 1] += end[c]
     gap = np.empty(k, np.int64)
@@ -644,8 +646,8 @@ def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum
         b = first[i + 1]
         nclass = nthr[i] + 1
         levels = _argmin_levels(sizes[i, :nclass].astype(np.float64), changes[i, :nclass].astype(np.float64), logs)
-        words, nw, x0, x1 = _encode(pairs[a:b], cls[a:b], ranks[a:b], levels, mcum, mfreq, mrcp, mrsh,
-                                    vcum, vfreq, vrcp, vrsh, vrow_of_key)
+        words, nw, x0, x1 = _encode(pairs[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels, mcum, mfreq, mrcp,
+                                    mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key)
         params[p] = nclass
         p += 1
         for c in range(nclass - 1):
@@ -690,6 +692,8 @@ def encode_many(analyses: list[Analysis], model: ValueModel) -> list[tuple[bytes
         thr[i, : nthr[i]] = a.thresholds
         sizes[i] = a.class_sizes
         changes[i, : a.nclass] = a.class_changes()
+        if changes[i].sum() != a.changes:  # the coder trusts these counts to lay out its gaps
+            raise ValueError(f"analysis counts {changes[i].sum()} changes by class, holds {a.changes}")
     mfreq, mcum, _ = mask_tables()
     mrcp, mrsh = mask_reciprocals()
     params, poff, streams, soff = _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, _level_logs(), mcum,
