@@ -187,12 +187,10 @@ def _encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp,
         end[c + 1] = class_changes[c]
     for c in range(MAX_CLASSES):
         end[c + 1] += end[c]
-    gap = np.empty(k, np.int64)
-    last = np.full(MAX_CLASSES, -1, np.int64)
+    grouped = np.empty(k, np.int64)  # ranks, class by class
     for j in range(k):
-        c = cls[j]
-        gap[end[c]] = ranks[j] - last[c] - 1
-        last[c] = ranks[j]
+        c = _U(cls[j])
+        grouped[_U(end[c])] = ranks[j]
         end[c] += 1  # ends as the end of class c
     for c in range(MAX_CLASSES - 1, -1, -1):  # class by class, each with its table rows hoisted
         lo = end[c - 1] if c > 0 else 0
@@ -204,7 +202,7 @@ def _encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp,
         rc = mrcp[lv]
         rs = mrsh[lv]
         for jj in range(end[c] - 1, lo - 1, -1):
-            v = gap[jj]
+            v = grouped[_U(jj)] - (grouped[_U(jj - 1)] if jj > lo else -1) - 1  # the gap
             tok = v
             if v >= rans.DIRECT:
                 n = 63 - np.int64(leading_zeros(np.uint64(v)))
