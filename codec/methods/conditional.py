@@ -759,34 +759,8 @@ def decode_target(entry: Entry, base: np.ndarray, shared: dict,
     target in consecutive final parts while they are still in cache (for the caller's digest):
     tensors larger than ec.SCAN_CHUNK elements are decoded a chunk at a time for it."""
     out = np.empty(base.size, base.dtype)
-    if on_chunk is None or base.size <= ec.SCAN_CHUNK:
-        _, _, count = _decode_entry(entry, base, shared, out)
-        if on_chunk is not None:
-            on_chunk(out)
-        return count, out
-    flat, thresholds, levels, counts, words, x0, x1, model = _checked(entry, base, shared)
-    bb = ec.blocks(flat)
-    copy_to = out if flat.size % ec.BLOCK == 0 else _NO_OUT
-    if not copy_to.size:
-        out[:] = flat
-    mfreq, mcum, mslot = mask_tables()
-    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(flat, bb, words, np.int64(x0), np.int64(x1),
-                                                                       thresholds, levels, counts, mcum, mfreq, mslot)
-    expected = int(counts.sum())
-    at = np.empty(min(expected, CHUNK), np.int64)
-    for start in range(0, bb.size, ec.SCAN_CHUNK):
-        if status:
-            break
-        stop = min(start + ec.SCAN_CHUNK, bb.size)
-        status = _decode_span(flat, bb, start, stop, words, st, bits, lanes, nclass, ge, cursor, guard, model.cum,
-                              model.freq, model.slots, model.row_of_key, at, _NO_OUT, out, copy_to)
-        if not status:
-            on_chunk(out[start: min(stop, flat.size)])
-    if status == 0:
-        status = _decode_end(st, expected)
-    if status:
-        raise DeltaError(_STATUS[status], tensor=entry.name)
-    return int(st[3]), out
+    _, _, count = _decode_entry(entry, base, shared, out, on_chunk)
+    return count, out
 
 
 _NO_OUT = np.empty(0, np.uint16)
@@ -816,21 +790,47 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
     return base.reshape(-1), thresholds, levels, counts, words, x0, x1, _model(shared)
 
 
-def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None
-                  ) -> tuple[np.ndarray, np.ndarray, int]:
+def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None,
+                  on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """(positions, values, changes decoded) of a record; with `out`, the target is built there
+    instead (see `_decode`), handed to on_chunk in final parts if given."""
     base, thresholds, levels, counts, words, x0, x1, model = _checked(entry, base, shared)
+    bb = ec.blocks(base)
     copy_to = _NO_OUT
     if out is None:
         out = _NO_OUT
     elif base.size % ec.BLOCK == 0:
         copy_to = out  # the base is its own blocks: the scan copies it block by block
     mfreq, mcum, mslot = mask_tables()
-    at, val, count, status = _decode(base, ec.blocks(base), words, np.int64(x0), np.int64(x1), thresholds, levels,
-                                     counts, mcum, mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key,
-                                     out, copy_to)
+    if not out.size or on_chunk is None or base.size <= ec.SCAN_CHUNK:  # one compiled call
+        at, val, count, status = _decode(base, bb, words, np.int64(x0), np.int64(x1), thresholds, levels, counts, mcum,
+                                         mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out,
+                                         copy_to)
+        if status:
+            raise DeltaError(_STATUS[status], tensor=entry.name)
+        if on_chunk is not None and out.size:
+            on_chunk(out)
+        return at, val, int(count)
+    # a large target, a chunk at a time: each part goes to on_chunk while it is in cache
+    if not copy_to.size:
+        out[:] = base
+    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(base, bb, words, np.int64(x0), np.int64(x1),
+                                                                       thresholds, levels, counts, mcum, mfreq, mslot)
+    expected = int(counts.sum())
+    at = np.empty(min(expected, CHUNK), np.int64)
+    for start in range(0, bb.size, ec.SCAN_CHUNK):
+        if status:
+            break
+        stop = min(start + ec.SCAN_CHUNK, bb.size)
+        status = _decode_span(base, bb, start, stop, words, st, bits, lanes, nclass, ge, cursor, guard, model.cum,
+                              model.freq, model.slots, model.row_of_key, at, _NO_OUT, out, copy_to)
+        if not status:
+            on_chunk(out[start: min(stop, base.size)])
+    if status == 0:
+        status = _decode_end(st, expected)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
-    return at, val, int(count)
+    return at, _NO_OUT, int(st[3])
 
 
 @nb.njit(cache=True, nogil=True)
