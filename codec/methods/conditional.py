@@ -875,12 +875,7 @@ def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) 
     if not ok:
         return results
     m = len(ok)
-    sizes = np.array([bases[i].size for i in ok], np.int64)
-    padded = -(-sizes // ec.BLOCK) * ec.BLOCK
-    starts = np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64)
-    joined = np.zeros(int(padded.sum()), np.uint16)
-    for s, i in zip(starts, ok):
-        joined[s:s + bases[i].size] = bases[i].reshape(-1)
+    joined, starts, sizes = ec.joined_blocks([bases[i] for i in ok])
     first_word = np.zeros(m + 1, np.int64)
     first_word[1:] = np.cumsum([w.size for w, _, _ in streams])
     words = np.concatenate([w for w, _, _ in streams]) if m else np.zeros(0, np.uint32)

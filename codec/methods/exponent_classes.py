@@ -69,6 +69,18 @@ def blocks(a: np.ndarray) -> np.ndarray:
     return padded
 
 
+def joined_blocks(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Many flat uint16 arrays laid out one after another, each from a multiple of 64 and padded
+    with zeros to whole blocks (as `blocks` pads one): (joined, starts, sizes)."""
+    sizes = np.array([a.size for a in arrays], np.int64)
+    padded = -(-sizes // BLOCK) * BLOCK
+    starts = np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64)
+    joined = np.zeros(int(padded.sum()), np.uint16)
+    for s, a in zip(starts, arrays):
+        joined[s:s + a.size] = a.reshape(-1)
+    return joined, starts, sizes
+
+
 # ---------------------------------------------------------------- vector masks, bit tricks
 
 _LANES = ir.VectorType(ir.IntType(16), BLOCK)
@@ -560,14 +572,8 @@ def analyze_many(bs: list[np.ndarray], ts: list[np.ndarray]) -> list[tuple]:
     """`analyze` (classes chosen from a sample) of many small flat uint16 tensors at once: a
     compiled call costs microseconds of dispatch and a Python wrapper more, and a model has dozens
     of norm weights and biases of a few hundred elements."""
-    counts = np.array([b.size for b in bs], np.int64)
-    padded = -(-counts // BLOCK) * BLOCK
-    starts = np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64)
-    bb = np.zeros(int(padded.sum()), np.uint16)
-    tb = np.zeros(bb.size, np.uint16)
-    for s, b, t in zip(starts, bs, ts):
-        bb[s:s + b.size] = b
-        tb[s:s + t.size] = t
+    bb, starts, counts = joined_blocks(bs)
+    tb = joined_blocks(ts)[0]
     cap = max(1024, bb.size // 16)
     out = _analyze_many(bb, tb, starts, counts, cap)
     if out[-1] > cap:
