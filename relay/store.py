@@ -17,6 +17,7 @@ Three backends, chosen by protocol:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -271,6 +272,27 @@ def _client_error(exc: BaseException) -> tuple[str, int]:
     return "", 0
 
 
+def transient(exc: BaseException) -> bool:
+    """Whether a retry may cure a failed request: a 5xx, throttling, a reset or a timeout.
+
+    A write that failed this way may still have been applied (the store answered after writing,
+    or the answer was lost), so a caller that retries a conditional write re-reads first. Refusals
+    (4xx: denied, missing, precondition) are not transient.
+    """
+    if isinstance(exc, (ConflictError, FileNotFoundError, FileExistsError, PermissionError)):
+        return False
+    code, status = _client_error(exc)
+    if status:
+        return status >= 500 or status == 429 or code in ("SlowDown", "Throttling", "RequestTimeout")
+    if code:
+        return code in ("InternalError", "ServiceUnavailable", "SlowDown", "Throttling", "RequestTimeout")
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    # botocore's connection-level failures (reset, read timeout, endpoint gone) and s3fs's EREMOTEIO
+    return type(exc).__module__.startswith(("botocore", "aiobotocore", "aiohttp")) or (
+        isinstance(exc, OSError) and exc.errno in (errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO)))
+
+
 class S3Store(Store):
     """s3:// prefix through s3fs (same endpoint and credentials as the storage_options give)."""
 
@@ -395,5 +417,5 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
     return FsspecStore(url, fs, root)
 
 
-__all__ = ["Store", "open_store", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
+__all__ = ["Store", "open_store", "transient", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
            "MANIFEST_KEY", "content_tag"]

@@ -21,7 +21,7 @@ import relay
 from faultproxy import FaultProxy, Oracle, same_bits
 from relay.fanout import Destination, Fanout
 from relay.manifest import Manifest, ManifestError
-from relay.store import ConflictError, content_tag, open_store
+from relay.store import ConflictError, content_tag, open_store, transient
 from relay.watcher import Reader, SyncError, SyncTimeout
 
 # botocore: one retry of its own (legacy mode waits under a second) inside s3fs's five, and short timeouts,
@@ -193,6 +193,53 @@ def test_ambiguous_manifest_commit(origin, trainer, tmp_path, logs, record_prope
     oracle.ok()
     assert len(proxy.log) == 4 and "landed" in logs.text
     note(record_property, [proxy], steps_published=5, conflicts_declared=0)
+
+
+def test_manifest_commit_unanswered_on_every_attempt(origin, trainer, tmp_path, logs, record_property):
+    """Both of botocore's attempts at a manifest commit fail (after the store applied the first, or before the
+    store saw either): the publisher re-reads to learn the write's fate instead of raising, and a store that
+    keeps failing still gets a clear error with the manifest left at the last good step."""
+    proxy, opts = origin.proxy(seed=6)
+    oracle, t = Oracle(), trainer(seed=7)
+    with relay.Publisher(origin.url, storage_options=opts, snapshot_every=100, background=False) as pub:
+        publish(pub, oracle, t.step(), 0)
+        for step, action in enumerate(["error_after", "error"], start=1):
+            proxy.add(action, methods=("PUT",), key=r"/manifest\.json$", times=2, status=500, code="InternalError")
+            oracle.published(step, state := t.step())
+            pub.publish(state, step)  # no retry here: the first call must succeed
+            assert len(proxy.injected(action)) == 2, proxy.summary()
+            proxy.clear()
+            assert origin.manifest().head == step
+        before = len(proxy.injected("error"))
+        proxy.add("error", methods=("PUT",), key=r"/manifest\.json$", status=500, code="InternalError")
+        oracle.published(3, state := t.step())
+        with pytest.raises(OSError, match="internal error"):
+            pub.publish(state, 3)
+        assert origin.manifest().head == 2
+        assert len(proxy.injected("error")) - before == 2 * (1 + relay.publisher.COMMIT_UNSURE_ATTEMPTS)
+        proxy.clear()
+        pub.publish(state, 3)  # the store is back: the trainer's retry of the same step goes through
+    w = relay.Watcher(origin.url, tmp_path / "dest", storage_options=origin.options, on_update=oracle.on_update)
+    assert w.sync() == 3
+    oracle.ok()
+    assert "landed" in logs.text
+    note(record_property, [proxy], steps_published=4)
+
+
+@pytest.mark.parametrize("code,status,expected", [
+    ("InternalError", 500, True), ("ServiceUnavailable", 503, True), ("SlowDown", 503, True),
+    ("RequestTimeout", 400, True), ("AccessDenied", 403, False), ("NoSuchKey", 404, False),
+    ("PreconditionFailed", 412, False), ("InvalidArgument", 400, False)])
+def test_transient_errors_are_told_from_refusals(code, status, expected):
+    """What s3fs raises for each S3 answer: only those a retry may cure count as transient."""
+    from botocore.exceptions import ClientError, ReadTimeoutError
+    from s3fs.errors import translate_boto_error
+    err = ClientError({"Error": {"Code": code, "Message": code},
+                       "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    assert transient(translate_boto_error(err)) is expected
+    assert transient(ReadTimeoutError(endpoint_url="http://127.0.0.1:1/"))
+    assert transient(ConnectionResetError())
+    assert not transient(ConflictError("lost")) and not transient(ValueError("bad"))
 
 
 def test_truncated_downloads(origin, trainer, tmp_path, logs, record_property):
