@@ -11,7 +11,7 @@ from typing import Any, Callable
 from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
 from relay.signing import Signer, strengthen
-from relay.store import ConflictError, Store, open_store
+from relay.store import ConflictError, Store, open_store, unsure_write
 from relay.watcher import Reader
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None],
     changed with a `signer` (the result is re-signed): an unsigned commit would stop every watcher
     that checks signatures.
     """
+    unsure = 0
     for _ in range(ATTEMPTS):
         got = store.read_manifest()
         if got is None:
@@ -50,6 +51,8 @@ def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None],
             return new
         except ConflictError:
             log.info("%s: manifest changed while updating it, re-reading", store.url)
+        except Exception as exc:  # noqa: BLE001 - unsure_write re-raises all but transient errors
+            unsure = unsure_write(store.url, exc, unsure)  # if it landed, `change` finds nothing to do
     raise ConflictError(f"{store.url}/manifest.json: lost {ATTEMPTS} conditional writes in a row")
 
 

@@ -13,7 +13,6 @@ import atexit
 import json
 import logging
 import threading
-import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
@@ -25,13 +24,12 @@ import codec
 from relay.checkpoint import shard_plan
 from relay.manifest import (INDEX_NAME, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
                             snapshot_prefix, step_of_key, tensor_infos)
-from relay.store import ConflictError, Store, open_store, transient
+from relay.store import ConflictError, Store, open_store, unsure_write
 from relay.signing import Signer, strengthen
 
 log = logging.getLogger(__name__)
 
 COMMIT_ATTEMPTS = 20  # re-reads after losing an If-Match race to gc/rebase (never to another publisher)
-COMMIT_UNSURE_ATTEMPTS = 5  # re-reads after a manifest write whose outcome the store did not tell (5xx, reset)
 
 
 def state_tensors(state: Any) -> dict[str, torch.Tensor]:
@@ -248,16 +246,10 @@ class Publisher:
                     return
                 except ConflictError:
                     log.info("%s: manifest changed under us (gc/rebase?), re-reading", self.url)
-                except Exception as exc:
-                    # A 5xx, reset or timeout leaves the write's fate unknown: it may have landed. The
-                    # re-read at the top of the loop tells (our step is there: done; the head moved:
-                    # a lost race); only then is the conditional write tried again.
-                    if not transient(exc) or unsure >= COMMIT_UNSURE_ATTEMPTS:
-                        raise
-                    unsure += 1
-                    log.warning("%s: manifest write failed (%s); re-reading to learn whether it landed",
-                                self.url, exc)
-                    time.sleep(min(0.05 * 2 ** unsure, 2.0))
+                except Exception as exc:  # noqa: BLE001 - unsure_write re-raises all but transient errors
+                    # a 5xx or reset leaves the write's fate unknown: the re-read at the top of the
+                    # loop tells (our step is there: done; the head moved: a lost race)
+                    unsure = unsure_write(self.url, exc, unsure)
             raise ConflictError(f"{self.url}/manifest.json: {COMMIT_ATTEMPTS} conditional writes lost in a row")
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -293,6 +293,20 @@ def transient(exc: BaseException) -> bool:
         isinstance(exc, OSError) and exc.errno in (errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO)))
 
 
+UNSURE_ATTEMPTS = 5  # re-reads after manifest writes whose outcome the store did not tell
+
+
+def unsure_write(url: str, exc: Exception, tries: int) -> int:
+    """Called in a conditional writer's `except`: re-raise `exc` unless it is transient and fewer
+    than UNSURE_ATTEMPTS such failures came before; else back off and return tries + 1. The caller
+    then re-reads the manifest, which tells whether the write landed."""
+    if not transient(exc) or tries >= UNSURE_ATTEMPTS:
+        raise exc
+    log.warning("%s/%s: write failed (%s); re-reading to learn whether it landed", url, MANIFEST_KEY, exc)
+    time.sleep(min(0.05 * 2 ** (tries + 1), 2.0))
+    return tries + 1
+
+
 class S3Store(Store):
     """s3:// prefix through s3fs (same endpoint and credentials as the storage_options give)."""
 
@@ -417,5 +431,5 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
     return FsspecStore(url, fs, root)
 
 
-__all__ = ["Store", "open_store", "transient", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
+__all__ = ["Store", "open_store", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
            "MANIFEST_KEY", "content_tag"]

@@ -21,7 +21,7 @@ import relay
 from faultproxy import FaultProxy, Oracle, same_bits
 from relay.fanout import Destination, Fanout
 from relay.manifest import Manifest, ManifestError
-from relay.store import ConflictError, content_tag, open_store, transient
+from relay.store import UNSURE_ATTEMPTS, ConflictError, content_tag, open_store, transient
 from relay.watcher import Reader, SyncError, SyncTimeout
 
 # botocore: one retry of its own (legacy mode waits under a second) inside s3fs's five, and short timeouts,
@@ -216,7 +216,7 @@ def test_manifest_commit_unanswered_on_every_attempt(origin, trainer, tmp_path, 
         with pytest.raises(OSError, match="internal error"):
             pub.publish(state, 3)
         assert origin.manifest().head == 2
-        assert len(proxy.injected("error")) - before == 2 * (1 + relay.publisher.COMMIT_UNSURE_ATTEMPTS)
+        assert len(proxy.injected("error")) - before == 2 * (1 + UNSURE_ATTEMPTS)
         proxy.clear()
         pub.publish(state, 3)  # the store is back: the trainer's retry of the same step goes through
     w = relay.Watcher(origin.url, tmp_path / "dest", storage_options=origin.options, on_update=oracle.on_update)
@@ -224,6 +224,32 @@ def test_manifest_commit_unanswered_on_every_attempt(origin, trainer, tmp_path, 
     oracle.ok()
     assert "landed" in logs.text
     note(record_property, [proxy], steps_published=4)
+
+
+def test_operator_commits_unanswered(origin, trainer, tmp_path, logs, record_property):
+    """rebase and gc commit the manifest the same way: a write the store applied but answered with 500 twice
+    (both of botocore's attempts) is recognised on re-read, not reported as a failure."""
+    from relay import ops
+    proxy, opts = origin.proxy(seed=8)
+    oracle, t = Oracle(), trainer(seed=9)
+    with relay.Publisher(origin.url, storage_options=origin.options, snapshot_every=100, background=False) as pub:
+        for step in range(4):
+            publish(pub, oracle, t.step(), step)
+    for action in ("rebase", "gc"):
+        proxy.add("error_after", methods=("PUT",), key=r"/manifest\.json$", times=2, status=500,
+                  code="InternalError")
+        if action == "rebase":
+            assert ops.rebase(origin.url, opts) == 3
+        else:
+            assert ops.gc(origin.url, 1, opts)["snapshots"] == [3]
+        assert len(proxy.injected("error_after")) == 2 * (1 + (action == "gc")), proxy.summary()
+        proxy.clear()
+    assert [s.step for s in origin.manifest().snapshots] == [3]
+    w = relay.Watcher(origin.url, tmp_path / "dest", storage_options=origin.options, on_update=oracle.on_update)
+    assert w.sync() == 3
+    oracle.ok()
+    assert "landed" in logs.text
+    note(record_property, [proxy])
 
 
 @pytest.mark.parametrize("code,status,expected", [
