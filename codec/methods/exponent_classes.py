@@ -32,6 +32,7 @@ from numba.extending import intrinsic
 MAX_CLASSES = 8
 KEY_SHIFT = 7
 SAMPLE_BITS = 14  # a tensor of n elements samples 1 in max(1, n >> 14) of its elements
+SAMPLE_AHEAD = 8  # runs `sample_stats` prefetches ahead of the one it counts
 CLASS_OVERHEAD_BITS = 24.0  # a threshold, a level and a change count in the params
 
 BLOCK = 64  # elements per block: one bit each in a 64-bit mask
@@ -98,14 +99,36 @@ def _block_vector(context, builder, aryty, ary, off, prefetch=False):
     it never faults, even past the array's end)."""
     data = context.make_array(aryty)(context, builder, value=ary).data
     if prefetch:
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        ahead = builder.gep(data, [builder.add(off, ir.Constant(off.type, _PREFETCH))])
-        builder.call(fn, [builder.bitcast(ahead, ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
-                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        _emit_prefetch(builder, data, builder.add(off, ir.Constant(off.type, _PREFETCH)))
     ptr = builder.bitcast(builder.gep(data, [off]), _LANES.as_pointer())
     return builder.load(ptr, align=2)
+
+
+def _emit_prefetch(builder, data, off):
+    """A read prefetch of the cache line holding data[off] (llvm.prefetch: never faults)."""
+    i32 = ir.IntType(32)
+    fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.bitcast(builder.gep(data, [off]), ir.IntType(8).as_pointer()), ir.Constant(i32, 0),
+                      ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+@intrinsic
+def _prefetch_block(typingctx, arr, off):
+    """Prefetch arr[off:off + 64] (two cache lines) for a later `_differ` or `_block_masks`:
+    for reads that hop farther than the hardware prefetcher follows."""
+    if not _check_u16(arr):
+        return None
+    sig = types.none(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
+        off = args[1]
+        _emit_prefetch(builder, data, off)
+        _emit_prefetch(builder, data, builder.add(off, ir.Constant(off.type, 32)))
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @intrinsic
@@ -311,19 +334,30 @@ _deposit = _deposit_pdep if HAVE_BMI2 else _deposit_broadword
 @nb.njit(cache=True, nogil=True)
 def sample_stats(b, t, stride):
     """(elements, changes) per exponent among 1/stride of the elements: runs of 64 consecutive
-    elements every 64 * stride (a run costs two cache lines, where lone elements cost one each).
-    Four interleaved histograms, so neighbours of one exponent do not wait on each other's stores."""
-    n4 = np.zeros(4 * 256, np.int64)
-    k4 = np.zeros(4 * 256, np.int64)
-    for start in range(0, b.size, 64 * stride):
+    elements every 64 * stride (a run costs two cache lines per array, where lone elements cost
+    one each), prefetched SAMPLE_AHEAD runs ahead: the runs lie farther apart than the hardware
+    prefetcher follows, and waiting on memory was most of the sampling's time. A run's changes
+    are found by one vector compare."""
+    n4 = np.zeros(4 * 256, np.int64)  # four interleaved histograms: neighbours do not wait on each other
+    k = np.zeros(256, np.int64)
+    hop = 64 * stride
+    for start in range(0, b.size, hop):
         stop = min(start + 64, b.size)
+        _prefetch_block(b, start + SAMPLE_AHEAD * hop)
+        _prefetch_block(t, start + SAMPLE_AHEAD * hop)
         for i in range(start, stop):  # unsigned indices: no wraparound code
-            v = b[np.uint64(i)]
-            cell = np.uint64(((i & 3) << 8) | ((np.int64(v) >> KEY_SHIFT) & 0xFF))
-            n4[cell] += 1
-            if v != t[np.uint64(i)]:  # a few percent of elements: a well-predicted branch
-                k4[cell] += 1
-    return n4.reshape(4, 256).sum(axis=0), k4.reshape(4, 256).sum(axis=0)
+            n4[np.uint64(((i & 3) << 8) | ((np.int64(b[np.uint64(i)]) >> KEY_SHIFT) & 0xFF))] += 1
+        if stop - start == 64:
+            changed = _differ(b, t, start)
+            while changed != _U0:
+                i = np.uint64(start) + np.uint64(trailing_zeros(changed))
+                changed &= changed - _U1
+                k[np.uint64((np.int64(b[i]) >> KEY_SHIFT) & 0xFF)] += 1
+        else:
+            for i in range(start, stop):
+                if b[np.uint64(i)] != t[np.uint64(i)]:
+                    k[np.uint64((np.int64(b[np.uint64(i)]) >> KEY_SHIFT) & 0xFF)] += 1
+    return n4.reshape(4, 256).sum(axis=0), k
 
 
 @nb.njit(cache=True, nogil=True)
