@@ -710,25 +710,75 @@ def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
 
 # ---------------------------------------------------------------- decoder side
 
+@nb.njit(cache=True, nogil=True)
+def _parse_params(p, changes, thr, levels, counts):
+    """A conditional record's params (docs/FORMAT.md: class count, thresholds, a mask level per
+    class, the changes per class as varints) into thr, levels and counts (room for MAX_CLASSES).
+    Returns (status, classes, counts read): status 0, or the `_params_error` case."""
+    nclass = np.int64(p[0]) if p.size else 0
+    if not 1 <= nclass <= MAX_CLASSES or p.size < 2 * nclass:
+        return 1, nclass, 0
+    for c in range(nclass - 1):
+        thr[c] = p[1 + c]
+        if thr[c] <= (thr[c - 1] if c else 0):
+            return 2, nclass, 0
+    for c in range(nclass):
+        levels[c] = p[nclass - 1 + 1 + c]
+    n = 0
+    v = 0
+    shift = 0
+    total = 0
+    for i in range(2 * nclass, p.size):
+        byte = np.int64(p[i])
+        v |= (byte & 0x7F) << shift
+        if byte & 0x80:
+            shift += 7
+            if shift > 56:
+                return 3, nclass, n
+        else:
+            if n < MAX_CLASSES:
+                counts[n] = v
+            n += 1
+            if v > changes:  # (also keeps the total from overflowing)
+                return 5, nclass, n
+            total += v
+            v = 0
+            shift = 0
+    if shift:
+        return 3, nclass, n
+    if n != nclass:
+        return 4, nclass, n
+    if total != changes:
+        return 5, nclass, n
+    return 0, nclass, n
+
+
 def _params(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(class thresholds, mask level of each class, changes per class), checked against the index."""
-    p = bytes(entry.params)
-    nclass = p[0] if p else 0
-    if not 1 <= nclass <= MAX_CLASSES or len(p) < 2 * nclass:
-        raise DeltaError(f"conditional params declare {nclass} classes in {len(p)} bytes", tensor=entry.name)
-    thresholds = p[1:nclass]
-    if nclass > 1 and (thresholds[0] == 0 or any(a >= b for a, b in zip(thresholds, thresholds[1:]))):
-        raise DeltaError("class thresholds are not strictly increasing from 1", tensor=entry.name)
+    p = np.frombuffer(entry.params, np.uint8)
+    thr = np.zeros(MAX_CLASSES, np.int64)
+    levels = np.zeros(MAX_CLASSES, np.int64)
+    counts = np.zeros(MAX_CLASSES, np.int64)
+    status, nclass, n = _parse_params(p, entry.changes, thr, levels, counts)
+    if status:
+        raise DeltaError(_params_error(entry, status, nclass, n), tensor=entry.name)
+    return thr[:nclass - 1], levels[:nclass], counts[:nclass]
+
+
+def _params_error(entry: Entry, status: int, nclass: int, n: int) -> str:
+    if status == 1:
+        return f"conditional params declare {nclass} classes in {len(entry.params)} bytes"
+    if status == 2:
+        return "class thresholds are not strictly increasing from 1"
+    if status == 3:
+        return f"malformed varint in params of {entry.name!r}"
+    if status == 4:
+        return f"params hold {n} class counts for {nclass} classes"
     try:
-        counts = read_uvarints(p[2 * nclass:], f"params of {entry.name!r}")
-    except DeltaError as exc:
-        raise DeltaError(exc.reason, tensor=entry.name) from None
-    if len(counts) != nclass:
-        raise DeltaError(f"params hold {len(counts)} class counts for {nclass} classes", tensor=entry.name)
-    if sum(counts) != entry.changes:
-        raise DeltaError(f"class counts add up to {sum(counts)} changes, index says {entry.changes}", tensor=entry.name)
-    return (np.frombuffer(thresholds, np.uint8).astype(np.int64), np.frombuffer(p, np.uint8, nclass, nclass).astype(np.int64),
-            np.array(counts, np.int64))
+        total = sum(read_uvarints(bytes(entry.params)[2 * nclass:], "params"))  # exact, however large
+    except DeltaError:  # a count too large, then a malformed varint
+        return f"class counts exceed the {entry.changes} changes the index says"
+    return f"class counts add up to {total} changes, index says {entry.changes}"
 
 
 _MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
@@ -834,66 +884,79 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_many(bases, starts, sizes, words, first_word, x0, x1, thr, nthr, levels, counts, mcum, mfreq, mslot,
-                 vcum, vfreq, vslot, vrow_of_key, out):
-    """`_decode` (building targets) of many small tensors: tensor i's base is bases[starts[i]:]
-    (sizes[i] elements, then zeros up to whole blocks), its target goes to the same place in out,
-    its stream is words[first_word[i]:first_word[i + 1]]. Returns (changes decoded, status) of each."""
+def _stream_states(words):
+    """(state 0, state 1, status) of a stream's words, whose last 2 * STATES words hold the
+    states (low, high): status 0, or 1 when they are missing or out of range."""
+    if words.size < 2 * STATES:
+        return 0, 0, 1
+    n = words.size - 2 * STATES
+    x0 = np.int64(words[n]) | (np.int64(words[n + 1]) << 32)
+    x1 = np.int64(words[n + 2]) | (np.int64(words[n + 3]) << 32)
+    if words[n + 1] >= 0x80000000 or words[n + 3] >= 0x80000000 or x0 < rans.RANS_L or x1 < rans.RANS_L:
+        return x0, x1, 1
+    return x0, x1, 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, mcum, mfreq, mslot, vcum, vfreq, vslot,
+                 vrow_of_key, out):
+    """`_decode` (building targets) of many small tensors, their records parsed here too: tensor
+    i's base is bases[starts[i]:] (sizes[i] elements, then zeros up to whole blocks), its target
+    goes to the same place in out, its params are params[poff[i]:poff[i + 1]] and its stream
+    words[woff[i]:woff[i + 1]]. Returns (changes decoded, status) of each: status 0, or not 0
+    when the record or its stream fails (decoding that one alone names the reason)."""
     m = starts.size
     decoded = np.zeros(m, np.int64)
     status = np.zeros(m, np.int64)
+    thr = np.zeros(MAX_CLASSES, np.int64)
+    levels = np.zeros(MAX_CLASSES, np.int64)
+    counts = np.zeros(MAX_CLASSES, np.int64)
     for i in range(m):
+        bad, nc, _ = _parse_params(params[poff[i]:poff[i + 1]], changes[i], thr, levels, counts)
+        w = words[woff[i]:woff[i + 1]]
+        x0, x1, broken = _stream_states(w)
+        if bad or broken:
+            status[i] = 8
+            continue
         s = starts[i]
         n = sizes[i]
         padded = -(-n // ec.BLOCK) * ec.BLOCK
-        nc = nthr[i] + 1
-        _, _, decoded[i], status[i] = _decode(bases[s:s + n], bases[s:s + padded], words[first_word[i]:first_word[i + 1]],
-                                              x0[i], x1[i], thr[i, :nthr[i]], levels[i, :nc], counts[i, :nc], mcum,
-                                              mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, out[s:s + n],
-                                              out[s:s + padded])
+        _, _, decoded[i], status[i] = _decode(bases[s:s + n], bases[s:s + padded], w[:w.size - 2 * STATES], x0, x1,
+                                              thr[:nc - 1], levels[:nc], counts[:nc], mcum, mfreq, mslot, vcum, vfreq,
+                                              vslot, vrow_of_key, out[s:s + n], out[s:s + padded])
     return decoded, status
 
 
 def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) -> list[tuple[int, np.ndarray] | None]:
-    """`decode_target` of many small tensors in one compiled call; None for an entry that fails
-    (decoding it alone names the reason). The targets are views of one buffer."""
+    """`decode_target` of many small tensors in one compiled call, records parsed there too (per
+    tensor Python costs more than its decoding); None for an entry that fails (decoding it alone
+    names the reason). The targets are views of one buffer."""
+    results: list[tuple[int, np.ndarray] | None] = [None] * len(entries)
     try:
         model = _model(shared)
     except DeltaError:
-        return [None] * len(entries)
-    ok, params, streams = [], [], []
+        return results
+    ok = []
     for i, (entry, base) in enumerate(zip(entries, bases)):
-        try:
-            _, thresholds, levels, counts, words, x0, x1, _ = _checked(entry, base, shared)
-        except DeltaError:
-            continue
-        if base.size:
-            params.append((thresholds, levels, counts))
-            streams.append((words, x0, x1))
+        streams = entry.streams
+        if (base.dtype == np.uint16 and base.size and len(streams) == 1 and streams[0].codec == RAW
+                and streams[0].raw_len == len(streams[0].stored) and not len(streams[0].stored) % 4):
             ok.append(i)
-    results: list[tuple[int, np.ndarray] | None] = [None] * len(entries)
     if not ok:
         return results
-    m = len(ok)
-    joined, starts, sizes = ec.joined_blocks([bases[i] for i in ok])
-    first_word = np.zeros(m + 1, np.int64)
-    first_word[1:] = np.cumsum([w.size for w, _, _ in streams])
-    words = np.concatenate([w for w, _, _ in streams]) if m else np.zeros(0, np.uint32)
-    x0 = np.array([a for _, a, _ in streams], np.int64)
-    x1 = np.array([b for _, _, b in streams], np.int64)
-    thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
-    nthr = np.zeros(m, np.int64)
-    levels = np.zeros((m, MAX_CLASSES), np.int64)
-    counts = np.zeros((m, MAX_CLASSES), np.int64)
-    for j, (t, lv, c) in enumerate(params):
-        nthr[j] = t.size
-        thr[j, : t.size] = t
-        levels[j, : lv.size] = lv
-        counts[j, : c.size] = c
+    chosen = [entries[i] for i in ok]
+    poff = np.zeros(len(ok) + 1, np.int64)
+    poff[1:] = np.cumsum([len(e.params) for e in chosen])
+    woff = np.zeros(len(ok) + 1, np.int64)
+    woff[1:] = np.cumsum([len(e.streams[0].stored) >> 2 for e in chosen])
+    params = np.frombuffer(b"".join(e.params for e in chosen), np.uint8)
+    words = np.frombuffer(b"".join(e.streams[0].stored for e in chosen), "<u4")
+    changes = np.array([e.changes for e in chosen], np.int64)
+    joined, starts, sizes = ec.joined_blocks([bases[i].reshape(-1) for i in ok])
     out = np.empty(joined.size, np.uint16)
     mfreq, mcum, mslot = mask_tables()
-    decoded, status = _decode_many(joined, starts, sizes, words, first_word, x0, x1, thr, nthr, levels, counts, mcum,
-                                   mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out)
+    decoded, status = _decode_many(joined, starts, sizes, params, poff, words, woff, changes, mcum, mfreq, mslot,
+                                   model.cum, model.freq, model.slots, model.row_of_key, out)
     for j, i in enumerate(ok):
         if status[j] == 0:
             results[i] = (int(decoded[j]), out[starts[j]: starts[j] + sizes[j]])
