@@ -53,7 +53,7 @@ class _Candidate:
 
 def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, changes: int, index: np.ndarray | None,
                    effort: str, analysis: conditional.Analysis | None,
-                   model: conditional.ValueModel | None) -> _Candidate:
+                   model: conditional.ValueModel | None, four_from: int = conditional.NEVER) -> _Candidate:
     """Per tensor, the smallest of the methods worth trying at this effort.
 
     BF16 tensors try the conditional method alone unless their changes are dense (where the XOR
@@ -64,7 +64,7 @@ def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, changes: int
     cands: list[_Candidate] = []
     dense = changes > DENSE_FRACTION * b.size
     if analysis is not None and model is not None:
-        cands.append(_Candidate(conditional.ID, *conditional.encode(analysis, model)))
+        cands.append(_Candidate(conditional.ID, *conditional.encode(analysis, model, four_from)))
     if dt is tensors.BF16 and (analysis is None or dense or effort == "max"):
         cands.append(_Candidate(sparse.ID, *sparse.encode(b, t, effort, index)))
     if dt is not tensors.BF16 or dense or effort == "max":
@@ -174,8 +174,10 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     # the batch's sparse tensors are coded together; dense ones (and every one at "max") race methods
     together = [p for p in pending if p.batched and p.changes and effort != "max"
                 and p.changes <= DENSE_FRACTION * p.host[0].size]
-    coded = dict(zip((p.name for p in together), conditional.encode_many([p.analysis for p in together], model))
-                 ) if together else {}
+    # v3: records with many changes use four interleaved rANS states (the payload states the rule)
+    four_from = conditional.FOUR_STATES_FROM if format_version >= 3 else conditional.NEVER
+    coded = dict(zip((p.name for p in together),
+                     conditional.encode_many([p.analysis for p in together], model, four_from))) if together else {}
 
     def code(p: _Pending) -> Entry:
         if not p.changes:
@@ -184,7 +186,7 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
         if p.name in coded:
             c = _Candidate(conditional.ID, *coded[p.name])
         else:
-            c = _encode_tensor(b, t, p.dt, p.changes, p.index, effort, p.analysis, model)
+            c = _encode_tensor(b, t, p.dt, p.changes, p.index, effort, p.analysis, model, four_from)
         td = p.target_digest if p.target_digest is not None else digest_elements(p.dt.name, p.shape, t)
         return Entry(p.name, p.dt, p.shape, c.method, p.changes, p.base_digest, td, c.params, c.streams)
 
@@ -192,6 +194,8 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     shared = {}
     if model is not None and any(e.method == conditional.ID for e in entries):
         shared[conditional.SHARED_VALUE_TABLES] = model.pack()
+        if four_from < conditional.NEVER:
+            shared[conditional.SHARED_INTERLEAVE] = conditional.interleave_rule(four_from)
     return container.pack(Payload(format_version, entries, shared))
 
 
@@ -225,6 +229,8 @@ def _explain(entry: Entry, elems: np.ndarray, exc: DeltaError) -> DeltaError:
 
 def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> Payload:
     parsed = container.unpack(payload)
+    if parsed.version < 3 and conditional.SHARED_INTERLEAVE in parsed.shared:
+        raise DeltaError(f"a v{parsed.version} payload carries an interleave rule (a v3 field)")
     names = {e.name for e in parsed.entries}
     extra = [k for k in base if k not in names]
     if extra:

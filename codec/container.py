@@ -20,8 +20,8 @@ from .wire import Reader, Writer
 MAGIC = b"DRDELTA\x00"
 PREFIX = struct.Struct("<8sHHI16s")  # magic, version, flags, index length, checksum
 PREFIX_SIZE = PREFIX.size  # 32
-SUPPORTED_VERSIONS = (1, 2)
-CURRENT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2, 3)
+CURRENT_VERSION = 3
 
 MAX_INDEX_BYTES = 256 << 20
 MAX_TENSORS = 1 << 20

@@ -80,7 +80,7 @@ def test_v2_payload_records_bits_per_change(rl_pair):
     info = codec.describe(codec.encode(base, target))
     row = next(t for t in info["tensors"] if t["name"] == "w1")
     assert 0 < row["bits_per_change"] < 16
-    assert info["format_version"] == 2
+    assert info["format_version"] == codec.FORMAT_VERSION == 3
 
 
 def test_mask_tables_are_pinned():
@@ -154,11 +154,12 @@ def test_forged_entropy_stream_is_refused(rl_pair):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1 << 21), st.integers(0, 2 * 0x3F80 - 1)),
-                min_size=1, max_size=64))
-def test_entropy_kernels_round_trip(changes):
+                min_size=1, max_size=64), st.booleans())
+def test_entropy_kernels_round_trip(changes, four):
     """The encoder and decoder kernels on extreme symbols: gaps up to 2**21 (19 raw bits: more
-    than one chunk), every value token, every class; the stream ends exactly (both states back
-    to L). (Larger gaps code the same way; the decoder's class bitmaps would not fit a test.)"""
+    than one chunk), every value token, every class, two or four interleaved states; the stream
+    ends exactly (every state back to L). (Larger gaps code the same way; the decoder's class
+    bitmaps would not fit a test.)"""
     cls = np.array([c for c, _, _ in changes], np.uint8)
     gaps = np.array([g for _, g, _ in changes], np.int64)
     zig = np.array([z for _, _, z in changes], np.int64)
@@ -178,14 +179,18 @@ def test_entropy_kernels_round_trip(changes):
     levels = np.array([0, 10, 40, 80, 120, 160, 200, 255], np.int64)
     mfreq, mcum, mslot = conditional.mask_tables()
     mrcp, mrsh = conditional.mask_reciprocals()
-    words, nw, x0, x1 = conditional._encode(pairs, cls, ranks, np.bincount(cls, minlength=8), levels, mcum, mfreq,
-                                            mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh, model.row_of_key)
-    w, (x0, x1) = rans.bytes_to_words(rans.words_to_bytes(words, nw, (int(x0), int(x1))), 2)
+    words, nw, *final = conditional._encode(pairs, cls, ranks, np.bincount(cls, minlength=8), levels, mcum, mfreq,
+                                            mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh, model.row_of_key,
+                                            four)
+    n = 4 if four else 2
+    assert four or final[2] == final[3] == rans.RANS_L  # two states: 2 and 3 unused
+    w, xs = rans.bytes_to_words(rans.words_to_bytes(words, nw, tuple(int(x) for x in final[:n])), n)
+    xs = [np.int64(x) for x in xs + (rans.RANS_L,) * (4 - n)]
     counts = np.bincount(cls, minlength=8)
     # a tensor just large enough: its classes hold every rank
     padded = -(-int(sum(last[c] + 1 for c in range(8) if last[c] >= 0)) // 64) * 64
-    bits, start, lim, x, other, pos, status = conditional._decode_gaps(padded, padded, w, np.int64(x0), np.int64(x1),
-                                                                       levels, counts, mcum, mfreq, mslot)
+    bits, start, lim, *state, status = conditional._decode_gaps(padded, padded, w, *xs, four, levels, counts, mcum,
+                                                                mfreq, mslot)
     assert status == 0
     order = np.lexsort((ranks, cls))
     first = np.searchsorted(cls[order], np.arange(9)).astype(np.int64)
@@ -197,16 +202,16 @@ def test_entropy_kernels_round_trip(changes):
     out = base.copy()
     values = np.empty(len(changes), np.uint16)
     at = np.arange(len(changes))
-    state = (x, other, pos)
-    x, other, pos, status = conditional._decode_values(base, at, 0, len(changes), w, *state, model.cum, model.freq,
-                                                       model.slots, model.row_of_key, values, np.empty(0, np.uint16))
+    *xs, pos = state
+    *end, status = conditional._decode_values(base, at, 0, len(changes), w, *xs, four, pos, model.cum, model.freq,
+                                              model.slots, model.row_of_key, values, np.empty(0, np.uint16))
     assert status == 0
-    assert x == other == rans.RANS_L and pos == -1  # the stream ends exactly: every word consumed
+    assert end == [rans.RANS_L] * 4 + [-1]  # the stream ends exactly: every state at L, every word consumed
     assert np.array_equal(values.astype(np.int64), 0x3F80 + steps)
     # building a target instead: the values land in it
-    x, other, pos, status = conditional._decode_values(base, at, 0, len(changes), w, *state, model.cum, model.freq,
-                                                       model.slots, model.row_of_key, np.empty(0, np.uint16), out)
-    assert status == 0 and x == other == rans.RANS_L and pos == -1
+    *end, status = conditional._decode_values(base, at, 0, len(changes), w, *xs, four, pos, model.cum, model.freq,
+                                              model.slots, model.row_of_key, np.empty(0, np.uint16), out)
+    assert status == 0 and end == [rans.RANS_L] * 4 + [-1]
     assert np.array_equal(out, values)
 
 
@@ -275,3 +280,57 @@ def test_digests_of_tensors_scanned_in_chunks():
     with pytest.raises(codec.DeltaError) as err:
         codec.decode(base, container.pack(parsed))
     assert err.value.tensor == "big"
+
+
+def _interleave_pair() -> tuple[dict, dict]:
+    """Tensors on each side of the v3 interleave rule: many changes (four states), a few (two),
+    and small ones (the batched decoder)."""
+    g = torch.Generator().manual_seed(7)
+    base = {"many": (0.05 * torch.randn(512, 256, generator=g)).to(torch.bfloat16),
+            "few": (0.05 * torch.randn(512, 256, generator=g)).to(torch.bfloat16),
+            "small": (0.05 * torch.randn(384, generator=g)).to(torch.bfloat16)}
+    target = {"many": rl_step(base["many"], 3e-4, 1), "small": rl_step(base["small"], 3e-4, 3)}
+    few = base["few"].clone().view(-1)
+    few[::400] = -few[::400]  # ~330 sign flips
+    target["few"] = few.view(512, 256)
+    return base, target
+
+
+def test_v3_records_with_many_changes_use_four_states():
+    """v3 states its rule (records with >= FOUR_STATES_FROM changes use four interleaved states,
+    8 more bytes of final state); v2 payloads of the same pair use two everywhere; both decode."""
+    base, target = _interleave_pair()
+    for version in (2, 3):
+        payload = codec.encode(base, target, format_version=version)
+        parsed = container.unpack(payload)
+        assert (conditional.SHARED_INTERLEAVE in parsed.shared) == (version == 3)
+        entries = {e.name: e for e in parsed.entries}
+        assert entries["many"].changes >= conditional.FOUR_STATES_FROM > entries["few"].changes > 0
+        for name, e in entries.items():
+            assert e.method == conditional.ID
+            four = version == 3 and e.changes >= conditional.FOUR_STATES_FROM
+            assert four == (version == 3 and name == "many")
+            words, states = conditional._stream(e, four)
+            assert len(e.streams[0].stored) == 4 * words.size + 8 * (4 if four else 2)
+        out = codec.decode(base, payload)
+        assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
+
+
+@pytest.mark.parametrize("rule", [b"", b"\x80", b"\x01\x02", b"\x00", b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f"])
+def test_forged_interleave_rule_is_refused(rule):
+    """A rule that does not parse, or that tells the decoder to read other state counts than the
+    encoder wrote, is refused with DeltaError naming a tensor; nothing crashes."""
+    base, target = _interleave_pair()
+    parsed = container.unpack(codec.encode(base, target))
+    parsed.shared[conditional.SHARED_INTERLEAVE] = rule
+    with pytest.raises(codec.DeltaError) as err:
+        codec.decode(base, container.pack(parsed))
+    assert err.value.tensor in target
+
+
+def test_v2_payload_with_a_v3_rule_is_refused():
+    base, target = _interleave_pair()
+    parsed = container.unpack(codec.encode(base, target, format_version=2))
+    parsed.shared[conditional.SHARED_INTERLEAVE] = conditional.interleave_rule(conditional.FOUR_STATES_FROM)
+    with pytest.raises(codec.DeltaError, match="v3 field"):
+        codec.decode(base, container.pack(parsed))

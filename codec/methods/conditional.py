@@ -45,6 +45,7 @@ ID = 3
 NAME = "conditional"
 MIN_VERSION = 2
 SHARED_VALUE_TABLES = 1  # key in Payload.shared
+SHARED_INTERLEAVE = 2  # key in Payload.shared (v3): from how many changes a record uses four states
 
 KEY_SHIFT = ec.KEY_SHIFT  # key = (bits >> 7) & 0xFF: the exponent
 MAX_CLASSES = ec.MAX_CLASSES
@@ -57,7 +58,10 @@ VALUE_BITS = 17
 VALUE_TOKENS = rans.token_count(VALUE_BITS)
 MASK_SCALE = 15
 VALUE_SCALE = 12
-STATES = 2  # interleaved rANS states
+STATES = 2  # interleaved rANS states of a record, or FOUR_STATES where the payload's rule says
+FOUR_STATES = 4
+FOUR_STATES_FROM = 4096  # the rule this encoder writes in v3: records with this many changes or more
+NEVER = 1 << 62  # the rule of a payload without one (v2): no record uses four states
 # Hot loops index with unsigned integers: numba then emits no negative-index wraparound code
 # (measured 1.6x on the value loop).
 _U = np.uint64
@@ -140,203 +144,260 @@ def _count_value_tokens(pairs, hist):
         hist[np.uint64((bv >> KEY_SHIFT) & 0xFF), np.uint64(tok)] += 1  # unsigned: no wraparound code
 
 
-@nb.njit(cache=True, nogil=True)
-def _encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
-            vrow_of_key):
-    """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
-    first every class's gaps (class 0 first), then every value in tensor order. Symbol i of that
-    order uses state i % 2: two interleaved states halve the decoder's dependency chain.
+def _specialised(four: bool):
+    """The kernels whose hot loops rotate the interleaved rANS states, compiled for two states or,
+    with `four`, for four. `four` is a closure constant, so neither version's loops test it (a
+    runtime flag in the loops cost the four-state decoder its ~5% gain)."""
 
-    Each symbol: its token's raw bits, then the token (the decoder reads the token first). The
-    loops are written out: inlined helpers returning tuples cost 2-3x here, and the division by
-    the token's frequency is a multiply by its reciprocal (rans.reciprocals).
-    Returns (words, n_words, final state 0, final state 1)."""
-    k = pairs.size
-    words = np.empty(8 * k + 16, np.int64)
-    nw = 0
-    L = rans.RANS_L
-    x = np.int64(L)  # the current symbol's state
-    other = np.int64(L)
-    WM = rans.WORD_MASK
-    for j in range(k - 1, -1, -1):  # values, last change first
-        bv = np.int64(pairs[j] >> np.uint32(16))
-        row = _U(vrow_of_key[_U((bv >> KEY_SHIFT) & 0xFF)])
-        v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
-        tok = v
-        if v >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
-            n = 63 - np.int64(leading_zeros(np.uint64(v)))
-            nbits = n - rans.SUB_BITS
-            tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
-            if x >= (L >> nbits) << 32:
-                words[nw] = x & WM
-                nw += 1
-                x >>= 32
-            x = (x << nbits) | (v & ((1 << nbits) - 1))
-        t = _U(tok)
-        f = np.int64(vfreq[row, t])
-        if x >= ((L >> VALUE_SCALE) << 32) * f:
-            words[nw] = x & WM
-            nw += 1
-            x >>= 32
-        q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), vrcp[row, t]) >> np.uint64(vrsh[row, t]))
-        x, other = other, (q << VALUE_SCALE) + (x - q * f) + vcum[row, t]
-    # the gaps, grouped by class (a stable counting sort: ranks stay increasing within a class;
-    # the classes' change counts are the scan's)
-    end = np.zeros(MAX_CLASSES + 1, np.int64)
-    for c in range(class_changes.size):
-        end[c + 1] = class_changes[c]
-    for c in range(MAX_CLASSES):
-        end[c + 1] += end[c]
-    grouped = np.empty(k, np.int64)  # ranks, class by class
-    for j in range(k):
-        c = _U(cls[j])
-        grouped[_U(end[c])] = ranks[j]
-        end[c] += 1  # ends as the end of class c
-    for c in range(MAX_CLASSES - 1, -1, -1):  # class by class, each with its table rows hoisted
-        lo = end[c - 1] if c > 0 else 0
-        if lo >= end[c]:
-            continue
-        lv = level_of_class[c]
-        fr = mfreq[lv]
-        cu = mcum[lv]
-        rc = mrcp[lv]
-        rs = mrsh[lv]
-        for jj in range(end[c] - 1, lo - 1, -1):
-            v = grouped[_U(jj)] - (grouped[_U(jj - 1)] if jj > lo else -1) - 1  # the gap
+    @nb.njit(cache=True, nogil=True)
+    def encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
+                vrow_of_key):
+        """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
+        first every class's gaps (class 0 first), then every value in tensor order. Symbol i of that
+        order uses state i % 2, or i % 4 if `four`: interleaved states split the decoder's
+        dependency chain (four decode a tensor with many changes ~6% faster than two).
+
+        Each symbol: its token's raw bits, then the token (the decoder reads the token first). The
+        loops are written out: inlined helpers returning tuples cost 2-3x here, and the division by
+        the token's frequency is a multiply by its reciprocal (rans.reciprocals).
+        Returns (words, n_words, final states 0..3; states 2 and 3 stay 2**31 unless `four`)."""
+        k = pairs.size
+        words = np.empty(8 * k + 16, np.int64)
+        nw = 0
+        L = rans.RANS_L
+        x = np.int64(L)  # the current symbol's state; p1..p3 those of the symbols before it
+        p1 = np.int64(L)
+        p2 = np.int64(L)
+        p3 = np.int64(L)
+        WM = rans.WORD_MASK
+        for j in range(k - 1, -1, -1):  # values, last change first
+            bv = np.int64(pairs[j] >> np.uint32(16))
+            row = _U(vrow_of_key[_U((bv >> KEY_SHIFT) & 0xFF)])
+            v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
             tok = v
-            if v >= rans.DIRECT:
+            if v >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
                 n = 63 - np.int64(leading_zeros(np.uint64(v)))
                 nbits = n - rans.SUB_BITS
                 tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
-                if nbits > 16:
-                    x, nw = rans.enc_bits(x, words, nw, v & ((1 << nbits) - 1), nbits)
-                else:  # emits written branch-free: gaps almost all carry raw bits, and whether
-                    # a word goes out is a coin flip (measured ~8% faster than branches here)
-                    e = np.int64(x >= (L >> nbits) << 32)
-                    words[_U(nw)] = x & WM
-                    nw += e
-                    x >>= 32 * e
-                    x = (x << nbits) | (v & ((1 << nbits) - 1))
+                if x >= (L >> nbits) << 32:
+                    words[nw] = x & WM
+                    nw += 1
+                    x >>= 32
+                x = (x << nbits) | (v & ((1 << nbits) - 1))
             t = _U(tok)
-            f = np.int64(fr[t])
-            e = np.int64(x >= ((L >> MASK_SCALE) << 32) * f)
-            words[_U(nw)] = x & WM
-            nw += e
-            x >>= 32 * e
-            q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), rc[t]) >> np.uint64(rs[t]))
-            x, other = other, (q << MASK_SCALE) + (x - q * f) + cu[t]
-    return words, nw, other, x  # after symbol 0 (state 0) the swap left state 0 in `other`
+            f = np.int64(vfreq[row, t])
+            if x >= ((L >> VALUE_SCALE) << 32) * f:
+                words[nw] = x & WM
+                nw += 1
+                x >>= 32
+            q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), vrcp[row, t]) >> np.uint64(vrsh[row, t]))
+            y = (q << VALUE_SCALE) + (x - q * f) + vcum[row, t]
+            if four:  # loop-invariant: predicted every time
+                x, p1, p2, p3 = p1, p2, p3, y
+            else:
+                x, p1 = p1, y
+        # the gaps, grouped by class (a stable counting sort: ranks stay increasing within a class;
+        # the classes' change counts are the scan's)
+        end = np.zeros(MAX_CLASSES + 1, np.int64)
+        for c in range(class_changes.size):
+            end[c + 1] = class_changes[c]
+        for c in range(MAX_CLASSES):
+            end[c + 1] += end[c]
+        grouped = np.empty(k, np.int64)  # ranks, class by class
+        for j in range(k):
+            c = _U(cls[j])
+            grouped[_U(end[c])] = ranks[j]
+            end[c] += 1  # ends as the end of class c
+        for c in range(MAX_CLASSES - 1, -1, -1):  # class by class, each with its table rows hoisted
+            lo = end[c - 1] if c > 0 else 0
+            if lo >= end[c]:
+                continue
+            lv = level_of_class[c]
+            fr = mfreq[lv]
+            cu = mcum[lv]
+            rc = mrcp[lv]
+            rs = mrsh[lv]
+            for jj in range(end[c] - 1, lo - 1, -1):
+                v = grouped[_U(jj)] - (grouped[_U(jj - 1)] if jj > lo else -1) - 1  # the gap
+                tok = v
+                if v >= rans.DIRECT:
+                    n = 63 - np.int64(leading_zeros(np.uint64(v)))
+                    nbits = n - rans.SUB_BITS
+                    tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
+                    if nbits > 16:
+                        x, nw = rans.enc_bits(x, words, nw, v & ((1 << nbits) - 1), nbits)
+                    else:  # emits written branch-free: gaps almost all carry raw bits, and whether
+                        # a word goes out is a coin flip (measured ~8% faster than branches here)
+                        e = np.int64(x >= (L >> nbits) << 32)
+                        words[_U(nw)] = x & WM
+                        nw += e
+                        x >>= 32 * e
+                        x = (x << nbits) | (v & ((1 << nbits) - 1))
+                t = _U(tok)
+                f = np.int64(fr[t])
+                e = np.int64(x >= ((L >> MASK_SCALE) << 32) * f)
+                words[_U(nw)] = x & WM
+                nw += e
+                x >>= 32 * e
+                q = x if f == 1 else np.int64(rans.umulhi(np.uint64(x), rc[t]) >> np.uint64(rs[t]))
+                y = (q << MASK_SCALE) + (x - q * f) + cu[t]
+                if four:
+                    x, p1, p2, p3 = p1, p2, p3, y
+                else:
+                    x, p1 = p1, y
+        # after symbol 0 the rotation left state 0 in the last slot, state 1 before it, ...
+        if four:
+            return words, nw, p3, p2, p1, x
+        return words, nw, p1, x, np.int64(L), np.int64(L)
 
+    @nb.njit(cache=True, nogil=True)
+    def decode_gaps(n, padded, words, x, o1, o2, o3, level_of_class, class_changes, mcum, mfreq, mslot):
+        """Phase 1: every class's changes from its gap symbols, class 0 first, as the class bitmaps
+        `ec.positions` reads (`ec.rank_bitmaps` layout: bit r of class c's region set where element r
+        of the class changed). x is the state of the next symbol, o1..o3 the others (o1 the next's):
+        they rotate per symbol, over two states (x, o1) or, if `four`, all four. The hot loop is written out (not via rans helpers): their inlined tuple
+        returns cost 2-3x here. Returns (bits, start, lim, x, o1, o2, o3, pos, status)."""
+        bits = np.zeros(ec.bitmap_words(padded), np.uint64)
+        start = np.zeros(MAX_CLASSES, np.int64)
+        lim = np.zeros(MAX_CLASSES, np.int64)
+        pos = words.size - 1
+        at = 0
+        L = rans.RANS_L
+        mmask = (1 << MASK_SCALE) - 1
+        for c in range(MAX_CLASSES):
+            start[c] = at
+            if c >= class_changes.size:
+                continue
+            lv = level_of_class[c]
+            sl = mslot[lv]
+            fr = mfreq[lv]
+            cu = mcum[lv]
+            r = -1
+            for _ in range(class_changes[c]):
+                slot = x & mmask
+                t = _U(sl[_U(slot)])
+                x = np.int64(fr[t]) * (x >> MASK_SCALE) + slot - cu[t]
+                if x < L:
+                    if pos < 0:
+                        return bits, start, lim, x, o1, o2, o3, pos, 1
+                    x = (x << 32) | words[_U(pos)]
+                    pos -= 1
+                tok = np.int64(t)
+                gap = tok
+                if tok >= rans.DIRECT:
+                    gap, nbits = rans.token_base(tok)
+                    if nbits > 16:
+                        extra, x, pos = rans.dec_bits(x, words, pos, nbits)
+                        if pos == -2:
+                            return bits, start, lim, x, o1, o2, o3, pos, 1
+                        gap += extra
+                    else:
+                        gap += x & ((1 << nbits) - 1)
+                        x >>= nbits
+                        if x < L:
+                            if pos < 0:
+                                return bits, start, lim, x, o1, o2, o3, pos, 1
+                            x = (x << 32) | words[_U(pos)]
+                            pos -= 1
+                if four:  # loop-invariant: predicted every time
+                    x, o1, o2, o3 = o1, o2, o3, x
+                else:
+                    x, o1 = o1, x
+                r += gap + 1
+                if r >= n:  # a rank beyond the tensor (also keeps r from overflowing)
+                    return bits, start, lim, x, o1, o2, o3, pos, 6
+                w = at + (r >> 6)
+                if w + 2 >= bits.size:  # more than any honest tensor's classes hold
+                    return bits, start, lim, x, o1, o2, o3, pos, 2
+                bits[_U(w)] |= _U(1) << _U(r & 63)
+            if r >= 0:
+                lim[c] = (r >> 6) + 1
+            at += lim[c] + 2
+            if at > bits.size:
+                return bits, start, lim, x, o1, o2, o3, pos, 2
+        return bits, start, lim, x, o1, o2, o3, pos, 0
 
-@nb.njit(cache=True, nogil=True)
-def _decode_gaps(n, padded, words, x, other, level_of_class, class_changes, mcum, mfreq, mslot):
-    """Phase 1: every class's changes from its gap symbols, class 0 first, as the class bitmaps
-    `ec.positions` reads (`ec.rank_bitmaps` layout: bit r of class c's region set where element r
-    of the class changed). x is the state of the next symbol, `other` the other interleaved state;
-    they swap per symbol. The hot loop is written out (not via rans helpers): their inlined tuple
-    returns cost 2-3x here. Returns (bits, start, lim, x, other, pos, status)."""
-    bits = np.zeros(ec.bitmap_words(padded), np.uint64)
-    start = np.zeros(MAX_CLASSES, np.int64)
-    lim = np.zeros(MAX_CLASSES, np.int64)
-    pos = words.size - 1
-    at = 0
-    L = rans.RANS_L
-    mmask = (1 << MASK_SCALE) - 1
-    for c in range(MAX_CLASSES):
-        start[c] = at
-        if c >= class_changes.size:
-            continue
-        lv = level_of_class[c]
-        sl = mslot[lv]
-        fr = mfreq[lv]
-        cu = mcum[lv]
-        r = -1
-        for _ in range(class_changes[c]):
-            slot = x & mmask
-            t = _U(sl[_U(slot)])
-            x = np.int64(fr[t]) * (x >> MASK_SCALE) + slot - cu[t]
+    @nb.njit(cache=True, nogil=True)
+    def decode_values(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow_of_key, vals, out):
+        """Phase 3, for changes j0..j1-1 (positions at[j]): their new values, in tensor order, into
+        `out` (the target under construction) or, when `out` is empty, into vals. Returns
+        (x, o1, o2, o3, pos, status)."""
+        L = rans.RANS_L
+        vmask = (1 << VALUE_SCALE) - 1
+        writing = out.size > 0
+        for j in range(j0, j1):
+            where = _U(at[j])
+            bv = np.int64(b[where])
+            srow = vrow_of_key[_U((bv >> KEY_SHIFT) & 0xFF)]
+            if srow < 0:
+                return x, o1, o2, o3, pos, 3
+            row = _U(srow)
+            slot = x & vmask
+            t = _U(vslot[row, _U(slot)])
+            x = np.int64(vfreq[row, t]) * (x >> VALUE_SCALE) + slot - vcum[row, t]
             if x < L:
                 if pos < 0:
-                    return bits, start, lim, x, other, pos, 1
+                    return x, o1, o2, o3, pos, 1
                 x = (x << 32) | words[_U(pos)]
                 pos -= 1
             tok = np.int64(t)
-            gap = tok
-            if tok >= rans.DIRECT:
-                gap, nbits = rans.token_base(tok)
-                if nbits > 16:
-                    extra, x, pos = rans.dec_bits(x, words, pos, nbits)
-                    if pos == -2:
-                        return bits, start, lim, x, other, pos, 1
-                    gap += extra
-                else:
-                    gap += x & ((1 << nbits) - 1)
-                    x >>= nbits
-                    if x < L:
-                        if pos < 0:
-                            return bits, start, lim, x, other, pos, 1
-                        x = (x << 32) | words[_U(pos)]
-                        pos -= 1
-            x, other = other, x
-            r += gap + 1
-            if r >= n:  # a rank beyond the tensor (also keeps r from overflowing)
-                return bits, start, lim, x, other, pos, 6
-            w = at + (r >> 6)
-            if w + 2 >= bits.size:  # more than any honest tensor's classes hold
-                return bits, start, lim, x, other, pos, 2
-            bits[_U(w)] |= _U(1) << _U(r & 63)
-        if r >= 0:
-            lim[c] = (r >> 6) + 1
-        at += lim[c] + 2
-        if at > bits.size:
-            return bits, start, lim, x, other, pos, 2
-    return bits, start, lim, x, other, pos, 0
+            u = tok
+            if tok >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
+                u, nbits = rans.token_base(tok)
+                u += x & ((1 << nbits) - 1)
+                x >>= nbits
+                if x < L:
+                    if pos < 0:
+                        return x, o1, o2, o3, pos, 1
+                    x = (x << 32) | words[_U(pos)]
+                    pos -= 1
+            if four:
+                x, o1, o2, o3 = o1, o2, o3, x
+            else:
+                x, o1 = o1, x
+            o = ec.ordered(bv) + ec.unzigzag(u)
+            if o < 0 or o > 0xFFFF:
+                return x, o1, o2, o3, pos, 4
+            new = ec.unordered(o)
+            if writing:
+                out[where] = new
+            else:
+                vals[j] = new
+        return x, o1, o2, o3, pos, 0
+
+
+    return encode, decode_gaps, decode_values
+
+
+_encode2, _decode_gaps2, _decode_values2 = _specialised(False)
+_encode4, _decode_gaps4, _decode_values4 = _specialised(True)
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_values(b, at, j0, j1, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key, vals, out):
-    """Phase 3, for changes j0..j1-1 (positions at[j]): their new values, in tensor order, into
-    `out` (the target under construction) or, when `out` is empty, into vals. Returns
-    (x, other, pos, status)."""
-    L = rans.RANS_L
-    vmask = (1 << VALUE_SCALE) - 1
-    writing = out.size > 0
-    for j in range(j0, j1):
-        where = _U(at[j])
-        bv = np.int64(b[where])
-        srow = vrow_of_key[_U((bv >> KEY_SHIFT) & 0xFF)]
-        if srow < 0:
-            return x, other, pos, 3
-        row = _U(srow)
-        slot = x & vmask
-        t = _U(vslot[row, _U(slot)])
-        x = np.int64(vfreq[row, t]) * (x >> VALUE_SCALE) + slot - vcum[row, t]
-        if x < L:
-            if pos < 0:
-                return x, other, pos, 1
-            x = (x << 32) | words[_U(pos)]
-            pos -= 1
-        tok = np.int64(t)
-        u = tok
-        if tok >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
-            u, nbits = rans.token_base(tok)
-            u += x & ((1 << nbits) - 1)
-            x >>= nbits
-            if x < L:
-                if pos < 0:
-                    return x, other, pos, 1
-                x = (x << 32) | words[_U(pos)]
-                pos -= 1
-        x, other = other, x
-        o = ec.ordered(bv) + ec.unzigzag(u)
-        if o < 0 or o > 0xFFFF:
-            return x, other, pos, 4
-        new = ec.unordered(o)
-        if writing:
-            out[where] = new
-        else:
-            vals[j] = new
-    return x, other, pos, 0
+def _encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
+            vrow_of_key, four):
+    """`_specialised`'s encoder for two or four states (see there)."""
+    if four:
+        return _encode4(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
+                        vrsh, vrow_of_key)
+    return _encode2(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
+                    vrow_of_key)
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_gaps(n, padded, words, x, o1, o2, o3, four, level_of_class, class_changes, mcum, mfreq, mslot):
+    """`_specialised`'s phase 1 for two or four states (see there)."""
+    if four:
+        return _decode_gaps4(n, padded, words, x, o1, o2, o3, level_of_class, class_changes, mcum, mfreq, mslot)
+    return _decode_gaps2(n, padded, words, x, o1, o2, o3, level_of_class, class_changes, mcum, mfreq, mslot)
+
+
+@nb.njit(cache=True, nogil=True)
+def _decode_values(b, at, j0, j1, words, x, o1, o2, o3, four, pos, vcum, vfreq, vslot, vrow_of_key, vals, out):
+    """`_specialised`'s phase 3 for two or four states (see there)."""
+    if four:
+        return _decode_values4(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow_of_key, vals, out)
+    return _decode_values2(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow_of_key, vals, out)
 
 
 # Elements per round of the decoder's scan: a round's values are decoded while its base and
@@ -346,25 +407,26 @@ CHUNK = 1 << 12
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_start(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot):
+def _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq, mslot):
     """Phase 1, every class's gaps into bitmaps, and the state the scan starts from:
-    (bitmaps, scan state (`ec.scan_state`), st = [x, other, pos, changes decoded], status)."""
-    bits, start, lim, x, other, pos, status = _decode_gaps(b.size, bb.size, words, x0, x1, levels, counts,
+    (bitmaps, scan state (`ec.scan_state`), st = [x, o1, o2, o3, pos, changes decoded], status)."""
+    bits, start, lim, x, o1, o2, o3, pos, status = _decode_gaps(b.size, bb.size, words, x0, x1, x2, x3, four, levels,
+                                                                counts,
                                                            mcum, mfreq, mslot)
     lanes, nclass, ge, cursor, guard = ec.scan_state(thresholds, start, lim)
-    st = np.array([x, other, pos, 0], np.int64)
+    st = np.array([x, o1, o2, o3, pos, 0], np.int64)
     return bits, lanes, nclass, ge, cursor, guard, st, status
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_span(b, bb, o0, o1, words, st, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot, vrow_of_key,
-                 at, vals, out, copy_to):
+def _decode_span(b, bb, o0, o1, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot,
+                 vrow_of_key, at, vals, out, copy_to):
     """Phases 2 and 3 over elements [o0, o1) (whole blocks), chunk by chunk: positions from a
     scan of the base, then those changes' values, so a chunk's base and output are decoded while
-    in L1. Resumable: st = [x, other, pos, changes decoded] carries on. Building a target (`out`
+    in L1. Resumable: st = [x, y1, y2, y3, pos, changes decoded] carries on. Building a target (`out`
     not empty), `at` holds one chunk's positions; otherwise at and vals collect the patch.
     Returns the status."""
-    x, other, pos, total = st[0], st[1], st[2], st[3]
+    x, y1, y2, y3, pos, total = st[0], st[1], st[2], st[3], st[4], st[5]
     building = out.size > 0
     for o in range(o0, o1, CHUNK):
         done = 0 if building else total
@@ -372,28 +434,30 @@ def _decode_span(b, bb, o0, o1, words, st, bits, lanes, nclass, ge, cursor, guar
                                          at, done, copy_to)
         if status:
             return status
-        x, other, pos, status = _decode_values(b, at, done, k, words, x, other, pos, vcum, vfreq, vslot, vrow_of_key,
-                                               vals, out)
+        x, y1, y2, y3, pos, status = _decode_values(b, at, done, k, words, x, y1, y2, y3, four, pos, vcum, vfreq,
+                                                    vslot, vrow_of_key, vals, out)
         if status:
             return status
         total += k - done
-    st[0], st[1], st[2], st[3] = x, other, pos, total
+    st[0], st[1], st[2], st[3], st[4], st[5] = x, y1, y2, y3, pos, total
     return 0
 
 
 @nb.njit(cache=True, nogil=True)
 def _decode_end(st, expected):
-    """The stream must end exactly: every change decoded, both states back at L, every word consumed."""
-    if st[3] != expected:
+    """The stream must end exactly: every change decoded, every state back at L (states 2 and 3
+    start there when unused), every word consumed."""
+    if st[5] != expected:
         return 2
-    if st[0] != rans.RANS_L or st[1] != rans.RANS_L or st[2] != -1:
+    L = rans.RANS_L
+    if st[0] != L or st[1] != L or st[2] != L or st[3] != L or st[4] != -1:
         return 7
     return 0
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key,
-            out, copy_to):
+def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot,
+            vrow_of_key, out, copy_to):
     """The three phases in one compiled call: (positions, values, changes decoded, status).
 
     With an empty `out`, the positions and values of every change are returned (a patch). With
@@ -401,8 +465,8 @@ def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot
     `copy_to`, which is `out` itself when the base needs no padding to whole blocks), the values
     written as they are decoded, and positions kept only for the current chunk (no per-change
     arrays to allocate and fill)."""
-    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(b, bb, words, x0, x1, thresholds, levels, counts,
-                                                                       mcum, mfreq, mslot)
+    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds,
+                                                                       levels, counts, mcum, mfreq, mslot)
     expected = counts.sum()
     building = out.size > 0
     at = np.empty(min(expected, CHUNK) if building else expected, np.int64)
@@ -411,11 +475,11 @@ def _decode(b, bb, words, x0, x1, thresholds, levels, counts, mcum, mfreq, mslot
         return at, vals, 0, status
     if building and not copy_to.size:
         out[:] = b
-    status = _decode_span(b, bb, 0, bb.size, words, st, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot,
-                          vrow_of_key, at, vals, out, copy_to)
+    status = _decode_span(b, bb, 0, bb.size, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq,
+                          vslot, vrow_of_key, at, vals, out, copy_to)
     if status == 0:
         status = _decode_end(st, expected)
-    return at, vals, st[3], status
+    return at, vals, st[5], status
 
 
 _STATUS = {
@@ -627,11 +691,12 @@ def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 @nb.njit(cache=True, nogil=True)
 def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
-                 vrsh, vrow_of_key):
+                 vrsh, vrow_of_key, four_from):
     """Params and stream of every tensor of a batch (tensor i's changes are [first[i], first[i+1])
     of pairs, cls and ranks; its classes, sizes and changes are row i of the rest), into two
     buffers: (params bytes, params offsets, stream words, stream offsets). The stream is the
-    emitted words then each final state as (low, high) 32-bit words (docs/FORMAT.md)."""
+    emitted words then each final state as (low, high) 32-bit words (docs/FORMAT.md): four
+    states for a tensor with at least four_from changes, else two."""
     m = first.size - 1
     params = np.empty(m * (2 * MAX_CLASSES + 10 * MAX_CLASSES), np.uint8)
     poff = np.zeros(m + 1, np.int64)
@@ -644,8 +709,9 @@ def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum
         b = first[i + 1]
         nclass = nthr[i] + 1
         levels = _argmin_levels(sizes[i, :nclass].astype(np.float64), changes[i, :nclass].astype(np.float64), logs)
-        words, nw, x0, x1 = _encode(pairs[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels, mcum, mfreq, mrcp,
-                                    mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key)
+        four = b - a >= four_from
+        words, nw, x0, x1, x2, x3 = _encode(pairs[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels, mcum, mfreq,
+                                            mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key, four)
         params[p] = nclass
         p += 1
         for c in range(nclass - 1):
@@ -660,17 +726,21 @@ def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum
         for j in range(nw):
             streams[q + j] = words[j]
         q += nw
-        for x in (x0, x1):
-            streams[q] = x & rans.WORD_MASK
-            streams[q + 1] = x >> 32
+        final = (x0, x1, x2, x3)
+        for j in range(FOUR_STATES if four else STATES):
+            streams[q] = final[j] & rans.WORD_MASK
+            streams[q + 1] = final[j] >> 32
             q += 2
         soff[i + 1] = q
     return params, poff, streams, soff
 
 
-def encode_many(analyses: list[Analysis], model: ValueModel) -> list[tuple[bytes, list[Stream]]]:
+def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NEVER
+                ) -> list[tuple[bytes, list[Stream]]]:
     """(params, streams) of each analysed tensor, coded in one compiled call (a model's dozens of
-    norm weights and biases cost more in per-call overhead than in coding)."""
+    norm weights and biases cost more in per-call overhead than in coding). Tensors with at
+    least `four_from` changes use four interleaved states (the payload's SHARED_INTERLEAVE rule,
+    which the caller writes)."""
     m = len(analyses)
     if m == 1:
         a = analyses[0]
@@ -696,7 +766,7 @@ def encode_many(analyses: list[Analysis], model: ValueModel) -> list[tuple[bytes
     mrcp, mrsh = mask_reciprocals()
     params, poff, streams, soff = _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, _level_logs(), mcum,
                                                mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh,
-                                               model.row_of_key)
+                                               model.row_of_key, four_from)
     out = []
     for i in range(m):
         data = streams[soff[i]: soff[i + 1]].astype("<u4").tobytes()
@@ -704,8 +774,24 @@ def encode_many(analyses: list[Analysis], model: ValueModel) -> list[tuple[bytes
     return out
 
 
-def encode(a: Analysis, model: ValueModel) -> tuple[bytes, list[Stream]]:
-    return encode_many([a], model)[0]
+def encode(a: Analysis, model: ValueModel, four_from: int = NEVER) -> tuple[bytes, list[Stream]]:
+    return encode_many([a], model, four_from)[0]
+
+
+def interleave_rule(four_from: int) -> bytes:
+    """The SHARED_INTERLEAVE block: records with at least `four_from` changes use four states."""
+    return uvarints(np.array([four_from], np.int64))
+
+
+def _four_from(shared: dict) -> int:
+    """The payload's interleave rule (NEVER without one: v2)."""
+    data = shared.get(SHARED_INTERLEAVE)
+    if data is None:
+        return NEVER
+    vals = read_uvarints(data, "interleave rule")
+    if len(vals) != 1:
+        raise DeltaError(f"interleave rule holds {len(vals)} values, expected 1")
+    return min(vals[0], NEVER)
 
 
 # ---------------------------------------------------------------- decoder side
@@ -816,35 +902,41 @@ def decode_target(entry: Entry, base: np.ndarray, shared: dict,
 _NO_OUT = np.empty(0, np.uint16)
 
 
-def _stream(entry: Entry) -> tuple[np.ndarray, int, int]:
-    """(words, state 0, state 1) of the entry's one raw rANS stream, checked."""
+def _stream(entry: Entry, four: bool) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """(words, states 0..3) of the entry's one raw rANS stream, checked: four states if `four`,
+    else two (states 2 and 3 then stay at 2**31, unused)."""
     if len(entry.streams) != 1:
         raise DeltaError(f"method expects 1 stream, index has {len(entry.streams)}", tensor=entry.name)
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
         raise DeltaError("entropy stream must be stored raw", tensor=entry.name)
-    parsed = rans.bytes_to_words(s.stored, STATES)
+    parsed = rans.bytes_to_words(s.stored, FOUR_STATES if four else STATES)
     if parsed is None:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
-    words, (x0, x1) = parsed
-    return words, x0, x1
+    words, states = parsed
+    return words, (states + (rans.RANS_L, rans.RANS_L))[:FOUR_STATES]
 
 
 def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
-    """(flat base, thresholds, levels, changes per class, words, state 0, state 1, value model)
-    of a record, every field checked."""
+    """(flat base, thresholds, levels, changes per class, words, states 0..3, four states?, value
+    model) of a record, every field checked."""
     if base.dtype != np.uint16:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     thresholds, levels, counts = _params(entry)
-    words, x0, x1 = _stream(entry)
-    return base.reshape(-1), thresholds, levels, counts, words, x0, x1, _model(shared)
+    try:
+        four = entry.changes >= _four_from(shared)
+    except DeltaError as exc:
+        raise DeltaError(exc.reason, tensor=entry.name) from None
+    words, states = _stream(entry, four)
+    return base.reshape(-1), thresholds, levels, counts, words, states, four, _model(shared)
 
 
 def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None,
                   on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(positions, values, changes decoded) of a record; with `out`, the target is built there
     instead (see `_decode`), handed to on_chunk in final parts if given."""
-    base, thresholds, levels, counts, words, x0, x1, model = _checked(entry, base, shared)
+    base, thresholds, levels, counts, words, states, four, model = _checked(entry, base, shared)
+    x0, x1, x2, x3 = (np.int64(x) for x in states)
     bb = ec.blocks(base)
     copy_to = _NO_OUT
     if out is None:
@@ -853,7 +945,7 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
         copy_to = out  # the base is its own blocks: the scan copies it block by block
     mfreq, mcum, mslot = mask_tables()
     if not out.size or on_chunk is None or base.size <= ec.SCAN_CHUNK:  # one compiled call
-        at, val, count, status = _decode(base, bb, words, np.int64(x0), np.int64(x1), thresholds, levels, counts, mcum,
+        at, val, count, status = _decode(base, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum,
                                          mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out,
                                          copy_to)
         if status:
@@ -864,7 +956,7 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
     # a large target, a chunk at a time: each part goes to on_chunk while it is in cache
     if not copy_to.size:
         out[:] = base
-    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(base, bb, words, np.int64(x0), np.int64(x1),
+    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(base, bb, words, x0, x1, x2, x3, four,
                                                                        thresholds, levels, counts, mcum, mfreq, mslot)
     expected = int(counts.sum())
     at = np.empty(min(expected, CHUNK), np.int64)
@@ -872,7 +964,7 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
         if status:
             break
         stop = min(start + ec.SCAN_CHUNK, bb.size)
-        status = _decode_span(base, bb, start, stop, words, st, bits, lanes, nclass, ge, cursor, guard, model.cum,
+        status = _decode_span(base, bb, start, stop, words, st, four, bits, lanes, nclass, ge, cursor, guard, model.cum,
                               model.freq, model.slots, model.row_of_key, at, _NO_OUT, out, copy_to)
         if not status:
             on_chunk(out[start: min(stop, base.size)])
@@ -880,26 +972,29 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
         status = _decode_end(st, expected)
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
-    return at, _NO_OUT, int(st[3])
+    return at, _NO_OUT, int(st[5])
 
 
 @nb.njit(cache=True, nogil=True)
-def _stream_states(words):
-    """(state 0, state 1, status) of a stream's words, whose last 2 * STATES words hold the
-    states (low, high): status 0, or 1 when they are missing or out of range."""
-    if words.size < 2 * STATES:
-        return 0, 0, 1
-    n = words.size - 2 * STATES
-    x0 = np.int64(words[n]) | (np.int64(words[n + 1]) << 32)
-    x1 = np.int64(words[n + 2]) | (np.int64(words[n + 3]) << 32)
-    if words[n + 1] >= 0x80000000 or words[n + 3] >= 0x80000000 or x0 < rans.RANS_L or x1 < rans.RANS_L:
-        return x0, x1, 1
-    return x0, x1, 0
+def _stream_states(words, nstates):
+    """(words before the states, states 0..3, status) of a stream whose last 2 * nstates words
+    hold the final states (low, high; states past nstates are 2**31): status 0, or 1 when they
+    are missing or out of range."""
+    states = np.full(FOUR_STATES, rans.RANS_L, np.int64)
+    if words.size < 2 * nstates:
+        return words, states, 1
+    n = words.size - 2 * nstates
+    for j in range(nstates):
+        hi = words[n + 2 * j + 1]
+        states[j] = np.int64(words[n + 2 * j]) | (np.int64(hi) << 32)
+        if hi >= 0x80000000 or states[j] < rans.RANS_L:
+            return words[:n], states, 1
+    return words[:n], states, 0
 
 
 @nb.njit(cache=True, nogil=True)
-def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, mcum, mfreq, mslot, vcum, vfreq, vslot,
-                 vrow_of_key, out):
+def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq, mslot, vcum, vfreq,
+                 vslot, vrow_of_key, out):
     """`_decode` (building targets) of many small tensors, their records parsed here too: tensor
     i's base is bases[starts[i]:] (sizes[i] elements, then zeros up to whole blocks), its target
     goes to the same place in out, its params are params[poff[i]:poff[i + 1]] and its stream
@@ -913,15 +1008,15 @@ def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, mcum,
     counts = np.zeros(MAX_CLASSES, np.int64)
     for i in range(m):
         bad, nc, _ = _parse_params(params[poff[i]:poff[i + 1]], changes[i], thr, levels, counts)
-        w = words[woff[i]:woff[i + 1]]
-        x0, x1, broken = _stream_states(w)
+        four = changes[i] >= four_from
+        w, x, broken = _stream_states(words[woff[i]:woff[i + 1]], FOUR_STATES if four else STATES)
         if bad or broken:
             status[i] = 8
             continue
         s = starts[i]
         n = sizes[i]
         padded = -(-n // ec.BLOCK) * ec.BLOCK
-        _, _, decoded[i], status[i] = _decode(bases[s:s + n], bases[s:s + padded], w[:w.size - 2 * STATES], x0, x1,
+        _, _, decoded[i], status[i] = _decode(bases[s:s + n], bases[s:s + padded], w, x[0], x[1], x[2], x[3], four,
                                               thr[:nc - 1], levels[:nc], counts[:nc], mcum, mfreq, mslot, vcum, vfreq,
                                               vslot, vrow_of_key, out[s:s + n], out[s:s + padded])
     return decoded, status
@@ -934,6 +1029,7 @@ def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) 
     results: list[tuple[int, np.ndarray] | None] = [None] * len(entries)
     try:
         model = _model(shared)
+        four_from = _four_from(shared)
     except DeltaError:
         return results
     ok = []
@@ -955,8 +1051,8 @@ def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) 
     joined, starts, sizes = ec.joined_blocks([bases[i].reshape(-1) for i in ok])
     out = np.empty(joined.size, np.uint16)
     mfreq, mcum, mslot = mask_tables()
-    decoded, status = _decode_many(joined, starts, sizes, params, poff, words, woff, changes, mcum, mfreq, mslot,
-                                   model.cum, model.freq, model.slots, model.row_of_key, out)
+    decoded, status = _decode_many(joined, starts, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq,
+                                   mslot, model.cum, model.freq, model.slots, model.row_of_key, out)
     for j, i in enumerate(ok):
         if status[j] == 0:
             results[i] = (int(decoded[j]), out[starts[j]: starts[j] + sizes[j]])
