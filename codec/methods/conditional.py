@@ -147,9 +147,9 @@ def _count_value_tokens(pairs, hist):
 def _specialised(four: bool):
     """The kernels whose hot loops rotate the interleaved rANS states, compiled for two states or,
     with `four`, for four. `four` is a closure constant, so neither version's loops test it (a
-    runtime flag in the loops cost the four-state decoder its ~5% gain)."""
+    runtime flag in the loops cost the four-state decoder its ~5% gain). Returns (encode,
+    decode_gaps, decode_values)."""
 
-    @nb.njit(cache=True, nogil=True)
     def encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
                 vrow_of_key):
         """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
@@ -250,7 +250,6 @@ def _specialised(four: bool):
             return words, nw, p3, p2, p1, x
         return words, nw, p1, x, np.int64(L), np.int64(L)
 
-    @nb.njit(cache=True, nogil=True)
     def decode_gaps(n, padded, words, x, o1, o2, o3, level_of_class, class_changes, mcum, mfreq, mslot):
         """Phase 1: every class's changes from its gap symbols, class 0 first, as the class bitmaps
         `ec.positions` reads (`ec.rank_bitmaps` layout: bit r of class c's region set where element r
@@ -317,7 +316,6 @@ def _specialised(four: bool):
                 return bits, start, lim, x, o1, o2, o3, pos, 2
         return bits, start, lim, x, o1, o2, o3, pos, 0
 
-    @nb.njit(cache=True, nogil=True)
     def decode_values(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow_of_key, vals, out):
         """Phase 3, for changes j0..j1-1 (positions at[j]): their new values, in tensor order, into
         `out` (the target under construction) or, when `out` is empty, into vals. Returns
@@ -366,7 +364,14 @@ def _specialised(four: bool):
         return x, o1, o2, o3, pos, 0
 
 
-    return encode, decode_gaps, decode_values
+    kernels = []
+    for fn in (encode, decode_gaps, decode_values):
+        # a name of its own per state count: compiled code is linked by name, and two cached
+        # kernels with one name (and the same per-process serial) would call each other's code
+        fn.__name__ = f"_{fn.__name__}{FOUR_STATES if four else STATES}"
+        fn.__qualname__ = fn.__name__
+        kernels.append(nb.njit(cache=True, nogil=True)(fn))
+    return tuple(kernels)
 
 
 _encode2, _decode_gaps2, _decode_values2 = _specialised(False)
