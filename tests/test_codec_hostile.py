@@ -415,3 +415,70 @@ def test_fuzz_body_with_checksum_fixed(version, muts):
     for pos, xor in muts:
         data[start + pos % len(body)] ^= xor
     _check_fuzzed(fix_checksum(bytes(data)))
+
+
+# --- the index's compiled fast path -------------------------------------------------------------
+
+
+def _parsed(raw_index: bytes, body: bytes):
+    """(fast, checked) parse of an index over a body: fast is None where it declined; checked is
+    the entries and shared blocks, or the DeltaError it raised."""
+    rest = memoryview(b"\0" * 7 + body)  # the parsers index streams from index_len into `rest`
+    fast = container._entries_fast(raw_index, rest, 7)
+    try:
+        checked = container._entries_checked(raw_index, rest, 7)
+    except codec.DeltaError as exc:
+        checked = exc
+    return fast, checked
+
+
+def _same(fast, checked) -> None:
+    entries, shared = fast
+    assert shared == checked[1]
+    assert len(entries) == len(checked[0])
+    for a, b in zip(entries, checked[0]):
+        assert dataclasses.astuple(dataclasses.replace(a, streams=[])) == dataclasses.astuple(dataclasses.replace(b, streams=[]))
+        assert [(s.codec, s.raw_len, bytes(s.stored)) for s in a.streams] == \
+               [(s.codec, s.raw_len, bytes(s.stored)) for s in b.streams]
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_index_fast_path_matches_the_checked_parser(version):
+    """Well-formed indexes parse to the same payload both ways, and pack writes what the
+    field-by-field writer writes."""
+    for base, target in (small_pair(), edge_pair()):
+        payload = codec.encode(base, target, format_version=version)
+        _, index, body = split_payload(payload)
+        fast, checked = _parsed(index, body)
+        assert fast is not None
+        _same(fast, checked)
+        parsed = container.unpack(payload)
+        assert container._index_bytes(parsed) == container._index_bytes_reference(parsed) == index
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_index_fast_path_never_accepts_what_the_checked_parser_refuses(data):
+    """Mutated indexes (bytes flipped, inserted, deleted, truncated): the fast path either declines
+    or returns exactly what the checked parser returns; it never accepts a fault."""
+    base, target = small_pair()
+    version = data.draw(st.sampled_from(FORMAT_VERSIONS))
+    _, index, body = split_payload(codec.encode(base, target, format_version=version))
+    raw = bytearray(index)
+    for _ in range(data.draw(st.integers(1, 4))):
+        kind = data.draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
+        at = data.draw(st.integers(0, max(len(raw) - 1, 0)))
+        if kind == "flip" and raw:
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "set" and raw:
+            raw[at] = data.draw(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF]))
+        elif kind == "insert":
+            raw[at:at] = bytes([data.draw(st.integers(0, 255))])
+        elif kind == "delete" and raw:
+            del raw[at]
+        elif kind == "truncate":
+            del raw[at:]
+    fast, checked = _parsed(bytes(raw), body)
+    if fast is not None:
+        assert not isinstance(checked, Exception), checked
+        _same(fast, checked)

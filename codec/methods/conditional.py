@@ -562,6 +562,29 @@ def analyze_many(bases: list[np.ndarray], targets: list[np.ndarray]) -> list[Ana
             in ec.analyze_many([b.reshape(-1) for b in bases], [t.reshape(-1) for t in targets])]
 
 
+@nb.njit(cache=True, nogil=True)
+def _pack_tables(keys, freq):
+    """`ValueModel.pack`: the keys' count, then per key its delta, its non-zero tokens' count and
+    each one's (token delta, frequency), as varints."""
+    out = np.empty(10 * (2 + keys.size * (2 + 2 * freq.shape[1])), np.uint8)
+    n = put_uvarint(out, 0, keys.size)
+    prev = -1
+    for i in range(keys.size):
+        n = put_uvarint(out, n, keys[i] - prev - 1)
+        prev = keys[i]
+        nz = 0
+        for t in range(freq.shape[1]):
+            nz += freq[i, t] != 0
+        n = put_uvarint(out, n, nz)
+        last = -1
+        for t in range(freq.shape[1]):
+            if freq[i, t]:
+                n = put_uvarint(out, n, t - last - 1)
+                n = put_uvarint(out, n, freq[i, t])
+                last = t
+    return out[:n]
+
+
 class ValueModel:
     """One value-token table per key, shared by every conditional tensor of a payload."""
 
@@ -597,19 +620,8 @@ class ValueModel:
         return cls(freq, keys)
 
     def pack(self) -> bytes:
-        vals = [self.keys.size]
-        prev = -1
-        for key, row in zip(self.keys, self.freq):
-            vals.append(int(key) - prev - 1)
-            prev = int(key)
-            nz = np.flatnonzero(row)
-            vals.append(nz.size)
-            gaps = np.diff(nz, prepend=-1) - 1
-            pairs = np.empty(2 * nz.size, np.int64)
-            pairs[0::2] = gaps
-            pairs[1::2] = row[nz]
-            vals.extend(pairs.tolist())
-        return uvarints(np.array(vals, np.int64))
+        """The shared value-tables block (docs/FORMAT.md), built in one compiled pass."""
+        return _pack_tables(self.keys.astype(np.int64), self.freq).tobytes()
 
     @classmethod
     def unpack(cls, data: bytes) -> "ValueModel":
