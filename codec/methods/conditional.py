@@ -65,6 +65,10 @@ NEVER = 1 << 62  # the rule of a payload without one (v2): no record uses four s
 # Hot loops index with unsigned integers: numba then emits no negative-index wraparound code
 # (measured 1.6x on the value loop).
 _U = np.uint64
+# Each gap token's smallest value and raw bit count (rans.token_base as tables: the decoder then
+# needs no branch on whether a token carries raw bits)
+_GAP_TOKEN_BASE = np.array([rans.token_base.py_func(t)[0] for t in range(GAP_TOKENS)], np.int64)
+_GAP_TOKEN_BITS = np.array([rans.token_base.py_func(t)[1] for t in range(GAP_TOKENS)], np.int64)
 
 
 # floor(2**52 * 2**(-r/6)) for r = 0..5: the levels are exact binary fractions, so every
@@ -254,12 +258,19 @@ def _specialised(four: bool):
         """Phase 1: every class's changes from its gap symbols, class 0 first, as the class bitmaps
         `ec.positions` reads (`ec.rank_bitmaps` layout: bit r of class c's region set where element r
         of the class changed). x is the state of the next symbol, o1..o3 the others (o1 the next's):
-        they rotate per symbol, over two states (x, o1) or, if `four`, all four. The hot loop is written out (not via rans helpers): their inlined tuple
-        returns cost 2-3x here. Returns (bits, start, lim, x, o1, o2, o3, pos, status)."""
+        they rotate per symbol, over two states (x, o1) or, if `four`, all four. The hot loop is
+        written out (not via rans helpers): their inlined tuple returns cost 2-3x here.
+
+        Words are pulled branch-free (whether the state needs one is a coin flip per symbol, and
+        40% of gaps carry raw bits: branches there cost ~12% of this phase). A pull past the
+        stream's first word reads a harmless word and leaves pos below -1, which every exit checks:
+        the stream then ends early (status 1), whatever else went wrong after it.
+        Returns (bits, start, lim, x, o1, o2, o3, pos, status)."""
         bits = np.zeros(ec.bitmap_words(padded), np.uint64)
         start = np.zeros(MAX_CLASSES, np.int64)
         lim = np.zeros(MAX_CLASSES, np.int64)
         pos = words.size - 1
+        some = words.size > 0  # an empty stream has no word to read, even a harmless one
         at = 0
         L = rans.RANS_L
         mmask = (1 << MASK_SCALE) - 1
@@ -276,39 +287,39 @@ def _specialised(four: bool):
                 slot = x & mmask
                 t = _U(sl[_U(slot)])
                 x = np.int64(fr[t]) * (x >> MASK_SCALE) + slot - cu[t]
-                if x < L:
-                    if pos < 0:
+                e = np.int64(x < L)  # pull a word if the state fell below L
+                w = np.int64(words[_U(max(pos, 0))]) if some else 0
+                x = (x << (32 * e)) | (w & -e)
+                pos -= e
+                nbits = _GAP_TOKEN_BITS[t]
+                gap = _GAP_TOKEN_BASE[t]
+                if nbits > 16:  # rare: gaps of 2**18 and more
+                    if pos < -1:
                         return bits, start, lim, x, o1, o2, o3, pos, 1
-                    x = (x << 32) | words[_U(pos)]
-                    pos -= 1
-                tok = np.int64(t)
-                gap = tok
-                if tok >= rans.DIRECT:
-                    gap, nbits = rans.token_base(tok)
-                    if nbits > 16:
-                        extra, x, pos = rans.dec_bits(x, words, pos, nbits)
-                        if pos == -2:
-                            return bits, start, lim, x, o1, o2, o3, pos, 1
-                        gap += extra
-                    else:
-                        gap += x & ((1 << nbits) - 1)
-                        x >>= nbits
-                        if x < L:
-                            if pos < 0:
-                                return bits, start, lim, x, o1, o2, o3, pos, 1
-                            x = (x << 32) | words[_U(pos)]
-                            pos -= 1
+                    extra, x, pos = rans.dec_bits(x, words, pos, nbits)
+                    if pos == -2:
+                        return bits, start, lim, x, o1, o2, o3, pos, 1
+                    gap += extra
+                else:  # nbits may be 0: then nothing moves
+                    gap += x & ((1 << nbits) - 1)
+                    x >>= nbits
+                    e = np.int64(x < L)
+                    w = np.int64(words[_U(max(pos, 0))]) if some else 0
+                    x = (x << (32 * e)) | (w & -e)
+                    pos -= e
                 if four:  # loop-invariant: predicted every time
                     x, o1, o2, o3 = o1, o2, o3, x
                 else:
                     x, o1 = o1, x
                 r += gap + 1
                 if r >= n:  # a rank beyond the tensor (also keeps r from overflowing)
-                    return bits, start, lim, x, o1, o2, o3, pos, 6
+                    return bits, start, lim, x, o1, o2, o3, pos, 1 if pos < -1 else 6
                 w = at + (r >> 6)
                 if w + 2 >= bits.size:  # more than any honest tensor's classes hold
-                    return bits, start, lim, x, o1, o2, o3, pos, 2
+                    return bits, start, lim, x, o1, o2, o3, pos, 1 if pos < -1 else 2
                 bits[_U(w)] |= _U(1) << _U(r & 63)
+            if pos < -1:
+                return bits, start, lim, x, o1, o2, o3, pos, 1
             if r >= 0:
                 lim[c] = (r >> 6) + 1
             at += lim[c] + 2
@@ -474,7 +485,8 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
                                                                        levels, counts, mcum, mfreq, mslot)
     expected = counts.sum()
     building = out.size > 0
-    at = np.empty(min(expected, CHUNK) if building else expected, np.int64)
+    # positions: a chunk's at a time when building, else all; the scan's slack after them
+    at = np.empty((min(expected, CHUNK) if building else expected) + ec.POSITION_SLACK, np.int64)
     vals = np.empty(0 if building else expected, np.uint16)
     if status:
         return at, vals, 0, status
@@ -484,7 +496,7 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
                           vslot, vrow_of_key, at, vals, out, copy_to)
     if status == 0:
         status = _decode_end(st, expected)
-    return at, vals, st[5], status
+    return at[:at.size - ec.POSITION_SLACK], vals, st[5], status
 
 
 _STATUS = {
@@ -976,7 +988,7 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
     bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(base, bb, words, x0, x1, x2, x3, four,
                                                                        thresholds, levels, counts, mcum, mfreq, mslot)
     expected = int(counts.sum())
-    at = np.empty(min(expected, CHUNK), np.int64)
+    at = np.empty(min(expected, CHUNK) + ec.POSITION_SLACK, np.int64)
     for start in range(0, bb.size, ec.SCAN_CHUNK):
         if status:
             break

@@ -708,19 +708,29 @@ def scan_state(thresholds, start, lim):
     return lanes, nclass, ge, at, guard
 
 
+# Spare entries past the last position `positions_between` may store: a block's first four
+# positions are stored whether or not it has that many changes (see there).
+POSITION_SLACK = 4
+_SLACK = np.uint64(POSITION_SLACK)
+
+
 @nb.njit(cache=True, nogil=True)
 def positions_between(n, b, o0, o1, lanes, nclass, ge, bits, at, guard, out, k, copy_to):
     """The changes among elements [o0, o1) (whole blocks) of the base b of n elements (in whole
     blocks, `blocks`), from the class bitmaps (`rank_bitmaps` layout), appended to out from
-    out[k]. Resumable: the scan's state (`scan_state`) carries on to the next range.
+    out[k]; out holds POSITION_SLACK spare entries after the positions it may receive, which the
+    scan may overwrite. Resumable: the scan's state (`scan_state`) carries on to the next range.
 
     Block by block, branch-free per class: the block's class masks (`_block_masks`) give each
     class's members m; the class's next popcount(m) bitmap bits, deposited at m's set bits (PDEP),
-    are its changes in this block. Returns (k, status): status 2 when a change falls in the
-    padding or past out's end. When copy_to (as long as b) is not empty, the base is copied into
-    it on the way, while the block is in L1: the decoder's output without a second pass."""
+    are its changes in this block. The block's first four changes are stored unconditionally
+    (into the slack when there are fewer) and only the rest in a loop: a loop over each block's
+    changes mispredicts its exit about once a block (measured: the scan 1.25x slower at 3%
+    changed). Returns (k, status): status 2 when a change falls in the padding or past out's
+    end. When copy_to (as long as b) is not empty, the base is copied into it on the way, while
+    the block is in L1: the decoder's output without a second pass."""
     copying = copy_to.size > 0
-    expected = out.size
+    expected = out.size - POSITION_SLACK
     for o in range(o0, o1, BLOCK):
         _block_masks(b, o, lanes, ge)
         if copying:
@@ -732,13 +742,22 @@ def positions_between(n, b, o0, o1, lanes, nclass, ge, bits, at, guard, out, k, 
             w = min(p >> np.uint64(6), guard[c])  # past the class's last change: its zero guards
             found |= _deposit(_funnel_right(bits[w + _U1], bits[w], p), m)
             at[c] = p + np.uint64(_popcount(m))
-        while found != _U0:
-            q = o + np.int64(trailing_zeros(found))
-            if q >= n or k >= expected:  # a rank in the padding
-                return k, 2
-            out[k] = q
-            k += 1
+        count = _popcount(found)
+        if k + count > expected:
+            return k, 2
+        if o + BLOCK > n and found >> np.uint64(n - o) != _U0:  # a rank in the padding
+            return k, 2
+        j = np.uint64(k)  # unsigned: no wraparound code
+        q = np.uint64(o)
+        for _ in range(POSITION_SLACK):  # unrolled; past the last change, trailing_zeros(0) = 64
+            out[j] = q + np.uint64(trailing_zeros(found))
             found &= found - _U1
+            j += _U1
+        while found != _U0:
+            out[j] = q + np.uint64(trailing_zeros(found))
+            found &= found - _U1
+            j += _U1
+        k += count
     return k, 0
 
 
@@ -749,8 +768,8 @@ def positions(n, b, thresholds, bits, start, lim, expected, copy_to):
     status): status 0, or 2 when a class's changes lie beyond its elements (bits never
     deposited, or deposited in the padding)."""
     lanes, nclass, ge, at, guard = scan_state(thresholds, start, lim)
-    out = np.empty(expected, np.int64)
+    out = np.empty(expected + POSITION_SLACK, np.int64)
     k, status = positions_between(n, b, 0, b.size, lanes, nclass, ge, bits, at, guard, out, 0, copy_to)
     if status == 0 and k != expected:
         status = 2
-    return out, status
+    return out[:expected], status
