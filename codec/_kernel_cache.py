@@ -19,7 +19,7 @@ import numba
 import xxhash
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("rans.py", "wire.py", "methods/conditional.py", "methods/exponent_classes.py")
+KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "methods/conditional.py", "methods/exponent_classes.py")
 
 
 def cache_dir() -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -12,7 +12,7 @@ import torch
 from . import container, device, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
-from .hashing import digest_elements, digester, feed
+from .hashing import Running, digest_elements, running
 from .methods import conditional, exponent_classes, same, sparse, xor_planes
 from .methods.base import Patch
 
@@ -92,18 +92,17 @@ class _Pending:
         self.target_digest: bytes | None = None
         on_device = target.device.type != "cpu" and base.device == target.device
         if use_conditional and self.dt is tensors.BF16 and not on_device:
-            # both digests fed while the scan's chunks are still in cache: one read of each tensor
+            # both digests fed by the scan, part by part while in cache: one read of each tensor
             b, t = (a.reshape(-1) for a in self.host)
-            hb, ht = digester(self.dt.name, self.shape), digester(self.dt.name, self.shape)
-
-            def hashed(start: int, stop: int) -> None:
-                feed(hb, b[start:stop])
-                feed(ht, t[start:stop])
-
-            self.analysis = conditional.analyze(b, t, on_chunk=hashed)
+            hb, ht = running(self.dt.name, self.shape), running(self.dt.name, self.shape)
+            self.analysis = conditional.analyze(b, t, (hb, ht) if hb and ht else None)
             self.index: np.ndarray | None = None  # the scan does not keep positions; sparse finds them if asked
             self.changes = self.analysis.changes
-            self.base_digest, self.target_digest = hb.digest(), ht.digest()
+            if hb and ht:
+                self.base_digest, self.target_digest = hb.digest(), ht.digest()
+            else:  # kernels cannot hash here (hashing.NATIVE): from Python, a second read
+                self.base_digest = digest_elements(self.dt.name, self.shape, b)
+                self.target_digest = digest_elements(self.dt.name, self.shape, t)
             return
         if use_conditional and self.dt is tensors.BF16:
             self.analysis = device.analyze_on_device(base, target)
@@ -239,17 +238,17 @@ def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
 
 
 def _decoded(entry: Entry, elems: np.ndarray, parsed: Payload, with_target: bool,
-             on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[int, Patch | None, np.ndarray | None]:
+             digest: Running | None = None) -> tuple[int, Patch | None, np.ndarray | None]:
     """(changes, patch, target) of one entry, every failure a DeltaError naming the tensor. With
     with_target, methods that build the target while decoding (`decode_target`) do so (no copy of
-    the base beforehand, no scatter, no patch; on_chunk sees the target in final parts), the
-    others' patch is applied to a copy."""
+    the base beforehand, no scatter, no patch; they feed `digest` the target as they finish it),
+    the others' patch is applied to a copy."""
     module = methods.lookup(entry, parsed.version)
     build = getattr(module, "decode_target", None) if with_target else None
     patch = new = None
     try:
         if build is not None:
-            count, new = build(entry, elems, parsed.shared, on_chunk)
+            count, new = build(entry, elems, parsed.shared, digest)
         else:
             patch = module.decode(entry, elems, parsed.shared)
             count = patch.count
@@ -269,11 +268,12 @@ def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
 
 def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np.ndarray, bytes]:
     """The entry's whole reconstructed tensor, flat, and its digest: fed part by part while the
-    decoder builds it, where the method can, else computed afterwards."""
-    h = digester(entry.dtype.name, entry.shape)
-    _, patch, new = _decoded(entry, elems, parsed, True, lambda part: feed(h, part))
+    decoder builds it, where the method and the kernels can (`hashing.running`), else computed
+    afterwards."""
+    digest = running(entry.dtype.name, entry.shape)
+    _, patch, new = _decoded(entry, elems, parsed, True, digest)
     if new is not None:
-        return new, h.digest()
+        return new, digest.digest() if digest is not None else digest_elements(entry.dtype.name, entry.shape, new)
     new = elems.reshape(-1).copy()
     new[patch.index] = patch.values
     return new, digest_elements(entry.dtype.name, entry.shape, new)

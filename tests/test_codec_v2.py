@@ -252,11 +252,18 @@ def test_value_tables_normalise_all_rows_like_one_row():
         assert np.array_equal(bulk, one)
 
 
-def test_digests_of_tensors_scanned_in_chunks():
-    """Tensors larger than a scan chunk get their digests fed chunk by chunk during the scan: the
-    same digests as hashing the whole tensor, and the payload decodes."""
+@pytest.mark.parametrize("native", [True, False], ids=["kernels-hash", "python-hashes"])
+def test_digests_fed_by_the_kernels_match_whole_tensor_digests(native, monkeypatch):
+    """The scan feeds both digests part by part, the decoder the target's chunk by chunk (where
+    the xxhash build lets kernels hash, `hashing.NATIVE`; else Python hashes whole tensors): the
+    same digests as hashing each whole tensor, the same payload either way, and it decodes."""
+    from codec import hashing
     from codec.hashing import digest_elements
-    n = 2 * ec.SCAN_CHUNK + 1000
+    if native and hashing.NATIVE is None:
+        pytest.skip("this xxhash build does not export its C API")
+    if not native:
+        monkeypatch.setattr(hashing, "NATIVE", None)
+    n = 3 * ec.HASH_PART + 1000  # parts of the scan and chunks of the decoder, and a partial one
     rng = np.random.default_rng(11)
     base = {"big": torch.randn(n).to(torch.bfloat16), "small": torch.randn(300).to(torch.bfloat16)}
     target = {k: v.clone() for k, v in base.items()}
@@ -265,6 +272,10 @@ def test_digests_of_tensors_scanned_in_chunks():
         idx = torch.from_numpy(rng.choice(v.numel(), v.numel() // 50, replace=False))
         bits[idx] ^= 1
     payload = codec.encode(base, target)
+    if native:
+        with monkeypatch.context() as m:
+            m.setattr(hashing, "NATIVE", None)
+            assert codec.encode(base, target) == payload
     for entry in container.unpack(payload).entries:
         assert entry.method == conditional.ID
         assert entry.base_digest == digest_elements(tensors.BF16.name, entry.shape, bits_of(base[entry.name]))

@@ -8,6 +8,7 @@ import numba as nb
 import numpy as np
 import pytest
 
+from codec import hashing
 from codec.methods import exponent_classes as ec
 
 _NO_COPY = np.empty(0, np.uint16)
@@ -202,22 +203,24 @@ def test_positions_refuse_ranks_beyond_a_class():
 
 
 @pytest.mark.parametrize("changed", [0.001, 0.3])  # 30%: the change buffers must grow mid-scan
-def test_chunked_scan_matches_one_scan_and_reports_every_chunk(changed):
-    """With on_chunk, a large tensor is scanned chunk by chunk (for the caller's digests): same
-    result as one scan, and the chunks cover every element once, in order."""
-    n = 2 * ec.SCAN_CHUNK + 64 * 5 + 37
+@pytest.mark.skipif(hashing.NATIVE is None, reason="this xxhash build does not export its C API")
+def test_scan_feeds_both_digests_part_by_part(changed):
+    """With digests, the scan feeds base and target to them part by part (HASH_PART elements):
+    the result is that of a scan without them, and the digests those of the whole tensors, also
+    where the change buffers grow mid-scan (that part is scanned twice, hashed once)."""
+    n = 2 * ec.HASH_PART + 64 * 5 + 37
     rng = np.random.default_rng(7)
     b = _bits(rng, n)
     t = b.copy()
     flip = rng.random(n) < changed
     t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
-    chunks = []
-    got = ec.analyze(b, t, on_chunk=lambda start, stop: chunks.append((start, stop)))
+    hb, ht = hashing.running("BF16", (n,)), hashing.running("BF16", (n,))
+    got = ec.analyze(b, t, digests=(hb, ht))
     want = ec.analyze(b, t)
-    assert len(chunks) == 3 and chunks[0][0] == 0 and chunks[-1][1] == n
-    assert all(a[1] == c[0] for a, c in zip(chunks, chunks[1:]))
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
+    assert hb.digest() == hashing.digest_elements("BF16", (n,), b)
+    assert ht.digest() == hashing.digest_elements("BF16", (n,), t)
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 64 * 50 + 7])

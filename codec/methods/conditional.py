@@ -26,7 +26,6 @@ value stream from ~1.8 to ~1.35 bits per change; the base's sign adds < 0.01 bit
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numba as nb
@@ -37,6 +36,7 @@ from .. import rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
+from ..hashing import Running, hash_update
 from ..wire import put_uvarint, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
@@ -436,12 +436,14 @@ def _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts
 
 @nb.njit(cache=True, nogil=True)
 def _decode_span(b, bb, o0, o1, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot,
-                 vrow_of_key, at, vals, out, copy_to):
+                 vrow_of_key, at, vals, out, copy_to, function, digest):
     """Phases 2 and 3 over elements [o0, o1) (whole blocks), chunk by chunk: positions from a
     scan of the base, then those changes' values, so a chunk's base and output are decoded while
     in L1. Resumable: st = [x, y1, y2, y3, pos, changes decoded] carries on. Building a target (`out`
-    not empty), `at` holds one chunk's positions; otherwise at and vals collect the patch.
-    Returns the status."""
+    not empty), `at` holds one chunk's positions (and ec.POSITION_SLACK spare entries); otherwise
+    at and vals collect the patch. Building, with `function` not 0, each finished chunk of the
+    target is fed to the running digest `digest` (`hashing.Running`) while in L1. Returns the
+    status."""
     x, y1, y2, y3, pos, total = st[0], st[1], st[2], st[3], st[4], st[5]
     building = out.size > 0
     for o in range(o0, o1, CHUNK):
@@ -455,6 +457,8 @@ def _decode_span(b, bb, o0, o1, words, st, four, bits, lanes, nclass, ge, cursor
         if status:
             return status
         total += k - done
+        if building and function:
+            hash_update(function, digest, out, o, min(o + CHUNK, b.size))
     st[0], st[1], st[2], st[3], st[4], st[5] = x, y1, y2, y3, pos, total
     return 0
 
@@ -473,14 +477,15 @@ def _decode_end(st, expected):
 
 @nb.njit(cache=True, nogil=True)
 def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot,
-            vrow_of_key, out, copy_to):
+            vrow_of_key, out, copy_to, function, digest):
     """The three phases in one compiled call: (positions, values, changes decoded, status).
 
     With an empty `out`, the positions and values of every change are returned (a patch). With
     a non-empty `out` the target is built there instead: the base copied during the scan (into
     `copy_to`, which is `out` itself when the base needs no padding to whole blocks), the values
     written as they are decoded, and positions kept only for the current chunk (no per-change
-    arrays to allocate and fill)."""
+    arrays to allocate and fill), and fed to the running digest `digest` as it is finished when
+    `function` is not 0 (`_decode_span`)."""
     bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds,
                                                                        levels, counts, mcum, mfreq, mslot)
     expected = counts.sum()
@@ -493,7 +498,7 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
     if building and not copy_to.size:
         out[:] = b
     status = _decode_span(b, bb, 0, bb.size, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq,
-                          vslot, vrow_of_key, at, vals, out, copy_to)
+                          vslot, vrow_of_key, at, vals, out, copy_to, function, digest)
     if status == 0:
         status = _decode_end(st, expected)
     return at[:at.size - ec.POSITION_SLACK], vals, st[5], status
@@ -560,10 +565,10 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
     return ec.choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
-def analyze(base: np.ndarray, target: np.ndarray, on_chunk: Callable[[int, int], None] | None = None) -> Analysis:
-    """The changes of two BF16 tensors (as uint16), with classes chosen for them; on_chunk as in
-    `exponent_classes.analyze` (flat element ranges, each called once the scan has read it)."""
-    thresholds, pairs, classes, ranks, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1), on_chunk=on_chunk)
+def analyze(base: np.ndarray, target: np.ndarray, digests: tuple[Running, Running] | None = None) -> Analysis:
+    """The changes of two BF16 tensors (as uint16), with classes chosen for them; the scan feeds
+    `digests` (running digests of base and target) if given, as in `exponent_classes.analyze`."""
+    thresholds, pairs, classes, ranks, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1), digests=digests)
     return Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
 
 
@@ -917,14 +922,13 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     return Patch(at, val)
 
 
-def decode_target(entry: Entry, base: np.ndarray, shared: dict,
-                  on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[int, np.ndarray]:
+def decode_target(entry: Entry, base: np.ndarray, shared: dict, digest: Running | None = None
+                  ) -> tuple[int, np.ndarray]:
     """(changes decoded, the whole target tensor, flat), built in the decoding pass: no copy of
-    the base beforehand, no scatter, no per-change arrays. on_chunk(part), if given, receives the
-    target in consecutive final parts while they are still in cache (for the caller's digest):
-    tensors larger than ec.SCAN_CHUNK elements are decoded a chunk at a time for it."""
+    the base beforehand, no scatter, no per-change arrays. `digest`, if given, is fed the target
+    in order, each few KiB as soon as it is finished (while in cache)."""
     out = np.empty(base.size, base.dtype)
-    _, _, count = _decode_entry(entry, base, shared, out, on_chunk)
+    _, _, count = _decode_entry(entry, base, shared, out, digest)
     return count, out
 
 
@@ -961,9 +965,9 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
 
 
 def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None,
-                  on_chunk: Callable[[np.ndarray], None] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+                  digest: Running | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(positions, values, changes decoded) of a record; with `out`, the target is built there
-    instead (see `_decode`), handed to on_chunk in final parts if given."""
+    instead (see `_decode`), feeding `digest` if given."""
     base, thresholds, levels, counts, words, states, four, model = _checked(entry, base, shared)
     x0, x1, x2, x3 = (np.int64(x) for x in states)
     bb = ec.blocks(base)
@@ -972,36 +976,14 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
         out = _NO_OUT
     elif base.size % ec.BLOCK == 0:
         copy_to = out  # the base is its own blocks: the scan copies it block by block
+    function, state = (digest.function, digest.state) if digest is not None and out.size else (0, 0)
     mfreq, mcum, mslot = mask_tables()
-    if not out.size or on_chunk is None or base.size <= ec.SCAN_CHUNK:  # one compiled call
-        at, val, count, status = _decode(base, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum,
-                                         mfreq, mslot, model.cum, model.freq, model.slots, model.row_of_key, out,
-                                         copy_to)
-        if status:
-            raise DeltaError(_STATUS[status], tensor=entry.name)
-        if on_chunk is not None and out.size:
-            on_chunk(out)
-        return at, val, int(count)
-    # a large target, a chunk at a time: each part goes to on_chunk while it is in cache
-    if not copy_to.size:
-        out[:] = base
-    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(base, bb, words, x0, x1, x2, x3, four,
-                                                                       thresholds, levels, counts, mcum, mfreq, mslot)
-    expected = int(counts.sum())
-    at = np.empty(min(expected, CHUNK) + ec.POSITION_SLACK, np.int64)
-    for start in range(0, bb.size, ec.SCAN_CHUNK):
-        if status:
-            break
-        stop = min(start + ec.SCAN_CHUNK, bb.size)
-        status = _decode_span(base, bb, start, stop, words, st, four, bits, lanes, nclass, ge, cursor, guard, model.cum,
-                              model.freq, model.slots, model.row_of_key, at, _NO_OUT, out, copy_to)
-        if not status:
-            on_chunk(out[start: min(stop, base.size)])
-    if status == 0:
-        status = _decode_end(st, expected)
+    at, val, count, status = _decode(base, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq,
+                                     mslot, model.cum, model.freq, model.slots, model.row_of_key, out, copy_to,
+                                     np.uintp(function), np.uintp(state))
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
-    return at, _NO_OUT, int(st[5])
+    return at, val, int(count)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -1047,7 +1029,8 @@ def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, four_
         padded = -(-n // ec.BLOCK) * ec.BLOCK
         _, _, decoded[i], status[i] = _decode(bases[s:s + n], bases[s:s + padded], w, x[0], x[1], x[2], x[3], four,
                                               thr[:nc - 1], levels[:nc], counts[:nc], mcum, mfreq, mslot, vcum, vfreq,
-                                              vslot, vrow_of_key, out[s:s + n], out[s:s + padded])
+                                              vslot, vrow_of_key, out[s:s + n], out[s:s + padded], np.uintp(0),
+                                              np.uintp(0))
     return decoded, status
 
 

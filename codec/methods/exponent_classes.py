@@ -19,7 +19,6 @@ order, ready for a rank (popcount below a bit) or a deposit (PDEP).
 from __future__ import annotations
 
 import platform
-from collections.abc import Callable
 
 import numba as nb
 import numpy as np
@@ -28,6 +27,8 @@ from numba import types
 from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
+
+from ..hashing import Running, hash_update
 
 MAX_CLASSES = 8
 KEY_SHIFT = 7
@@ -510,63 +511,62 @@ def _thresholds(b, t, stride, thresholds, choose):
     return choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
+# Elements scanned between two feeds of the digests (`analyze`): 32 KiB of each array, which the
+# hash then reads from L1 or L2 rather than from memory.
+HASH_PART = 1 << 14
+
+
 @nb.njit(cache=True, nogil=True)
-def _analyze(b, t, bb, tb, stride, cap, thresholds, choose):
+def _grown(a, keep, cap):
+    out = np.empty(cap, a.dtype)
+    out[:keep] = a[:keep]
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _analyze(b, t, bb, tb, stride, cap, thresholds, choose, function, hb, ht):
     """Classes and one whole scan in one compiled call (a call costs microseconds, and a model
-    has ~100 small tensors)."""
+    has ~100 small tensors), HASH_PART elements at a time: after each part, when `function` is
+    not 0, both digests (`hashing.Running`: hb for b, ht for t) are fed that part of the tensor
+    while it is in cache. Buffers that run out in a part grow, and the part is scanned again
+    (hashed once, after)."""
     thresholds = _thresholds(b, t, stride, thresholds, choose)
+    lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
     pairs, cls, rank = _scan_buffers(cap)
     ge, seen = _scan_state()
-    k = _scan_range(bb, tb, 0, 0, bb.size, lane_bounds(thresholds), class_lut(thresholds), ge, seen, 0, pairs, cls,
-                    rank)
-    sizes, changes = _class_totals(cls, 0, min(k, cap), seen, bb.size)
-    return thresholds, pairs, cls, rank, sizes, changes, k
-
-
-# Elements scanned between two calls of analyze's on_chunk: 512 KiB of each array, so the
-# caller's digests read both from L2 rather than from memory.
-SCAN_CHUNK = 1 << 18
+    saved = np.empty_like(seen)
+    k = 0
+    for o in range(0, bb.size, HASH_PART):
+        stop = min(o + HASH_PART, bb.size)
+        before = k
+        saved[:] = seen
+        k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
+        if k > pairs.size:
+            cap = max(2 * pairs.size, k)
+            pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
+            seen[:] = saved
+            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
+        if function and o < b.size:
+            hash_update(function, hb, b, o, min(stop, b.size))
+            hash_update(function, ht, t, o, min(stop, b.size))
+    sizes, changes = _class_totals(cls, 0, k, seen, bb.size)
+    sizes[0] -= bb.size - b.size  # the padding is class 0
+    return thresholds, pairs[:k], cls[:k], rank[:k], sizes, changes
 
 
 def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
-            on_chunk: Callable[[int, int], None] | None = None):
+            digests: tuple[Running, Running] | None = None):
     """(thresholds, pairs, classes, ranks, elements per class, changes per class) of two flat
     uint16 arrays, in tensor order of the changes: pair = base << 16 | target (uint32). Classes
-    are chosen from a sample (or the given thresholds), then one scan. on_chunk(start, stop), if
-    given, is called as soon as elements [start, stop) have been scanned (every element once, in
-    order), while they are still in cache."""
+    are chosen from a sample (or the given thresholds), then one scan, which feeds `digests`
+    (running digests of b and t) if given, every element once, in order, while in cache."""
+    b, t = np.ascontiguousarray(b), np.ascontiguousarray(t)
     bb, tb = blocks(b), blocks(t)
     choose = thresholds is None
     given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
-    cap = max(1024, b.size // 16)
-    stride = sample_stride(b.size)
-    if on_chunk is None or b.size <= SCAN_CHUNK:
-        out = _analyze(b, t, bb, tb, stride, cap, given, choose)
-        if out[-1] > cap:
-            out = _analyze(b, t, bb, tb, stride, out[-1], given, choose)
-        if on_chunk is not None:
-            on_chunk(0, b.size)
-        thresholds, pairs, cls, rank, sizes, changes, k = out
-    else:
-        thresholds = _thresholds(b, t, stride, given, choose)
-        lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
-        buffers = _scan_buffers(cap)
-        ge, seen = _scan_state()
-        k = 0
-        for start in range(0, bb.size, SCAN_CHUNK):
-            stop = min(start + SCAN_CHUNK, bb.size)
-            before, seen_before = k, seen.copy()
-            k = _scan_range(bb, tb, 0, start, stop, lanes, lut, ge, seen, before, *buffers)
-            if k > cap:  # the buffers ran out in this chunk: grow them and scan the chunk again
-                cap = max(2 * cap, k)
-                buffers = tuple(np.concatenate([a[:before], np.empty(cap - before, a.dtype)]) for a in buffers)
-                seen[:] = seen_before
-                k = _scan_range(bb, tb, 0, start, stop, lanes, lut, ge, seen, before, *buffers)
-            on_chunk(start, min(stop, b.size))
-        pairs, cls, rank = buffers
-        sizes, changes = _class_totals(cls, 0, k, seen, bb.size)
-    sizes[0] -= bb.size - b.size  # the padding is class 0
-    return thresholds, pairs[:k], cls[:k], rank[:k], sizes, changes
+    function, hb, ht = (digests[0].function, digests[0].state, digests[1].state) if digests else (0, 0, 0)
+    return _analyze(b, t, bb, tb, sample_stride(b.size), max(1024, b.size // 16), given, choose, np.uintp(function),
+                    np.uintp(hb), np.uintp(ht))
 
 
 @nb.njit(cache=True, nogil=True)
