@@ -252,3 +252,30 @@ def test_batched_analysis_matches_one_tensor_at_a_time():
         assert len(got) == len(want)
         for g, w in zip(got, want):
             assert np.array_equal(g, w)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2, 3, 50, 700, 5000])  # 5000: room for all
+def test_scan_that_runs_out_of_buffer_fills_it_with_the_first_changes(cap):
+    """A scan whose change buffers are too small counts every change and fills the buffers (up
+    to their capacity, every entry) with the first changes, as a large enough scan stores them:
+    callers read the buffers up to the capacity before they retry."""
+    rng = np.random.default_rng(cap)
+    n = 64 * 40
+    b = _bits(rng, n)
+    t = b.copy()
+    flip = rng.random(n) < 0.3
+    t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+    thr = np.array([100, 120, 127], np.int64)
+    lanes, lut = ec.lane_bounds(thr), ec.class_lut(thr)
+
+    def scan(capacity):
+        pairs, cls, rank = ec._scan_buffers(capacity)
+        ge, seen = ec._scan_state()
+        k = ec._scan_range(b, t, 0, 0, n, lanes, lut, ge, seen, 0, pairs, cls, rank)
+        return k, pairs, cls, rank
+
+    k, *small = scan(cap)
+    full_k, *full = scan(n)
+    assert k == full_k == int(flip.sum())
+    for got, want in zip(small, full):
+        assert np.array_equal(got[:min(k, cap)], want[:min(k, cap)])
