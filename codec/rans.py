@@ -193,11 +193,22 @@ def slot_table(freq: np.ndarray, scale: int) -> np.ndarray:
     rows = np.atleast_2d(freq)
     if rows.shape[-1] > 256:
         raise ValueError("slot tables hold symbols below 256")
-    out = np.empty((rows.shape[0], 1 << scale), np.uint8)
-    symbols = np.arange(rows.shape[-1], dtype=np.uint8)
-    for i, row in enumerate(rows):
-        out[i] = np.repeat(symbols, row)
+    if rows.size and (rows.min() < 0 or (rows.sum(axis=-1) != 1 << scale).any()):
+        raise ValueError(f"slot tables need frequencies summing to 2**{scale} in every row")
+    out = _slot_rows(np.ascontiguousarray(rows.reshape(-1, rows.shape[-1]), np.int64), 1 << scale)
     return out.reshape(freq.shape[:-1] + (1 << scale,))
+
+
+@nb.njit(cache=True, nogil=True)
+def _slot_rows(freq, slots):
+    """`slot_table`'s loop (a payload's decoder builds one per value key)."""
+    out = np.empty((freq.shape[0], slots), np.uint8)
+    for r in range(freq.shape[0]):
+        at = 0
+        for t in range(freq.shape[1]):
+            out[r, at:at + freq[r, t]] = t
+            at += freq[r, t]
+    return out
 
 
 def cumulative(freq: np.ndarray) -> np.ndarray:

@@ -45,6 +45,7 @@ BF16 = BY_TORCH[torch.bfloat16]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size views torch has
+_SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # their numpy twins (every torch converts them)
 
 
 def dtype_of(t: torch.Tensor, name: str) -> DType:
@@ -62,8 +63,10 @@ def element_view(t: torch.Tensor) -> np.ndarray:
     Item sizes without a numpy unsigned type (complex128) are viewed as uint64 pairs.
     """
     size = t.element_size()
-    if t.device.type == "cpu" and size in _SIGNED and t.is_contiguous():  # the common case: 2 torch calls
-        return t.detach().view(_SIGNED[size]).numpy().reshape(-1).view(_UINT[size])
+    if t.is_cpu and size in _SIGNED and t.is_contiguous():  # the common case: 2 torch calls
+        if t.requires_grad:
+            t = t.detach()
+        return t.view(_SIGNED[size]).numpy().reshape(-1).view(_UINT[size])
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
@@ -85,6 +88,10 @@ def tensor_from_elements(elems: np.ndarray, dt: DType, shape: tuple[int, ...], *
     """A CPU tensor of `dt` and `shape` over `elems`' bytes (a copy unless `copy=False` hands them over)."""
     if elems.size == 0:
         return torch.empty(shape, dtype=dt.torch)
+    if dt.itemsize in _SIGNED_NP and elems.dtype.itemsize == dt.itemsize:
+        # shaped in numpy, then one same-size view in torch: a torch reshape costs more than all this
+        arr = np.ascontiguousarray(elems).reshape(shape).view(_SIGNED_NP[dt.itemsize])
+        return torch.from_numpy(arr.copy() if copy else arr).view(dt.torch)
     raw = np.ascontiguousarray(elems).view(np.uint8)
     raw = torch.from_numpy(raw.copy() if copy else raw)
     return raw.view(dt.torch).reshape(shape)

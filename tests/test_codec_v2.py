@@ -372,3 +372,41 @@ def test_value_tables_block_round_trips_in_the_documented_layout(keys, data):
     assert block == wire.uvarints(np.array(want, np.int64))
     back = conditional.ValueModel.unpack(block)
     assert np.array_equal(back.keys, keys) and np.array_equal(back.freq, model.freq)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_value_tables_fast_parse_accepts_exactly_what_the_checked_parse_accepts(data):
+    """Value-table blocks, valid or mutated (varints changed, dropped, added), parse the same in
+    the compiled pass as field by field: the same model, or both refuse (the checked parse then
+    names the fault)."""
+    keys = sorted(data.draw(st.sets(st.integers(0, conditional.N_KEYS - 1), max_size=4)))
+    hist = np.zeros((len(keys), conditional.VALUE_TOKENS), np.int64)
+    for row in hist:
+        for t in data.draw(st.sets(st.integers(0, conditional.VALUE_TOKENS - 1), min_size=1, max_size=5)):
+            row[t] = data.draw(st.integers(1, 500))
+    freq = rans.normalize_rows(hist, conditional.VALUE_SCALE) if keys else np.zeros((0, conditional.VALUE_TOKENS))
+    vals = wire.read_uvarints(conditional.ValueModel(freq, np.array(keys, np.int64)).pack(), "tables")
+    for _ in range(data.draw(st.integers(0, 3))):
+        i = data.draw(st.integers(0, len(vals)))
+        choice = data.draw(st.sampled_from(["set", "drop", "insert"]))
+        if choice == "set" and i < len(vals):
+            vals[i] = data.draw(st.sampled_from([0, 1, 2, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 1 << 40]))
+        elif choice == "drop" and i < len(vals):
+            del vals[i]
+        else:
+            vals.insert(i, data.draw(st.integers(0, 5000)))
+    block = wire.uvarints(np.array(vals, np.int64))
+    try:
+        want = conditional.ValueModel.unpack_checked(block)
+    except codec.DeltaError:
+        want = None
+    status, keys_fast, freq_fast = conditional._unpack_tables(np.array(vals, np.int64))
+    assert (status == 0) == (want is not None)
+    if want is not None:
+        got = conditional.ValueModel.unpack(block)
+        assert np.array_equal(got.keys, want.keys) and np.array_equal(got.freq, want.freq)
+        assert np.array_equal(keys_fast, want.keys) and np.array_equal(freq_fast, want.freq)
+    else:
+        with pytest.raises(codec.DeltaError):
+            conditional.ValueModel.unpack(block)

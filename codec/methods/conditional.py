@@ -37,7 +37,7 @@ from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
 from ..hashing import Running, hash_update
-from ..wire import put_uvarint, read_uvarints, uvarints
+from ..wire import _decode_uvarints, put_uvarint, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
 
@@ -602,6 +602,48 @@ def _pack_tables(keys, freq):
     return out[:n]
 
 
+@nb.njit(cache=True, nogil=True)
+def _unpack_tables(vals):
+    """`ValueModel.unpack_checked`'s parse of the block's varints, accepting exactly what it
+    accepts: (0, keys, freq), or (1, ...) for anything it would refuse."""
+    keys = np.zeros(0, np.int64)
+    freq = np.zeros((0, VALUE_TOKENS), np.int64)
+    if vals.size == 0 or vals[0] > N_KEYS:
+        return 1, keys, freq
+    n = vals[0]
+    at = 1
+    keys = np.zeros(n, np.int64)
+    freq = np.zeros((n, VALUE_TOKENS), np.int64)
+    key = -1
+    for i in range(n):
+        if at + 2 > vals.size or vals[at] > N_KEYS or vals[at + 1] > VALUE_TOKENS:
+            return 1, keys, freq
+        key += vals[at] + 1
+        count = vals[at + 1]
+        at += 2
+        if key >= N_KEYS:
+            return 1, keys, freq
+        keys[i] = key
+        tok = -1
+        total = 0
+        top = 0
+        for _ in range(count):
+            if at + 2 > vals.size or vals[at] > VALUE_TOKENS or vals[at + 1] > (1 << VALUE_SCALE):
+                return 1, keys, freq
+            tok += vals[at] + 1
+            if tok >= VALUE_TOKENS:
+                return 1, keys, freq
+            freq[i, tok] = vals[at + 1]
+            total += vals[at + 1]
+            top = max(top, vals[at + 1])
+            at += 2
+        if total != 1 << VALUE_SCALE or top >= 1 << VALUE_SCALE:
+            return 1, keys, freq
+    if at != vals.size:
+        return 1, keys, freq
+    return 0, keys, freq
+
+
 class ValueModel:
     """One value-token table per key, shared by every conditional tensor of a payload."""
 
@@ -642,6 +684,18 @@ class ValueModel:
 
     @classmethod
     def unpack(cls, data: bytes) -> "ValueModel":
+        """The shared value-tables block, parsed in one compiled pass; a block that pass declines
+        goes through `unpack_checked`, which names the fault."""
+        vals, n = _decode_uvarints(np.frombuffer(data, np.uint8))
+        if n >= 0:
+            status, keys, freq = _unpack_tables(vals[:n])
+            if status == 0:
+                return cls(freq, keys)
+        return cls.unpack_checked(data)
+
+    @classmethod
+    def unpack_checked(cls, data: bytes) -> "ValueModel":
+        """`unpack`, field by field, every fault a DeltaError saying what is wrong."""
         vals = read_uvarints(data, "value tables")
         at = 0
 
@@ -902,9 +956,11 @@ def _params_error(entry: Entry, status: int, nclass: int, n: int) -> str:
 
 
 _MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
+_RULE_CACHE: dict[int, tuple[bytes | None, int]] = {}
 
 
 def _model(shared: dict) -> ValueModel:
+    """The payload's value tables, parsed once per payload (its records all share them)."""
     data = shared.get(SHARED_VALUE_TABLES)
     if data is None:
         raise DeltaError("payload has conditional tensors but no value tables")
@@ -915,6 +971,18 @@ def _model(shared: dict) -> ValueModel:
     _MODEL_CACHE.clear()
     _MODEL_CACHE[id(shared)] = (data, model)
     return model
+
+
+def _rule(shared: dict) -> int:
+    """`_four_from`, parsed once per payload."""
+    data = shared.get(SHARED_INTERLEAVE)
+    cached = _RULE_CACHE.get(id(shared))
+    if cached is not None and cached[0] is data:
+        return cached[1]
+    four_from = _four_from(shared)
+    _RULE_CACHE.clear()
+    _RULE_CACHE[id(shared)] = (data, four_from)
+    return four_from
 
 
 def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
@@ -935,7 +1003,7 @@ def decode_target(entry: Entry, base: np.ndarray, shared: dict, digest: Running 
 _NO_OUT = np.empty(0, np.uint16)
 
 
-def _stream(entry: Entry, four: bool) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+def _stream(entry: Entry, four: bool) -> tuple[np.ndarray, np.ndarray]:
     """(words, states 0..3) of the entry's one raw rANS stream, checked: four states if `four`,
     else two (states 2 and 3 then stay at 2**31, unused)."""
     if len(entry.streams) != 1:
@@ -943,11 +1011,11 @@ def _stream(entry: Entry, four: bool) -> tuple[np.ndarray, tuple[int, int, int, 
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
         raise DeltaError("entropy stream must be stored raw", tensor=entry.name)
-    parsed = rans.bytes_to_words(s.stored, FOUR_STATES if four else STATES)
-    if parsed is None:
+    words, states, bad = (_stream_states(np.frombuffer(s.stored, "<u4"), FOUR_STATES if four else STATES)
+                          if len(s.stored) % 4 == 0 else (None, None, 1))
+    if bad:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
-    words, states = parsed
-    return words, (states + (rans.RANS_L, rans.RANS_L))[:FOUR_STATES]
+    return words, states
 
 
 def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
@@ -957,7 +1025,7 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
     thresholds, levels, counts = _params(entry)
     try:
-        four = entry.changes >= _four_from(shared)
+        four = entry.changes >= _rule(shared)
     except DeltaError as exc:
         raise DeltaError(exc.reason, tensor=entry.name) from None
     words, states = _stream(entry, four)
