@@ -179,9 +179,9 @@ def test_entropy_kernels_round_trip(changes, four):
     levels = np.array([0, 10, 40, 80, 120, 160, 200, 255], np.int64)
     mfreq, mcum, mslot = conditional.mask_tables()
     mrcp, mrsh = conditional.mask_reciprocals()
-    words, nw, *final = conditional._encode(pairs, cls, ranks, np.bincount(cls, minlength=8), levels, mcum, mfreq,
-                                            mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh, model.row_of_key,
-                                            four)
+    words, nw, *final = conditional._encode(pairs, conditional._value_symbols(pairs), cls, ranks,
+                                            np.bincount(cls, minlength=8), levels, mcum, mfreq, mrcp, mrsh, model.cum,
+                                            model.freq, model.rcp, model.rsh, model.row_of_key, four)
     n = 4 if four else 2
     assert four or final[2] == final[3] == rans.RANS_L  # two states: 2 and 3 unused
     w, xs = rans.bytes_to_words(rans.words_to_bytes(words, nw, tuple(int(x) for x in final[:n])), n)
@@ -410,3 +410,21 @@ def test_value_tables_fast_parse_accepts_exactly_what_the_checked_parse_accepts(
     else:
         with pytest.raises(codec.DeltaError):
             conditional.ValueModel.unpack(block)
+
+
+def test_value_symbols_are_key_and_token_of_every_step():
+    """The value symbols (computed branch-free, vectorised) are each change's base exponent and
+    its step's token, for every base and target bit pattern class: zero, subnormal, normal,
+    Inf, NaN, both signs, steps of every size."""
+    rng = np.random.default_rng(5)
+    specials = np.array([0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x0080, 0x3F80, 0xBF80, 0x7F7F, 0xFF7F, 0x7F80,
+                         0xFF80, 0x7FC0, 0xFFFF], np.uint32)
+    b = np.concatenate([np.repeat(specials, specials.size), rng.integers(0, 1 << 16, 5000)]).astype(np.uint32)
+    t = np.concatenate([np.tile(specials, specials.size), rng.integers(0, 1 << 16, 5000)]).astype(np.uint32)
+    keep = b != t
+    pairs = (b[keep] << np.uint32(16)) | t[keep]
+    a = conditional.Analysis(np.zeros(0, np.int64), np.zeros(8, np.int64), pairs, np.zeros(pairs.size, np.uint8),
+                             np.arange(pairs.size))
+    symbols = conditional._value_symbols(pairs)
+    assert np.array_equal(symbols >> 6, a.keys)
+    assert np.array_equal(symbols & 63, conditional._tokens(a.zig))

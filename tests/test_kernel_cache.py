@@ -52,8 +52,8 @@ if direct:  # only this state count's kernels, compiled (and cached) in this pro
 else:  # the dispatchers, linking both counts' kernels
     enc, gaps, vals = (lambda *a: C._encode(*a, four), lambda w, *a: C._decode_gaps(64, 64, w, *a[:4], four, *a[4:]),
                        lambda *a: C._decode_values(*a[:9], four, *a[9:]))
-words, nw, *final = enc(pairs, cls, ranks, counts, levels, mcum, mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp,
-                        model.rsh, model.row_of_key)
+words, nw, *final = enc(pairs, C._value_symbols(pairs), cls, ranks, counts, levels, mcum, mfreq, mrcp, mrsh, model.cum,
+                        model.freq, model.rcp, model.rsh, model.row_of_key)
 w, xs = rans.bytes_to_words(rans.words_to_bytes(words, nw, tuple(int(x) for x in final[:n])), n)
 xs = [np.int64(x) for x in xs + (rans.RANS_L,) * (4 - n)]
 if direct:

@@ -56,6 +56,9 @@ GAP_BITS = 48
 GAP_TOKENS = rans.token_count(GAP_BITS)
 VALUE_BITS = 17
 VALUE_TOKENS = rans.token_count(VALUE_BITS)
+VALUE_SYMBOL_BITS = 6  # a value symbol is key << 6 | token (`_value_symbols`)
+if VALUE_TOKENS > 1 << VALUE_SYMBOL_BITS:
+    raise ImportError("value tokens must fit the value symbols' 6 bits")
 MASK_SCALE = 15
 VALUE_SCALE = 12
 STATES = 2  # interleaved rANS states of a record, or FOUR_STATES where the payload's rule says
@@ -136,16 +139,25 @@ def mask_reciprocals() -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------- compiled kernels
 
 @nb.njit(cache=True, nogil=True)
-def _count_value_tokens(pairs, hist):
-    """hist[key, token] += 1 for every change (the value tables' statistics)."""
+def _value_symbols(pairs):
+    """Each change's value symbol: key << 6 | token of its zigzagged step (VALUE_TOKENS = 64).
+    Branch-free, so the loop vectorises (lzcnt and all); the value tables' statistics and the
+    encoder's value loop both read these instead of recomputing the step."""
+    out = np.empty(pairs.size, np.uint16)
     for j in range(pairs.size):
         bv = np.int64(pairs[j] >> np.uint32(16))
         v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
-        tok = v
-        if v >= rans.DIRECT:
-            n = 63 - np.int64(leading_zeros(np.uint64(v)))
-            tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> (n - rans.SUB_BITS)) & ((1 << rans.SUB_BITS) - 1))
-        hist[np.uint64((bv >> KEY_SHIFT) & 0xFF), np.uint64(tok)] += 1  # unsigned: no wraparound code
+        n = 63 - np.int64(leading_zeros(np.uint64(v | 1)))
+        big = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1))
+        out[j] = np.uint16((((bv >> KEY_SHIFT) & 0xFF) << 6) | (v if v < rans.DIRECT else big))
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _count_symbols(symbols, hist):
+    """hist[symbol] += 1 (hist: the flat N_KEYS x VALUE_TOKENS histogram)."""
+    for j in range(symbols.size):
+        hist[np.uint64(symbols[j])] += 1  # unsigned: no wraparound code
 
 
 def _specialised(four: bool):
@@ -154,16 +166,17 @@ def _specialised(four: bool):
     runtime flag in the loops cost the four-state decoder its ~5% gain). Returns (encode,
     decode_gaps, decode_values)."""
 
-    def encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
-                vrow_of_key):
+    def encode(pairs, symbols, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
+               vrsh, vrow_of_key):
         """rANS-code the changes in reverse of the order the decoder consumes them (docs/FORMAT.md):
         first every class's gaps (class 0 first), then every value in tensor order. Symbol i of that
         order uses state i % 2, or i % 4 if `four`: interleaved states split the decoder's
         dependency chain (four decode a tensor with many changes ~6% faster than two).
 
         Each symbol: its token's raw bits, then the token (the decoder reads the token first). The
-        loops are written out: inlined helpers returning tuples cost 2-3x here, and the division by
-        the token's frequency is a multiply by its reciprocal (rans.reciprocals).
+        values' keys and tokens are `_value_symbols`; the step itself is recomputed only for tokens
+        with raw bits. The loops are written out: inlined helpers returning tuples cost 2-3x here,
+        and the division by the token's frequency is a multiply by its reciprocal (rans.reciprocals).
         Returns (words, n_words, final states 0..3; states 2 and 3 stay 2**31 unless `four`)."""
         k = pairs.size
         words = np.empty(8 * k + 16, np.int64)
@@ -175,16 +188,14 @@ def _specialised(four: bool):
         p3 = np.int64(L)
         WM = rans.WORD_MASK
         for j in range(k - 1, -1, -1):  # values, last change first
-            bv = np.int64(pairs[j] >> np.uint32(16))
-            row = _U(vrow_of_key[_U((bv >> KEY_SHIFT) & 0xFF)])
-            v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
-            tok = v
-            if v >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
-                n = 63 - np.int64(leading_zeros(np.uint64(v)))
-                nbits = n - rans.SUB_BITS
-                tok = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> nbits) & ((1 << rans.SUB_BITS) - 1))
+            sym = np.int64(symbols[j])
+            row = _U(vrow_of_key[_U(sym >> 6)])
+            tok = sym & 63
+            if tok >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
+                v = ec._zigzag(np.int64(pairs[j] >> np.uint32(16)), np.int64(pairs[j] & np.uint32(0xFFFF)))
+                nbits = 1 + ((tok - rans.DIRECT) >> rans.SUB_BITS)
                 if x >= (L >> nbits) << 32:
-                    words[nw] = x & WM
+                    words[_U(nw)] = x & WM
                     nw += 1
                     x >>= 32
                 x = (x << nbits) | (v & ((1 << nbits) - 1))
@@ -390,14 +401,14 @@ _encode4, _decode_gaps4, _decode_values4 = _specialised(True)
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
-            vrow_of_key, four):
+def _encode(pairs, symbols, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
+            vrsh, vrow_of_key, four):
     """`_specialised`'s encoder for two or four states (see there)."""
     if four:
-        return _encode4(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
-                        vrsh, vrow_of_key)
-    return _encode2(pairs, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh,
-                    vrow_of_key)
+        return _encode4(pairs, symbols, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq,
+                        vrcp, vrsh, vrow_of_key)
+    return _encode2(pairs, symbols, cls, ranks, class_changes, level_of_class, mcum, mfreq, mrcp, mrsh, vcum, vfreq,
+                    vrcp, vrsh, vrow_of_key)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -527,6 +538,7 @@ class Analysis:
     index: np.ndarray | None = None  # changed positions, where the scan had them for free
     _class_changes: np.ndarray | None = field(default=None, repr=False, compare=False)
     _steps: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def changes(self) -> int:
@@ -555,6 +567,14 @@ class Analysis:
         if self._steps is None:
             self._steps = ec.pair_steps(self.pairs)
         return self._steps
+
+    @property
+    def value_symbols(self) -> np.ndarray:
+        """Each change's value symbol, key << 6 | token (`_value_symbols`), computed once: the
+        value tables count them, the coder codes them."""
+        if self._symbols is None:
+            self._symbols = _value_symbols(self.pairs)
+        return self._symbols
 
 
 def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarray:
@@ -672,8 +692,9 @@ class ValueModel:
     @classmethod
     def fit(cls, analyses: list[Analysis]) -> "ValueModel":
         hist = np.zeros((N_KEYS, VALUE_TOKENS), np.int64)
+        flat = hist.reshape(-1)
         for a in analyses:
-            _count_value_tokens(a.pairs, hist)
+            _count_symbols(a.value_symbols, flat)
         keys = np.flatnonzero(hist.sum(axis=1))
         freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
         return cls(freq, keys)
@@ -778,8 +799,8 @@ def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp,
-                 vrsh, vrow_of_key, four_from):
+def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum, mfreq, mrcp, mrsh, vcum,
+                 vfreq, vrcp, vrsh, vrow_of_key, four_from):
     """Params and stream of every tensor of a batch (tensor i's changes are [first[i], first[i+1])
     of pairs, cls and ranks; its classes, sizes and changes are row i of the rest), into two
     buffers: (params bytes, params offsets, stream words, stream offsets). The stream is the
@@ -798,8 +819,8 @@ def _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum
         nclass = nthr[i] + 1
         levels = _argmin_levels(sizes[i, :nclass].astype(np.float64), changes[i, :nclass].astype(np.float64), logs)
         four = b - a >= four_from
-        words, nw, x0, x1, x2, x3 = _encode(pairs[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels, mcum, mfreq,
-                                            mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key, four)
+        words, nw, x0, x1, x2, x3 = _encode(pairs[a:b], symbols[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels,
+                                            mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key, four)
         params[p] = nclass
         p += 1
         for c in range(nclass - 1):
@@ -832,9 +853,10 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
     m = len(analyses)
     if m == 1:
         a = analyses[0]
-        pairs, cls, ranks = a.pairs, a.classes, a.ranks
+        pairs, symbols, cls, ranks = a.pairs, a.value_symbols, a.classes, a.ranks
     else:
         pairs = np.concatenate([a.pairs for a in analyses])
+        symbols = np.concatenate([a.value_symbols for a in analyses])
         cls = np.concatenate([a.classes for a in analyses])
         ranks = np.concatenate([a.ranks for a in analyses])
     first = np.zeros(m + 1, np.int64)
@@ -852,9 +874,9 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
             raise ValueError(f"analysis counts {changes[i].sum()} changes by class, holds {a.changes}")
     mfreq, mcum, _ = mask_tables()
     mrcp, mrsh = mask_reciprocals()
-    params, poff, streams, soff = _encode_many(pairs, cls, ranks, first, thr, nthr, sizes, changes, _level_logs(), mcum,
-                                               mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp, model.rsh,
-                                               model.row_of_key, four_from)
+    params, poff, streams, soff = _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes,
+                                               _level_logs(), mcum, mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp,
+                                               model.rsh, model.row_of_key, four_from)
     out = []
     for i in range(m):
         data = streams[soff[i]: soff[i + 1]].astype("<u4").tobytes()
