@@ -771,13 +771,49 @@ def _tokens(zig: np.ndarray) -> np.ndarray:
 _LEVEL_LOGS: np.ndarray | None = None
 
 
+@nb.njit(inline="always", cache=True)
+def _level_cost(n, k, logs, j):
+    return -(k * logs[0, j] + (n - k) * logs[1, j])
+
+
 @nb.njit(cache=True, nogil=True)
 def _argmin_levels(n, k, logs):
+    """Per class, the first level of least cost (`_level_cost`: the ideal Bernoulli cost of k
+    changes among n elements). The cost is convex in the level (log p falls linearly with it,
+    -log(1 - p) is convex), so a walk from the level nearest k / n finds it in a few steps
+    instead of trying all 256: left while not worse, then right while better (tested against
+    the exhaustive search)."""
+    out = np.empty(n.size, np.int64)
+    top = logs.shape[1] - 1
+    for c in range(n.size):
+        j = top
+        if k[c] > 0:  # p_j = 2**(-(j + 1) / 6)
+            j = min(max(np.int64(np.round(-LEVELS_PER_OCTAVE * np.log2(k[c] / max(n[c], 1.0)))) - 1, 0), top)
+        cost = _level_cost(n[c], k[c], logs, j)
+        while j > 0:
+            left = _level_cost(n[c], k[c], logs, j - 1)
+            if left > cost:
+                break
+            j -= 1
+            cost = left
+        while j < top:
+            right = _level_cost(n[c], k[c], logs, j + 1)
+            if not right < cost:
+                break
+            j += 1
+            cost = right
+        out[c] = j
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _argmin_levels_exhaustive(n, k, logs):
+    """`_argmin_levels` by trying every level (its reference in the tests)."""
     out = np.empty(n.size, np.int64)
     for c in range(n.size):
         best = np.inf
         for j in range(logs.shape[1]):
-            cost = -(k[c] * logs[0, j] + (n[c] - k[c]) * logs[1, j])
+            cost = _level_cost(n[c], k[c], logs, j)
             if cost < best:
                 best = cost
                 out[c] = j
