@@ -48,6 +48,23 @@ _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # sa
 _SIGNED_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # their numpy twins (every torch converts them)
 
 
+def _unsigned_torch() -> dict[int, torch.dtype]:
+    """Unsigned torch dtypes that convert to numpy, by size (uint16 and up from torch 2.3): a
+    view through them skips a numpy view (element_view ~1 us faster)."""
+    out = {}
+    for size, name in ((1, "uint8"), (2, "uint16"), (4, "uint32"), (8, "uint64")):
+        dt = getattr(torch, name, None)
+        try:
+            if dt is not None and torch.zeros(1, dtype=dt).numpy().dtype == np.dtype(_UINT[size]):
+                out[size] = dt
+        except (TypeError, RuntimeError):  # this torch has the dtype but not its numpy conversion
+            pass
+    return out
+
+
+_UNSIGNED_TORCH = _unsigned_torch()
+
+
 def dtype_of(t: torch.Tensor, name: str) -> DType:
     try:
         return BY_TORCH[t.dtype]
@@ -66,6 +83,9 @@ def element_view(t: torch.Tensor) -> np.ndarray:
     if t.is_cpu and size in _SIGNED and t.is_contiguous():  # the common case: 2 torch calls
         if t.requires_grad:
             t = t.detach()
+        unsigned = _UNSIGNED_TORCH.get(size)
+        if unsigned is not None:
+            return t.view(unsigned).numpy().ravel()
         return t.view(_SIGNED[size]).numpy().reshape(-1).view(_UINT[size])
     flat = t.detach().reshape(-1)
     if flat.device.type != "cpu":

@@ -229,3 +229,27 @@ def test_mismatch_error_is_a_value_error_but_not_a_delta_error():
     assert issubclass(codec.CheckpointMismatchError, ValueError)
     assert not issubclass(codec.CheckpointMismatchError, codec.DeltaError)
     assert issubclass(codec.DeltaError, ValueError)
+
+
+@pytest.mark.parametrize("unsigned_views", [True, False], ids=["torch-unsigned", "signed-then-numpy"])
+def test_element_views_and_tensors_from_elements_round_trip_every_dtype(unsigned_views, monkeypatch):
+    """element_view gives the raw bits of any dtype's tensor (contiguous, strided, 0-d, empty,
+    requiring grad), through torch's unsigned dtypes where this torch converts them and through
+    signed views otherwise; tensor_from_elements rebuilds the same tensor from them."""
+    from codec import tensors
+    if not unsigned_views:
+        monkeypatch.setattr(tensors, "_UNSIGNED_TORCH", {})
+    rng = np.random.default_rng(0)
+    for dt in tensors.DTYPES:
+        for shape in [(3, 5), (), (0, 4), (7,)]:
+            raw = rng.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * dt.itemsize, dtype=np.uint8)
+            t = torch.from_numpy(raw.copy()).view(dt.torch).reshape(shape) if raw.size else torch.empty(shape, dtype=dt.torch)
+            if dt.torch.is_floating_point and t.numel():
+                t.requires_grad_(True)
+            elems = tensors.element_view(t)
+            assert elems.tobytes() == raw.tobytes()
+            back = tensors.tensor_from_elements(elems, dt, tuple(shape))
+            assert back.dtype == dt.torch and tuple(back.shape) == tuple(shape)
+            assert tensors.element_view(back).tobytes() == raw.tobytes()
+        strided = torch.from_numpy(rng.integers(0, 256, 8 * 6 * dt.itemsize, dtype=np.uint8)).view(dt.torch).reshape(8, 6)
+        assert tensors.element_view(strided.t()).tobytes() == tensors.element_view(strided.t().contiguous()).tobytes()
