@@ -895,28 +895,33 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
         symbols = np.concatenate([a.value_symbols for a in analyses])
         cls = np.concatenate([a.classes for a in analyses])
         ranks = np.concatenate([a.ranks for a in analyses])
+    counts = np.array([a.changes for a in analyses], np.int64)
     first = np.zeros(m + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    nthr = np.array([a.thresholds.size for a in analyses], np.int64)
     thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
-    nthr = np.zeros(m, np.int64)
-    sizes = np.zeros((m, MAX_CLASSES), np.int64)
     changes = np.zeros((m, MAX_CLASSES), np.int64)
-    for i, a in enumerate(analyses):
-        first[i + 1] = first[i] + a.changes
-        nthr[i] = a.thresholds.size
+    for i, a in enumerate(analyses):  # ragged rows
         thr[i, : nthr[i]] = a.thresholds
-        sizes[i] = a.class_sizes
         changes[i, : a.nclass] = a.class_changes()
-        if changes[i].sum() != a.changes:  # the coder trusts these counts to lay out its gaps
-            raise ValueError(f"analysis counts {changes[i].sum()} changes by class, holds {a.changes}")
+    sizes = np.stack([a.class_sizes for a in analyses]).astype(np.int64, copy=False)
+    wrong = np.flatnonzero(changes.sum(axis=1) != counts)
+    if wrong.size:  # the coder trusts these counts to lay out its gaps
+        i = int(wrong[0])
+        raise ValueError(f"analysis counts {changes[i].sum()} changes by class, holds {counts[i]}")
     mfreq, mcum, _ = mask_tables()
     mrcp, mrsh = mask_reciprocals()
     params, poff, streams, soff = _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes,
                                                _level_logs(), mcum, mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp,
                                                model.rsh, model.row_of_key, four_from)
+    # every record's bytes cut from two blobs (one conversion each, not one per record)
+    words = streams[: soff[m]].astype("<u4", copy=False).tobytes()
+    heads = params[: poff[m]].tobytes()
+    soff, poff = (4 * soff).tolist(), poff.tolist()
     out = []
     for i in range(m):
-        data = streams[soff[i]: soff[i + 1]].astype("<u4").tobytes()
-        out.append((params[poff[i]: poff[i + 1]].tobytes(), [Stream(RAW, len(data), data)]))
+        data = words[soff[i]: soff[i + 1]]
+        out.append((heads[poff[i]: poff[i + 1]], [Stream(RAW, len(data), data)]))
     return out
 
 
