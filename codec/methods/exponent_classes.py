@@ -468,8 +468,8 @@ def _scan_range(b, t, origin, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank)
     every change's (base, target) pair (base << 16 | target), class and rank in its class, stored
     from index k while the buffers last (`_scan_buffers`: their size less SCAN_SLACK). Returns
     the new count; beyond the buffers' capacity (whose every entry then holds a change), retry
-    with larger ones. Resumable: ge (class masks, ge[0] all ones) and seen (elements at or above each class's
-    bound before the block) carry on to the next range.
+    with larger ones. Resumable: ge (class masks, ge[0] all ones) and seen (elements at or above
+    each class's bound before the block) carry on to the next range.
 
     Only what the coder needs, 13 bytes per change: positions, exponents and steps follow from
     these (storing them too cost ~30% more time, in stores and in the buffers' page faults). A
@@ -740,7 +740,6 @@ def scan_state(thresholds, start, lim):
 # Spare entries past the last position `positions_between` may store: a block's first four
 # positions are stored whether or not it has that many changes (see there).
 POSITION_SLACK = 4
-_SLACK = np.uint64(POSITION_SLACK)
 
 
 @nb.njit(cache=True, nogil=True)
