@@ -1018,34 +1018,37 @@ def _params_error(entry: Entry, status: int, nclass: int, n: int) -> str:
     return f"class counts add up to {total} changes, index says {entry.changes}"
 
 
-_MODEL_CACHE: dict[int, tuple[bytes, ValueModel]] = {}
-_RULE_CACHE: dict[int, tuple[bytes | None, int]] = {}
+# One parsed shared block per kind, for the payload whose shared dict was read last: every
+# record of a payload reads the same blocks (keyed by the dict's id, checked by the block's
+# identity, so a new payload in a recycled dict is parsed afresh).
+_SHARED_CACHE: dict[int, tuple[int, bytes | None, object]] = {}
+
+
+def _parsed_once(shared: dict, kind: int, parse):
+    data = shared.get(kind)
+    cached = _SHARED_CACHE.get(kind)
+    if cached is not None and cached[0] == id(shared) and cached[1] is data:
+        return cached[2]
+    value = parse(shared)
+    _SHARED_CACHE[kind] = (id(shared), data, value)
+    return value
+
+
+def _parse_model(shared: dict) -> ValueModel:
+    data = shared.get(SHARED_VALUE_TABLES)
+    if data is None:
+        raise DeltaError("payload has conditional tensors but no value tables")
+    return ValueModel.unpack(data)
 
 
 def _model(shared: dict) -> ValueModel:
     """The payload's value tables, parsed once per payload (its records all share them)."""
-    data = shared.get(SHARED_VALUE_TABLES)
-    if data is None:
-        raise DeltaError("payload has conditional tensors but no value tables")
-    cached = _MODEL_CACHE.get(id(shared))
-    if cached is not None and cached[0] is data:
-        return cached[1]
-    model = ValueModel.unpack(data)
-    _MODEL_CACHE.clear()
-    _MODEL_CACHE[id(shared)] = (data, model)
-    return model
+    return _parsed_once(shared, SHARED_VALUE_TABLES, _parse_model)
 
 
 def _rule(shared: dict) -> int:
     """`_four_from`, parsed once per payload."""
-    data = shared.get(SHARED_INTERLEAVE)
-    cached = _RULE_CACHE.get(id(shared))
-    if cached is not None and cached[0] is data:
-        return cached[1]
-    four_from = _four_from(shared)
-    _RULE_CACHE.clear()
-    _RULE_CACHE[id(shared)] = (data, four_from)
-    return four_from
+    return _parsed_once(shared, SHARED_INTERLEAVE, _four_from)
 
 
 def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
@@ -1172,7 +1175,7 @@ def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) 
     results: list[tuple[int, np.ndarray] | None] = [None] * len(entries)
     try:
         model = _model(shared)
-        four_from = _four_from(shared)
+        four_from = _rule(shared)
     except DeltaError:
         return results
     ok = []
