@@ -10,11 +10,17 @@ integer (a baked-in address would not survive numba's on-disk cache). A kernel t
 each few KiB of a tensor right after scanning or writing it, while it is in L1, with no Python
 call per part. Where the symbols are missing or disagree with the Python binding (checked once
 at import), `NATIVE` is None and callers hash from Python instead: same digests, slower.
+
+A kernel that hashes many tensors in one call also resets and finishes digests itself
+(`hash_reset`, `hash_digest`, with `NATIVE.functions()`), so no Python runs per tensor.
+XXH3_128bits_digest returns a 16-byte struct by value; the kernels call it only where the C
+ABI returns that in two registers (`KERNEL_DIGESTS`, checked at import like the rest).
 """
 
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import numba as nb
 import numpy as np
@@ -26,7 +32,8 @@ from numba.extending import intrinsic
 DIGEST_SIZE = 16
 
 
-def _header(dtype_name: str, shape: tuple[int, ...]) -> bytes:
+def header_bytes(dtype_name: str, shape: tuple[int, ...]) -> bytes:
+    """What a tensor's digest hashes before its elements: its dtype and shape."""
     return f"{dtype_name}{list(shape)}".encode()
 
 
@@ -34,7 +41,7 @@ def digester(dtype_name: str, shape: tuple[int, ...]) -> xxhash.xxh3_128:
     """A tensor's running digest: `feed` it the tensor's elements in order, in any pieces (xxh3
     streams: the digest does not depend on how the bytes were split)."""
     h = xxhash.xxh3_128()
-    h.update(_header(dtype_name, shape))
+    h.update(header_bytes(dtype_name, shape))
     return h
 
 
@@ -78,6 +85,33 @@ class _Native:
         self.digest.restype = _Hash128
         self.update_address = ctypes.cast(self.update, ctypes.c_void_p).value
 
+    def functions(self) -> np.ndarray:
+        """(reset, update, digest) addresses for `hash_reset`, `hash_update` and `hash_digest`."""
+        return np.array([ctypes.cast(f, ctypes.c_void_p).value for f in (self.reset, self.update, self.digest)],
+                        np.uintp)
+
+
+class Scratch:
+    """Two XXH3 states for a kernel that hashes many tensors one after another (it resets them
+    per tensor): `states` holds their addresses. Freed with the object."""
+
+    __slots__ = ("_native", "states")
+
+    def __init__(self, native: _Native) -> None:
+        self._native = native
+        self.states = np.zeros(2, np.uintp)
+        for i in range(2):
+            state = native.create()
+            if not state:
+                raise MemoryError("XXH3_createState failed")
+            self.states[i] = state
+
+    def __del__(self) -> None:
+        for state in getattr(self, "states", ()):
+            if state:
+                self._native.free(int(state))
+        self.states = np.zeros(0, np.uintp)
+
 
 class Running:
     """A tensor's digest in progress, for a compiled kernel to feed with `hash_update`
@@ -92,7 +126,7 @@ class Running:
             raise MemoryError("XXH3_createState failed")
         self.function = native.update_address
         native.reset(self.state)
-        header = _header(dtype_name, shape)
+        header = header_bytes(dtype_name, shape)
         native.update(self.state, header, len(header))
 
     def digest(self) -> bytes:
@@ -128,6 +162,52 @@ def hash_update(typingctx, function, state, arr, start, stop):
     return sig, codegen
 
 
+@intrinsic
+def hash_reset(typingctx, function, state):
+    """Start `state` afresh through the XXH3_128bits_reset at address `function`."""
+    sig = types.int32(types.uintp, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.IntType(32), [i8p])
+        return builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [builder.inttoptr(args[1], i8p)])
+
+    return sig, codegen
+
+
+@intrinsic
+def hash_digest(typingctx, function, state):
+    """(low, high) 64-bit halves of `state`'s digest through the XXH3_128bits_digest at address
+    `function`. Its XXH128_hash_t comes back by value: in two registers on the System V x86-64
+    and AArch64 ABIs (`KERNEL_DIGESTS` holds where that is checked)."""
+    sig = types.UniTuple(types.uint64, 2)(types.uintp, types.uintp)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [i8p])
+        pair = builder.call(builder.inttoptr(args[0], fnty.as_pointer()), [builder.inttoptr(args[1], i8p)])
+        return context.make_tuple(builder, signature.return_type,
+                                  [builder.extract_value(pair, 0), builder.extract_value(pair, 1)])
+
+    return sig, codegen
+
+
+def digest_bytes(halves: np.ndarray) -> bytes:
+    """Digests from rows of (low, high) halves (`hash_digest`), each as `digest()` writes it
+    (high half first, big-endian), back to back."""
+    return np.ascontiguousarray(np.asarray(halves, np.uint64).reshape(-1, 2)[:, ::-1]).astype(">u8").tobytes()
+
+
+@nb.njit(cache=True, nogil=True)
+def _whole_digest(functions, state, header, arr):
+    """A digest made entirely inside a kernel (the self-test of `hash_reset` and `hash_digest`)."""
+    hash_reset(functions[0], state)
+    hash_update(functions[1], state, header, 0, header.size)
+    hash_update(functions[1], state, arr, 0, arr.size)
+    return hash_digest(functions[2], state)
+
+
 @nb.njit(cache=True, nogil=True)
 def _feed_parts(function, state, arr, part):
     """arr fed in parts of `part` elements (the self-test's split)."""
@@ -154,6 +234,28 @@ def _load_native() -> _Native | None:
 
 
 NATIVE: _Native | None = _load_native()
+
+
+def _kernel_digests() -> bool:
+    """Whether kernels may finish digests themselves (`hash_digest`): the C ABI returns a 16-byte
+    struct in two registers here, and digests made so agree with the binding's."""
+    if NATIVE is None or platform.system() == "Windows":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return False
+    scratch = Scratch(NATIVE)
+    functions = NATIVE.functions()
+    rng = np.random.default_rng(1)
+    for size in (0, 3, 4099):
+        data = rng.integers(0, 1 << 16, size, dtype=np.uint16)
+        header = np.frombuffer(header_bytes("BF16", (size,)), np.uint8)
+        got = digest_bytes(np.array(_whole_digest(functions, scratch.states[0], header, data), np.uint64))
+        if got != digest_elements("BF16", (size,), data):
+            return False
+    return True
+
+
+KERNEL_DIGESTS: bool = _kernel_digests()
 
 
 def running(dtype_name: str, shape: tuple[int, ...]) -> Running | None:
