@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from . import container, device, methods, tensors
+from . import container, device, hashing, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
-from .hashing import Running, digest_elements, running
+from .hashing import Running, digest_bytes, digest_elements, header_bytes, running
 from .methods import conditional, exponent_classes, same, sparse, xor_planes
 from .methods.base import Patch
 
 EFFORTS = ("fast", "default", "max")
 DENSE_FRACTION = 0.25  # above this changed fraction, also try the dense XOR path
-# BF16 tensors up to this many elements (norm weights, biases) are analysed and coded in batches:
-# one compiled call each for all of them, instead of two per tensor and their Python wrappers
+# BF16 tensors up to this many elements (norm weights, biases) are decoded in a batch: one
+# compiled call for all of them, instead of two per tensor and their Python wrappers
 SMALL_TENSOR = 1 << 14
 
 
@@ -72,15 +73,113 @@ def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, changes: int
     return min(cands, key=lambda c: c.size)
 
 
-def _small(base: torch.Tensor, target: torch.Tensor) -> bool:
-    return (target.dtype == torch.bfloat16 and target.device.type == "cpu" and base.device.type == "cpu"
-            and 0 < target.numel() <= SMALL_TENSOR)
+def _batchable(base: torch.Tensor, target: torch.Tensor) -> bool:
+    return target.dtype == torch.bfloat16 and target.is_cpu and base.is_cpu
+
+
+def _elements_at(t: torch.Tensor, keep: list) -> int:
+    """Address of a CPU tensor's elements, readable in whole blocks of 64 elements: its own
+    memory where it is contiguous and whole blocks, else a padded copy, which `keep` holds."""
+    if t.is_contiguous() and t.numel() % exponent_classes.BLOCK == 0:
+        keep.append(t)
+        return t.data_ptr()
+    copy = exponent_classes.blocks(np.ascontiguousarray(tensors.element_view(t)))
+    keep.append(copy)
+    return copy.ctypes.data
+
+
+class _Batched:
+    """BF16 CPU tensors analysed together: one compiled call scans (and, where the kernels can,
+    digests) them all, with no Python per tensor (`conditional.analyze_at`)."""
+
+    def __init__(self, names: list[str], base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
+                 buffers: exponent_classes.ScanBuffers) -> None:
+        self.names = names
+        self.shapes = [tuple(target[name].shape) for name in names]
+        self.sizes = np.array([target[name].numel() for name in names], np.int64)
+        keep: list = []
+        where = np.array([(_elements_at(base[name], keep), _elements_at(target[name], keep)) for name in names],
+                         np.uintp).reshape(-1, 2)
+        headers = [header_bytes(tensors.BF16.name, shape) for shape in self.shapes] if hashing.KERNEL_DIGESTS else None
+        self.batch = conditional.analyze_at(where, self.sizes, headers, buffers)
+        del keep  # the scan is done with the tensors' memory
+        if self.batch.digests is not None:
+            blob = digest_bytes(self.batch.digests)
+            self.digests = [(blob[32 * i: 32 * i + 16], blob[32 * i + 16: 32 * i + 32]) for i in range(len(names))]
+        else:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python, a second read
+            self.digests = [tuple(digest_elements(tensors.BF16.name, shape, tensors.element_view(m[name]))
+                                  for m in (base, target)) for name, shape in zip(names, self.shapes)]
+
+    def entries(self, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], effort: str,
+                model: conditional.ValueModel | None, four_from: int) -> list[Entry]:
+        """The batch's records: sparse tensors coded together where the batch holds their changes
+        (one compiled call); dense ones, and every one at "max" effort, race methods one by one."""
+        changes = self.batch.changes()
+        sparse_ = (changes > 0) & (changes <= DENSE_FRACTION * self.sizes)
+        together = np.flatnonzero(sparse_) if effort != "max" else np.zeros(0, np.int64)
+        coded = {}
+        if together.size and model is not None:
+            coded = dict(zip(together.tolist(), conditional.encode_batch(self.batch, together, model, four_from)))
+        out = []
+        for i, (name, shape, (bd, td)) in enumerate(zip(self.names, self.shapes, self.digests)):
+            k = int(changes[i])
+            if not k:
+                out.append(Entry(name, tensors.BF16, shape, same.ID, 0, bd, bd))
+                continue
+            if i in coded:
+                c = _Candidate(conditional.ID, *coded[i])
+            else:
+                b, t = tensors.element_view(base[name]), tensors.element_view(target[name])
+                c = _encode_tensor(b, t, tensors.BF16, k, None, effort, self.batch.analysis(i), model, four_from)
+            out.append(Entry(name, tensors.BF16, shape, c.method, k, bd, td, c.params, c.streams))
+        return out
+
+    def value_symbols(self) -> np.ndarray:
+        return self.batch.value_symbols
+
+
+class _BufferPool:
+    """Scan buffers lent to the batches of encode calls and taken back when the payload is packed
+    (`exponent_classes.ScanBuffers`: reused memory takes no page faults). Holds a few sets, of
+    at most KEEP bytes each; larger ones go back to the allocator."""
+
+    KEEP = 256 << 20
+    SETS = 4
+
+    def __init__(self) -> None:
+        self._free: list[exponent_classes.ScanBuffers] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> exponent_classes.ScanBuffers:
+        with self._lock:
+            return self._free.pop() if self._free else exponent_classes.ScanBuffers()
+
+    def give(self, buffers: exponent_classes.ScanBuffers) -> None:
+        if buffers.nbytes <= self.KEEP:
+            with self._lock:
+                if len(self._free) < self.SETS:
+                    self._free.append(buffers)
+
+
+_BUFFERS = _BufferPool()
+
+
+def _groups(names: list[str], target: Mapping[str, torch.Tensor], workers: int) -> list[list[str]]:
+    """Names split into up to `workers` batches of about equal element counts (one per thread)."""
+    if workers <= 1 or len(names) <= 1:
+        return [names] if names else []
+    groups: list[list[str]] = [[] for _ in range(min(workers, len(names)))]
+    load = [0] * len(groups)
+    for name in sorted(names, key=lambda n: -target[n].numel()):
+        g = load.index(min(load))
+        groups[g].append(name)
+        load[g] += target[name].numel()
+    return groups
 
 
 class _Pending:
-    """One tensor on its way into the payload; host copies of device tensors are made on demand."""
-
-    batched = False  # analysed with other small tensors (`batch`): coded with them too
+    """A tensor outside the batches (another dtype, a device tensor, a v1 payload) on its way
+    into the payload; host copies of device tensors are made on demand."""
 
     def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, use_conditional: bool) -> None:
         self.name = name
@@ -89,22 +188,8 @@ class _Pending:
         self._tensors = (base, target)
         self._host: tuple[np.ndarray, np.ndarray] | None = None
         self.analysis: conditional.Analysis | None = None
-        self.target_digest: bytes | None = None
         on_device = target.device.type != "cpu" and base.device == target.device
-        if use_conditional and self.dt is tensors.BF16 and not on_device:
-            # both digests fed by the scan, part by part while in cache: one read of each tensor
-            b, t = (a.reshape(-1) for a in self.host)
-            hb, ht = running(self.dt.name, self.shape), running(self.dt.name, self.shape)
-            self.analysis = conditional.analyze(b, t, (hb, ht) if hb and ht else None)
-            self.index: np.ndarray | None = None  # the scan does not keep positions; sparse finds them if asked
-            self.changes = self.analysis.changes
-            if hb and ht:
-                self.base_digest, self.target_digest = hb.digest(), ht.digest()
-            else:  # kernels cannot hash here (hashing.NATIVE): from Python, a second read
-                self.base_digest = digest_elements(self.dt.name, self.shape, b)
-                self.target_digest = digest_elements(self.dt.name, self.shape, t)
-            return
-        if use_conditional and self.dt is tensors.BF16:
+        if use_conditional and self.dt is tensors.BF16 and on_device:
             self.analysis = device.analyze_on_device(base, target)
             self.index = self.analysis.index
         else:
@@ -113,29 +198,19 @@ class _Pending:
         self.changes = int(self.index.size)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
-    @classmethod
-    def batch(cls, names: list[str], base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]
-              ) -> dict[str, _Pending]:
-        """Small BF16 CPU tensors (`_small`), analysed in one compiled call."""
-        if not names:
-            return {}
-        hosts = [(tensors.element_view(base[n]), tensors.element_view(target[n])) for n in names]
-        out = {}
-        for name, host, analysis in zip(names, hosts, conditional.analyze_many(*zip(*hosts))):
-            p = cls.__new__(cls)
-            p.name, p.dt, p.shape = name, tensors.BF16, tuple(target[name].shape)
-            p._tensors, p._host = (base[name], target[name]), host
-            p.analysis, p.index, p.changes, p.batched = analysis, None, analysis.changes, True
-            p.base_digest = digest_elements(p.dt.name, p.shape, host[0])
-            p.target_digest = digest_elements(p.dt.name, p.shape, host[1])
-            out[name] = p
-        return out
-
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host is None:
             self._host = (tensors.element_view(self._tensors[0]), tensors.element_view(self._tensors[1]))
         return self._host
+
+    def entry(self, effort: str, model: conditional.ValueModel | None, four_from: int) -> Entry:
+        if not self.changes:
+            return Entry(self.name, self.dt, self.shape, same.ID, 0, self.base_digest, self.base_digest)
+        b, t = self.host
+        c = _encode_tensor(b, t, self.dt, self.changes, self.index, effort, self.analysis, model, four_from)
+        td = digest_elements(self.dt.name, self.shape, t)
+        return Entry(self.name, self.dt, self.shape, c.method, self.changes, self.base_digest, td, c.params, c.streams)
 
 
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
@@ -153,43 +228,41 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
         raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
     use_conditional = format_version >= conditional.MIN_VERSION
+    batched = [name for name, t in target.items() if use_conditional and _batchable(base[name], t)]
+    groups = _groups(batched, target, workers)
+    lent = [_BUFFERS.take() for _ in groups]
+    try:
+        return _encode(base, target, effort, format_version, workers, list(zip(groups, lent)))
+    finally:
+        for buffers in lent:
+            _BUFFERS.give(buffers)
 
-    def prepare(item: tuple[str, torch.Tensor]) -> _Pending:
-        return _Pending(item[0], base[item[0]], item[1], use_conditional)
 
-    def run(fn, items):  # threads only when asked for: one core means no pool overhead either
-        if workers <= 1:
-            return [fn(item) for item in items]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(fn, items))
+def _map(workers: int, fn, items: list) -> list:
+    """fn over items, on `workers` threads if more than one (one core: no pool overhead either)."""
+    if workers <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
 
-    small = {name for name, t in target.items() if use_conditional and _small(base[name], t)}
-    ready = _Pending.batch([name for name in target if name in small], base, target)
-    rest = dict(zip((name for name in target if name not in small),
-                    run(prepare, [item for item in target.items() if item[0] not in small])))
-    pending = [ready[name] if name in small else rest[name] for name in target]
-    analyses = [p.analysis for p in pending if p.analysis is not None and p.changes]
-    model = conditional.ValueModel.fit(analyses) if analyses else None
-    # the batch's sparse tensors are coded together; dense ones (and every one at "max") race methods
-    together = [p for p in pending if p.batched and p.changes and effort != "max"
-                and p.changes <= DENSE_FRACTION * p.host[0].size]
+
+def _encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], effort: str, format_version: int,
+            workers: int, jobs: list[tuple[list[str], exponent_classes.ScanBuffers]]) -> bytes:
+    """`encode` of the batches `jobs` (names, lent buffers) and of the tensors outside them."""
+    use_conditional = format_version >= conditional.MIN_VERSION
+    batches = _map(workers, lambda job: _Batched(job[0], base, target, job[1]), jobs)
+    in_batches = {name for names, _ in jobs for name in names}
+    rest = [name for name in target if name not in in_batches]
+    pending = _map(workers, lambda name: _Pending(name, base[name], target[name], use_conditional), rest)
+    symbols = [b.value_symbols() for b in batches]
+    symbols += [p.analysis.value_symbols for p in pending if p.analysis is not None and p.changes]
+    model = conditional.ValueModel.fit_symbols(symbols) if any(s.size for s in symbols) else None
     # v3: records with many changes use four interleaved rANS states (the payload states the rule)
     four_from = conditional.FOUR_STATES_FROM if format_version >= 3 else conditional.NEVER
-    coded = dict(zip((p.name for p in together),
-                     conditional.encode_many([p.analysis for p in together], model, four_from))) if together else {}
-
-    def code(p: _Pending) -> Entry:
-        if not p.changes:
-            return Entry(p.name, p.dt, p.shape, same.ID, 0, p.base_digest, p.base_digest)
-        b, t = p.host
-        if p.name in coded:
-            c = _Candidate(conditional.ID, *coded[p.name])
-        else:
-            c = _encode_tensor(b, t, p.dt, p.changes, p.index, effort, p.analysis, model, four_from)
-        td = p.target_digest if p.target_digest is not None else digest_elements(p.dt.name, p.shape, t)
-        return Entry(p.name, p.dt, p.shape, c.method, p.changes, p.base_digest, td, c.params, c.streams)
-
-    entries = run(code, pending)
+    coded = {e.name: e for group in _map(workers, lambda b: b.entries(base, target, effort, model, four_from), batches)
+             for e in group}
+    coded.update((e.name, e) for e in _map(workers, lambda p: p.entry(effort, model, four_from), pending))
+    entries = [coded[name] for name in target]
     shared = {}
     if model is not None and any(e.method == conditional.ID for e in entries):
         shared[conditional.SHARED_VALUE_TABLES] = model.pack()

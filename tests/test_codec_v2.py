@@ -224,6 +224,27 @@ def test_workers_give_the_same_payload_and_target(rl_pair):
     assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
 
 
+def test_reused_scan_buffers_give_the_payloads_of_fresh_ones(rl_pair, monkeypatch):
+    """Encode lends its batches scan buffers kept from earlier calls (api._BUFFERS): a payload
+    made after a larger or a denser one, on one thread or several, is the one fresh buffers give,
+    and the buffers come back to the pool."""
+    from codec import api
+    base, target = rl_pair
+    small = {"w2": base["w2"]}, {"w2": target["w2"]}
+    dense = {"w1": base["w1"]}, {"w1": rl_step(base["w1"], 5e-2, 3)}  # most elements change: buffers grow
+    fresh = {}
+    for name, (b, t) in {"pair": rl_pair, "small": small, "dense": dense}.items():
+        monkeypatch.setattr(api, "_BUFFERS", api._BufferPool())
+        fresh[name] = codec.encode(b, t)
+    pool = api._BufferPool()
+    monkeypatch.setattr(api, "_BUFFERS", pool)
+    for workers in (1, 2, 1):
+        for name, (b, t) in {"dense": dense, "pair": rl_pair, "small": small, "pair again": rl_pair}.items():
+            assert codec.encode(b, t, workers=workers) == fresh[name.split()[0]], (name, workers)
+    assert 1 <= len(pool._free) <= api._BufferPool.SETS
+    assert max(buffers.pairs.size for buffers in pool._free) >= 256 * 512 // 2  # grown for the dense pair
+
+
 def test_decode_builds_the_target_in_place_for_every_size():
     """The decoder writes the target during its scan when the base is whole 64-element blocks,
     and copies first otherwise; both must equal the target bit for bit, and the base stays put."""
@@ -255,14 +276,15 @@ def test_value_tables_normalise_all_rows_like_one_row():
 @pytest.mark.parametrize("native", [True, False], ids=["kernels-hash", "python-hashes"])
 def test_digests_fed_by_the_kernels_match_whole_tensor_digests(native, monkeypatch):
     """The scan feeds both digests part by part, the decoder the target's chunk by chunk (where
-    the xxhash build lets kernels hash, `hashing.NATIVE`; else Python hashes whole tensors): the
+    the xxhash build lets kernels hash, `hashing.KERNEL_DIGESTS`; else Python hashes whole tensors): the
     same digests as hashing each whole tensor, the same payload either way, and it decodes."""
     from codec import hashing
     from codec.hashing import digest_elements
-    if native and hashing.NATIVE is None:
-        pytest.skip("this xxhash build does not export its C API")
+    if native and not hashing.KERNEL_DIGESTS:
+        pytest.skip("this xxhash build or platform does not let kernels hash")
     if not native:
         monkeypatch.setattr(hashing, "NATIVE", None)
+        monkeypatch.setattr(hashing, "KERNEL_DIGESTS", False)
     n = 3 * ec.HASH_PART + 1000  # parts of the scan and chunks of the decoder, and a partial one
     rng = np.random.default_rng(11)
     base = {"big": torch.randn(n).to(torch.bfloat16), "small": torch.randn(300).to(torch.bfloat16)}
@@ -275,6 +297,7 @@ def test_digests_fed_by_the_kernels_match_whole_tensor_digests(native, monkeypat
     if native:
         with monkeypatch.context() as m:
             m.setattr(hashing, "NATIVE", None)
+            m.setattr(hashing, "KERNEL_DIGESTS", False)
             assert codec.encode(base, target) == payload
     for entry in container.unpack(payload).entries:
         assert entry.method == conditional.ID

@@ -203,24 +203,38 @@ def test_positions_refuse_ranks_beyond_a_class():
 
 
 @pytest.mark.parametrize("changed", [0.001, 0.3])  # 30%: the change buffers must grow mid-scan
-@pytest.mark.skipif(hashing.NATIVE is None, reason="this xxhash build does not export its C API")
-def test_scan_feeds_both_digests_part_by_part(changed):
-    """With digests, the scan feeds base and target to them part by part (HASH_PART elements):
-    the result is that of a scan without them, and the digests those of the whole tensors, also
-    where the change buffers grow mid-scan (that part is scanned twice, hashed once)."""
-    n = 2 * ec.HASH_PART + 64 * 5 + 37
+@pytest.mark.skipif(not hashing.KERNEL_DIGESTS, reason="this xxhash build or platform does not let kernels hash")
+def test_scan_digests_base_and_target_part_by_part(changed):
+    """With headers, the scan digests base and target part by part (HASH_PART elements): the
+    result is that of a scan without them, and the digests those of the whole tensors, also
+    where the change buffers grow mid-scan (that part is scanned twice, hashed once) and for
+    several tensors in one call (the states are reset per tensor)."""
     rng = np.random.default_rng(7)
-    b = _bits(rng, n)
-    t = b.copy()
-    flip = rng.random(n) < changed
-    t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
-    hb, ht = hashing.running("BF16", (n,)), hashing.running("BF16", (n,))
-    got = ec.analyze(b, t, digests=(hb, ht))
-    want = ec.analyze(b, t)
-    for g, w in zip(got, want):
+    bs, ts = [], []
+    for n in (2 * ec.HASH_PART + 64 * 5 + 37, 0, 100):
+        b = _bits(rng, n) if n else np.zeros(0, np.uint16)
+        t = b.copy()
+        flip = rng.random(n) < changed
+        t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+        bs.append(b)
+        ts.append(t)
+    headers = [hashing.header_bytes("BF16", (b.size,)) for b in bs]
+    got = ec.analyze_many(bs, ts, headers=headers)
+    want = ec.analyze_many(bs, ts)
+    for g, w in zip(got[:-1], want[:-1]):
         assert np.array_equal(g, w)
-    assert hb.digest() == hashing.digest_elements("BF16", (n,), b)
-    assert ht.digest() == hashing.digest_elements("BF16", (n,), t)
+    assert want[-1] is None
+    digests = hashing.digest_bytes(got[-1])
+    for i, (b, t) in enumerate(zip(bs, ts)):
+        assert digests[32 * i: 32 * i + 16] == hashing.digest_elements("BF16", (b.size,), b)
+        assert digests[32 * i + 16: 32 * i + 32] == hashing.digest_elements("BF16", (t.size,), t)
+
+
+def test_scan_refuses_headers_where_kernels_cannot_hash(monkeypatch):
+    monkeypatch.setattr(hashing, "KERNEL_DIGESTS", False)
+    b = np.zeros(64, np.uint16)
+    with pytest.raises(ValueError, match="KERNEL_DIGESTS"):
+        ec.analyze_many([b], [b], headers=[b"x"])
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 64 * 50 + 7])
@@ -235,23 +249,29 @@ def test_differences_are_flatnonzero(n, changed):
 
 
 def test_batched_analysis_matches_one_tensor_at_a_time():
-    """analyze_many (one compiled call for many small tensors) gives every tensor exactly what
-    analyze gives it alone: sizes that are and are not whole blocks, no change, every element
-    changed (the shared buffers must grow)."""
+    """analyze_many (one compiled call for many tensors, their changes back to back) gives every
+    tensor exactly what analyze gives it alone: sizes that are and are not whole blocks, no
+    change, every element changed (the shared buffers must grow), given thresholds."""
     rng = np.random.default_rng(9)
     bs, ts = [], []
-    for n, changed in [(1, 1.0), (63, 0.1), (64, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0), (4000, 0.03)]:
-        b = _bits(rng, n)
+    for n, changed in [(1, 1.0), (63, 0.1), (64, 0.0), (0, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0), (4000, 0.03),
+                       (70000, 0.02)]:
+        b = _bits(rng, n) if n else np.zeros(0, np.uint16)
         t = b.copy()
         flip = rng.random(n) < changed
         t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
         bs.append(b)
         ts.append(t)
-    for got, b, t in zip(ec.analyze_many(bs, ts), bs, ts):
-        want = ec.analyze(b, t)
-        assert len(got) == len(want)
-        for g, w in zip(got, want):
-            assert np.array_equal(g, w)
+    for given in (None, [np.array([100 + i, 120], np.int64) for i in range(len(bs))]):
+        pairs, cls, ranks, first, thr, nthr, sizes, changes, digests = ec.analyze_many(bs, ts, given)
+        assert digests is None and first[0] == 0 and first[-1] == pairs.size
+        for i, (b, t) in enumerate(zip(bs, ts)):
+            want = ec.analyze(b, t, None if given is None else given[i])
+            lo, hi = first[i], first[i + 1]
+            got = (thr[i, :nthr[i]], pairs[lo:hi], cls[lo:hi], ranks[lo:hi], sizes[i], changes[i])
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert np.array_equal(g, w)
 
 
 @pytest.mark.parametrize("cap", [0, 1, 2, 3, 50, 700, 5000])  # 5000: room for all

@@ -144,13 +144,19 @@ def _value_symbols(pairs):
     Branch-free, so the loop vectorises (lzcnt and all); the value tables' statistics and the
     encoder's value loop both read these instead of recomputing the step."""
     out = np.empty(pairs.size, np.uint16)
+    _value_symbols_into(pairs, out)
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _value_symbols_into(pairs, out):
+    """`_value_symbols` into out[:pairs.size]."""
     for j in range(pairs.size):
         bv = np.int64(pairs[j] >> np.uint32(16))
         v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
         n = 63 - np.int64(leading_zeros(np.uint64(v | 1)))
         big = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1))
         out[j] = np.uint16((((bv >> KEY_SHIFT) & 0xFF) << 6) | (v if v < rans.DIRECT else big))
-    return out
 
 
 @nb.njit(cache=True, nogil=True)
@@ -585,18 +591,70 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
     return ec.choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
-def analyze(base: np.ndarray, target: np.ndarray, digests: tuple[Running, Running] | None = None) -> Analysis:
-    """The changes of two BF16 tensors (as uint16), with classes chosen for them; the scan feeds
-    `digests` (running digests of base and target) if given, as in `exponent_classes.analyze`."""
-    thresholds, pairs, classes, ranks, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1), digests=digests)
+def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
+    """The changes of two BF16 tensors (as uint16), with classes chosen for them."""
+    thresholds, pairs, classes, ranks, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1))
     return Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
 
 
+@dataclass
+class Batch:
+    """The analyses of many tensors, made in one compiled call (`exponent_classes.analyze_at`):
+    their changes back to back (tensor i's are [first[i], first[i + 1]) of pairs, classes and
+    ranks), a row per tensor for the rest. `encode_batch` codes them where they lie."""
+
+    pairs: np.ndarray
+    classes: np.ndarray
+    ranks: np.ndarray
+    first: np.ndarray
+    thresholds: np.ndarray  # row i: tensor i's thresholds in its first nthr[i] entries
+    nthr: np.ndarray
+    class_sizes: np.ndarray  # (tensors, MAX_CLASSES)
+    class_changes: np.ndarray  # (tensors, MAX_CLASSES)
+    digests: np.ndarray | None  # row i: (low, high) halves of the base's digest, then the target's
+    buffers: ec.ScanBuffers | None = field(default=None, repr=False, compare=False)  # where the changes lie
+    _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return int(self.nthr.size)
+
+    def changes(self) -> np.ndarray:
+        """Changes per tensor."""
+        return np.diff(self.first)
+
+    @property
+    def value_symbols(self) -> np.ndarray:
+        """Every change's value symbol (`Analysis.value_symbols`), from one compiled call."""
+        if self._symbols is None:
+            if self.buffers is None:
+                self._symbols = _value_symbols(self.pairs)
+            else:  # into the buffers' room, grown if need be
+                if self.buffers.symbols.size < self.pairs.size:
+                    self.buffers.symbols = np.empty(self.buffers.pairs.size, np.uint16)
+                self._symbols = self.buffers.symbols[: self.pairs.size]
+                _value_symbols_into(self.pairs, self._symbols)
+        return self._symbols
+
+    def analysis(self, i: int) -> Analysis:
+        """Tensor i's analysis (views into the batch's arrays)."""
+        a, b, nthr = int(self.first[i]), int(self.first[i + 1]), int(self.nthr[i])
+        return Analysis(self.thresholds[i, :nthr], self.class_sizes[i], self.pairs[a:b], self.classes[a:b],
+                        self.ranks[a:b], _class_changes=self.class_changes[i, : nthr + 1],
+                        _symbols=None if self._symbols is None else self._symbols[a:b])
+
+
+def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None = None,
+               buffers: ec.ScanBuffers | None = None) -> Batch:
+    """`analyze` of many BF16 tensors given by address (`exponent_classes.analyze_at`); with
+    `headers`, the scan also digests every base and target (Batch.digests). With `buffers`, the
+    batch's changes and value symbols lie in them: valid until they are lent to another scan."""
+    return Batch(*ec.analyze_at(where, sizes, headers=headers, buffers=buffers), buffers=buffers)
+
+
 def analyze_many(bases: list[np.ndarray], targets: list[np.ndarray]) -> list[Analysis]:
-    """`analyze` of many small tensors in one compiled call (same results, tested)."""
-    return [Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
-            for thresholds, pairs, classes, ranks, sizes, changes
-            in ec.analyze_many([b.reshape(-1) for b in bases], [t.reshape(-1) for t in targets])]
+    """`analyze` of many tensors in one compiled call (same results, tested)."""
+    batch = Batch(*ec.analyze_many([b.reshape(-1) for b in bases], [t.reshape(-1) for t in targets]))
+    return [batch.analysis(i) for i in range(len(batch))]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -691,10 +749,15 @@ class ValueModel:
 
     @classmethod
     def fit(cls, analyses: list[Analysis]) -> "ValueModel":
+        return cls.fit_symbols([a.value_symbols for a in analyses])
+
+    @classmethod
+    def fit_symbols(cls, symbols: list[np.ndarray]) -> "ValueModel":
+        """The tables of changes whose value symbols (`_value_symbols`) these arrays hold."""
         hist = np.zeros((N_KEYS, VALUE_TOKENS), np.int64)
         flat = hist.reshape(-1)
-        for a in analyses:
-            _count_symbols(a.value_symbols, flat)
+        for sym in symbols:
+            _count_symbols(sym, flat)
         keys = np.flatnonzero(hist.sum(axis=1))
         freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
         return cls(freq, keys)
@@ -835,21 +898,26 @@ def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, logs, mcum, mfreq, mrcp, mrsh, vcum,
-                 vfreq, vrcp, vrsh, vrow_of_key, four_from):
-    """Params and stream of every tensor of a batch (tensor i's changes are [first[i], first[i+1])
-    of pairs, cls and ranks; its classes, sizes and changes are row i of the rest), into two
-    buffers: (params bytes, params offsets, stream words, stream offsets). The stream is the
-    emitted words then each final state as (low, high) 32-bit words (docs/FORMAT.md): four
-    states for a tensor with at least four_from changes, else two."""
-    m = first.size - 1
+def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, which, logs, mcum, mfreq, mrcp, mrsh,
+                 vcum, vfreq, vrcp, vrsh, vrow_of_key, four_from):
+    """Params and stream of the tensors `which` of a batch (tensor i's changes are
+    [first[i], first[i+1]) of pairs, symbols, cls and ranks; its classes, sizes and changes are
+    row i of the rest), into two buffers: (params bytes, params offsets, stream words, stream
+    offsets), a record per entry of `which`. The stream is the emitted words then each final
+    state as (low, high) 32-bit words (docs/FORMAT.md): four states for a tensor with at least
+    four_from changes, else two."""
+    m = which.size
+    total = 0
+    for w in range(m):
+        total += first[which[w] + 1] - first[which[w]]
     params = np.empty(m * (2 * MAX_CLASSES + 10 * MAX_CLASSES), np.uint8)
     poff = np.zeros(m + 1, np.int64)
-    streams = np.empty(8 * pairs.size + 20 * m, np.uint32)
+    streams = np.empty(8 * total + 20 * m, np.uint32)
     soff = np.zeros(m + 1, np.int64)
     p = 0
     q = 0
-    for i in range(m):
+    for w in range(m):
+        i = which[w]
         a = first[i]
         b = first[i + 1]
         nclass = nthr[i] + 1
@@ -867,7 +935,7 @@ def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, l
             p += 1
         for c in range(nclass):
             p = put_uvarint(params, p, changes[i, c])
-        poff[i + 1] = p
+        poff[w + 1] = p
         for j in range(nw):
             streams[q + j] = words[j]
         q += nw
@@ -876,16 +944,47 @@ def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, l
             streams[q] = final[j] & rans.WORD_MASK
             streams[q + 1] = final[j] >> 32
             q += 2
-        soff[i + 1] = q
+        soff[w + 1] = q
     return params, poff, streams, soff
+
+
+def _records(pairs: np.ndarray, symbols: np.ndarray, cls: np.ndarray, ranks: np.ndarray, first: np.ndarray,
+             thr: np.ndarray, nthr: np.ndarray, sizes: np.ndarray, changes: np.ndarray, which: np.ndarray,
+             model: ValueModel, four_from: int) -> list[tuple[bytes, list[Stream]]]:
+    """(params, streams) of the tensors `which` of a batch laid out as `_encode_many` reads it."""
+    wrong = which[changes[which].sum(axis=1) != first[which + 1] - first[which]]
+    if wrong.size:  # the coder trusts these counts to lay out its gaps
+        i = int(wrong[0])
+        raise ValueError(f"analysis counts {changes[i].sum()} changes by class, holds {first[i + 1] - first[i]}")
+    mfreq, mcum, _ = mask_tables()
+    mrcp, mrsh = mask_reciprocals()
+    params, poff, streams, soff = _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, which,
+                                               _level_logs(), mcum, mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp,
+                                               model.rsh, model.row_of_key, four_from)
+    # every record's bytes cut from two blobs (one conversion each, not one per record)
+    m = which.size
+    words = streams[: soff[m]].astype("<u4", copy=False).tobytes()
+    heads = params[: poff[m]].tobytes()
+    soff, poff = (4 * soff).tolist(), poff.tolist()
+    out = []
+    for i in range(m):
+        data = words[soff[i]: soff[i + 1]]
+        out.append((heads[poff[i]: poff[i + 1]], [Stream(RAW, len(data), data)]))
+    return out
+
+
+def encode_batch(batch: Batch, which: np.ndarray, model: ValueModel, four_from: int = NEVER
+                 ) -> list[tuple[bytes, list[Stream]]]:
+    """(params, streams) of the batch's tensors `which`, coded where the batch holds them, in
+    one compiled call. Tensors with at least `four_from` changes use four interleaved states
+    (the payload's SHARED_INTERLEAVE rule, which the caller writes)."""
+    return _records(batch.pairs, batch.value_symbols, batch.classes, batch.ranks, batch.first, batch.thresholds,
+                    batch.nthr, batch.class_sizes, batch.class_changes, np.asarray(which, np.int64), model, four_from)
 
 
 def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NEVER
                 ) -> list[tuple[bytes, list[Stream]]]:
-    """(params, streams) of each analysed tensor, coded in one compiled call (a model's dozens of
-    norm weights and biases cost more in per-call overhead than in coding). Tensors with at
-    least `four_from` changes use four interleaved states (the payload's SHARED_INTERLEAVE rule,
-    which the caller writes)."""
+    """(params, streams) of each analysed tensor, coded in one compiled call (as `encode_batch`)."""
     m = len(analyses)
     if m == 1:
         a = analyses[0]
@@ -895,9 +994,8 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
         symbols = np.concatenate([a.value_symbols for a in analyses])
         cls = np.concatenate([a.classes for a in analyses])
         ranks = np.concatenate([a.ranks for a in analyses])
-    counts = np.array([a.changes for a in analyses], np.int64)
     first = np.zeros(m + 1, np.int64)
-    np.cumsum(counts, out=first[1:])
+    np.cumsum([a.changes for a in analyses], out=first[1:])
     nthr = np.array([a.thresholds.size for a in analyses], np.int64)
     thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
     changes = np.zeros((m, MAX_CLASSES), np.int64)
@@ -905,24 +1003,7 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
         thr[i, : nthr[i]] = a.thresholds
         changes[i, : a.nclass] = a.class_changes()
     sizes = np.stack([a.class_sizes for a in analyses]).astype(np.int64, copy=False)
-    wrong = np.flatnonzero(changes.sum(axis=1) != counts)
-    if wrong.size:  # the coder trusts these counts to lay out its gaps
-        i = int(wrong[0])
-        raise ValueError(f"analysis counts {changes[i].sum()} changes by class, holds {counts[i]}")
-    mfreq, mcum, _ = mask_tables()
-    mrcp, mrsh = mask_reciprocals()
-    params, poff, streams, soff = _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes,
-                                               _level_logs(), mcum, mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp,
-                                               model.rsh, model.row_of_key, four_from)
-    # every record's bytes cut from two blobs (one conversion each, not one per record)
-    words = streams[: soff[m]].astype("<u4", copy=False).tobytes()
-    heads = params[: poff[m]].tobytes()
-    soff, poff = (4 * soff).tolist(), poff.tolist()
-    out = []
-    for i in range(m):
-        data = words[soff[i]: soff[i + 1]]
-        out.append((heads[poff[i]: poff[i + 1]], [Stream(RAW, len(data), data)]))
-    return out
+    return _records(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, np.arange(m), model, four_from)
 
 
 def encode(a: Analysis, model: ValueModel, four_from: int = NEVER) -> tuple[bytes, list[Stream]]:

@@ -28,7 +28,8 @@ from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
-from ..hashing import Running, hash_update
+from .. import hashing
+from ..hashing import Scratch, hash_digest, hash_reset, hash_update
 
 MAX_CLASSES = 8
 KEY_SHIFT = 7
@@ -531,16 +532,15 @@ def _class_totals(cls, k0, k1, seen, total):
 
 
 @nb.njit(cache=True, nogil=True)
-def _thresholds(b, t, stride, thresholds, choose):
-    if not choose:
-        return thresholds
+def _chosen(b, t, stride):
+    """Thresholds chosen from every stride-th element's (exponent, changed) statistics."""
     n_e, k_e = sample_stats(b, t, stride)
     if k_e.sum() == 0:
         return np.empty(0, np.int64)
     return choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
-# Elements scanned between two feeds of the digests (`analyze`): 32 KiB of each array, which the
+# Elements scanned between two feeds of the digests (`_analyze`): 32 KiB of each array, which the
 # hash then reads from L1 or L2 rather than from memory.
 HASH_PART = 1 << 14
 
@@ -552,98 +552,162 @@ def _grown(a, keep, cap):
     return out
 
 
-@nb.njit(cache=True, nogil=True)
-def _analyze(b, t, bb, tb, stride, cap, thresholds, choose, function, hb, ht):
-    """Classes and one whole scan in one compiled call (a call costs microseconds, and a model
-    has ~100 small tensors), HASH_PART elements at a time: after each part, when `function` is
-    not 0, both digests (`hashing.Running`: hb for b, ht for t) are fed that part of the tensor
-    while it is in cache. Buffers that run out in a part grow, and the part is scanned again
-    (hashed once, after)."""
-    thresholds = _thresholds(b, t, stride, thresholds, choose)
-    lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
-    pairs, cls, rank = _scan_buffers(cap)
-    ge, seen = _scan_state()
-    saved = np.empty_like(seen)
-    k = 0
-    for o in range(0, bb.size, HASH_PART):
-        stop = min(o + HASH_PART, bb.size)
-        before = k
-        saved[:] = seen
-        k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
-        if k > pairs.size - SCAN_SLACK:
-            cap = max(2 * pairs.size, k) + SCAN_SLACK
-            pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
-            seen[:] = saved
-            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
-        if function and o < b.size:
-            hash_update(function, hb, b, o, min(stop, b.size))
-            hash_update(function, ht, t, o, min(stop, b.size))
-    sizes, changes = _class_totals(cls, 0, k, seen, bb.size)
-    sizes[0] -= bb.size - b.size  # the padding is class 0
-    return thresholds, pairs[:k], cls[:k], rank[:k], sizes, changes
+@intrinsic
+def _u16_at(typingctx, address):
+    """The uint16 pointer at an integer address, for `nb.carray` (`_analyze`'s tensors)."""
+    if not isinstance(address, types.Integer):
+        return None
+    sig = types.CPointer(types.uint16)(address)
 
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(16).as_pointer())
 
-def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None,
-            digests: tuple[Running, Running] | None = None):
-    """(thresholds, pairs, classes, ranks, elements per class, changes per class) of two flat
-    uint16 arrays, in tensor order of the changes: pair = base << 16 | target (uint32). Classes
-    are chosen from a sample (or the given thresholds), then one scan, which feeds `digests`
-    (running digests of b and t) if given, every element once, in order, while in cache."""
-    b, t = np.ascontiguousarray(b), np.ascontiguousarray(t)
-    bb, tb = blocks(b), blocks(t)
-    choose = thresholds is None
-    given = np.empty(0, np.int64) if choose else np.asarray(thresholds, np.int64)
-    function, hb, ht = (digests[0].function, digests[0].state, digests[1].state) if digests else (0, 0, 0)
-    return _analyze(b, t, bb, tb, sample_stride(b.size), max(1024, b.size // 16), given, choose, np.uintp(function),
-                    np.uintp(hb), np.uintp(ht))
+    return sig, codegen
 
 
 @nb.njit(cache=True, nogil=True)
-def _analyze_many(bb, tb, starts, counts, cap):
-    """`analyze` of many small tensors in one compiled call: tensor i has counts[i] elements at
-    bb[starts[i]:] and tb[starts[i]:] (starts are multiples of 64; the gaps between tensors hold
-    zeros). Returns (pairs, classes, ranks, first change of each tensor and the end,
-    thresholds (one row per tensor, thresholds[i, :nthr[i]]), nthr, class sizes, class changes,
-    changes found)."""
-    m = starts.size
-    pairs, cls, rank = _scan_buffers(cap)
-    first = np.empty(m + 1, np.int64)
+def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, states, pairs, cls, rank):
+    """Classes and one whole scan of every tensor of a batch, in one compiled call (a call costs
+    microseconds, a Python wrapper tens, and a model has ~100 tensors). Tensor i's base and
+    target elements are at addresses where[i] (sizes[i] of them, readable up to a whole block).
+
+    Each tensor's scan runs HASH_PART elements at a time: after each part, when `functions`
+    (`hashing.NATIVE.functions()`) is not empty, base and target digests (the two XXH3 states
+    at `states`, reset per tensor and fed its header, headers[hoff[i]:hoff[i + 1]]) are fed
+    that part while it is in cache. Buffers that run out in a part grow, and the part is
+    scanned again (hashed once, after). Every tensor's changes go to the same buffers, back to
+    back, from the start of the change buffers pairs, cls and rank (`_scan_buffers`), which grow
+    if they run out. Returns (the buffers, grown or not; first change of each tensor and the
+    end; thresholds (row i: thresholds[i, :nthr[i]]), nthr, class sizes, class changes, digests
+    (row i: low and high halves of the base's, then of the target's))."""
+    hashing = functions.size > 0
+    m = sizes.size
+    first = np.zeros(m + 1, np.int64)
     thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
     nthr = np.zeros(m, np.int64)
-    sizes = np.zeros((m, MAX_CLASSES), np.int64)
-    changes = np.zeros((m, MAX_CLASSES), np.int64)
+    class_sizes = np.zeros((m, MAX_CLASSES), np.int64)
+    class_changes = np.zeros((m, MAX_CLASSES), np.int64)
+    digests = np.zeros((m, 4), np.uint64)
+    saved = np.empty(MAX_CLASSES + 1, np.int64)
     k = 0
     for i in range(m):
-        s = starts[i]
-        n = counts[i]
+        n = sizes[i]
         padded = -(-n // BLOCK) * BLOCK
-        th = _thresholds(bb[s:s + n], tb[s:s + n], sample_stride(n), np.empty(0, np.int64), True)
-        thr[i, :th.size] = th
-        nthr[i] = th.size
+        bb = nb.carray(_u16_at(where[i, 0]), padded)
+        tb = nb.carray(_u16_at(where[i, 1]), padded)
+        if choose:
+            thresholds = _chosen(bb[:n], tb[:n], sample_stride(n))
+        else:
+            thresholds = given[i, :ngiven[i]].copy()
+        nthr[i] = thresholds.size
+        thr[i, :thresholds.size] = thresholds
+        lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
         ge, seen = _scan_state()
         first[i] = k
-        k = _scan_range(bb, tb, s, s, s + padded, lane_bounds(th), class_lut(th), ge, seen, k, pairs, cls, rank)
-        tensor_sizes, tensor_changes = _class_totals(cls, first[i], min(k, cap), seen, padded)
-        sizes[i] = tensor_sizes
-        changes[i] = tensor_changes
-        sizes[i, 0] -= padded - n  # the padding is class 0
+        if hashing:
+            for h in range(2):
+                hash_reset(functions[0], states[h])
+                hash_update(functions[1], states[h], headers, hoff[i], hoff[i + 1])
+        for o in range(0, padded, HASH_PART):
+            stop = min(o + HASH_PART, padded)
+            before = k
+            saved[:] = seen
+            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
+            if k > pairs.size - SCAN_SLACK:
+                cap = max(2 * pairs.size, k) + SCAN_SLACK
+                pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
+                seen[:] = saved
+                k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
+            if hashing and o < n:
+                hash_update(functions[1], states[0], bb, o, min(stop, n))
+                hash_update(functions[1], states[1], tb, o, min(stop, n))
+        if hashing:
+            digests[i, 0], digests[i, 1] = hash_digest(functions[2], states[0])
+            digests[i, 2], digests[i, 3] = hash_digest(functions[2], states[1])
+        tensor_sizes, tensor_changes = _class_totals(cls, first[i], k, seen, padded)
+        tensor_sizes[0] -= padded - n  # the padding is class 0
+        class_sizes[i] = tensor_sizes
+        class_changes[i] = tensor_changes
     first[m] = k
-    return pairs, cls, rank, first, thr, nthr, sizes, changes, k
+    return pairs, cls, rank, first, thr, nthr, class_sizes, class_changes, digests
 
 
-def analyze_many(bs: list[np.ndarray], ts: list[np.ndarray]) -> list[tuple]:
-    """`analyze` (classes chosen from a sample) of many small flat uint16 tensors at once: a
-    compiled call costs microseconds of dispatch and a Python wrapper more, and a model has dozens
-    of norm weights and biases of a few hundred elements."""
-    bb, starts, counts = joined_blocks(bs)
-    tb = joined_blocks(ts)[0]
-    cap = max(1024, bb.size // 16)
-    out = _analyze_many(bb, tb, starts, counts, cap)
-    if out[-1] > cap:
-        out = _analyze_many(bb, tb, starts, counts, out[-1])
-    pairs, cls, rank, first, thr, nthr, sizes, changes, _ = out
-    return [(thr[i, :nthr[i]].copy(), pairs[first[i]:first[i + 1]], cls[first[i]:first[i + 1]],
-             rank[first[i]:first[i + 1]], sizes[i], changes[i]) for i in range(len(bs))]
+_NO_HASHING = np.zeros(0, np.uintp)
+
+
+class ScanBuffers:
+    """Change buffers for `analyze_at` to fill, kept from one scan to the next: fresh buffers
+    cost a page fault per 4 KiB the scan writes (measured: ~3800 faults, 5 ms of system time
+    per encode of MiniLM at 3% changed, a sixth of the encode). `symbols` is room for the
+    changes' value symbols (`conditional.Batch`). They grow to the largest scan and stay."""
+
+    def __init__(self) -> None:
+        self.pairs, self.classes, self.ranks = _scan_buffers(0)
+        self.symbols = np.empty(0, np.uint16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pairs.nbytes + self.classes.nbytes + self.ranks.nbytes + self.symbols.nbytes
+
+
+def analyze_at(where: np.ndarray, sizes: np.ndarray, thresholds: list[np.ndarray] | None = None,
+               headers: list[bytes] | None = None, buffers: ScanBuffers | None = None) -> tuple:
+    """`analyze` of many tensors in one compiled call, each given by the addresses of its base and
+    target elements (where[i] = (base, target), uintp): sizes[i] uint16 elements each, in
+    memory readable up to the next multiple of 64 elements (`blocks`), which the caller keeps
+    alive during the call. Classes are chosen per tensor from a sample, or given (`thresholds`,
+    one array per tensor). With `headers` (each tensor's `hashing.header_bytes`; only where
+    `hashing.KERNEL_DIGESTS`), the scan also digests every base and target, reading each part
+    while in cache. Returns (pairs, classes, ranks, first, thresholds, nthr, class sizes,
+    class changes, digests) as `_analyze` does, the changes as views of its buffers (those of
+    `buffers` if given, which then hold any grown ones); digests is None without headers."""
+    sizes = np.asarray(sizes, np.int64)
+    m = sizes.size
+    given = np.zeros((m, MAX_CLASSES - 1), np.int64)
+    ngiven = np.zeros(m, np.int64)
+    if thresholds is not None:
+        for i, th in enumerate(thresholds):
+            ngiven[i] = len(th)
+            given[i, : len(th)] = th
+    functions, states, blob, hoff = _NO_HASHING, np.zeros(2, np.uintp), np.zeros(0, np.uint8), np.zeros(m + 1, np.int64)
+    scratch = None
+    if headers is not None:
+        if not hashing.KERNEL_DIGESTS:
+            raise ValueError("kernels cannot finish digests on this platform (hashing.KERNEL_DIGESTS)")
+        scratch = Scratch(hashing.NATIVE)
+        functions, states = hashing.NATIVE.functions(), scratch.states
+        blob = np.frombuffer(b"".join(headers), np.uint8)
+        np.cumsum([len(h) for h in headers], out=hoff[1:])
+    padded = -(-sizes // BLOCK) * BLOCK
+    cap = max(1024, int(padded.sum()) // 16)
+    if buffers is not None and buffers.pairs.size >= cap + SCAN_SLACK:
+        room = buffers.pairs, buffers.classes, buffers.ranks
+    else:
+        room = _scan_buffers(cap)
+    out = _analyze(np.ascontiguousarray(where, np.uintp), sizes, given, ngiven, thresholds is None, blob, hoff,
+                   functions, states, *room)
+    del scratch
+    if buffers is not None:
+        buffers.pairs, buffers.classes, buffers.ranks = out[:3]
+    k = int(out[3][-1])
+    return (out[0][:k], out[1][:k], out[2][:k]) + out[3:-1] + ((out[-1] if headers is not None else None),)
+
+
+def analyze_many(bs: list[np.ndarray], ts: list[np.ndarray], thresholds: list[np.ndarray] | None = None,
+                 headers: list[bytes] | None = None) -> tuple:
+    """`analyze_at` of flat uint16 arrays (padded copies where a size is not whole blocks)."""
+    keep = [blocks(np.ascontiguousarray(a).reshape(-1)) for pair in zip(bs, ts) for a in pair]
+    where = np.array([a.ctypes.data for a in keep], np.uintp).reshape(-1, 2)
+    return analyze_at(where, np.array([a.size for a in bs], np.int64), thresholds, headers)
+
+
+def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None):
+    """(thresholds, pairs, classes, ranks, elements per class, changes per class) of two flat
+    uint16 arrays, in tensor order of the changes: pair = base << 16 | target (uint32). Classes
+    are chosen from a sample (or the given thresholds), then one scan."""
+    pairs, cls, ranks, _, thr, nthr, sizes, changes, _ = analyze_many(
+        [b], [t], None if thresholds is None else [np.asarray(thresholds, np.int64)])
+    return thr[0, : nthr[0]], pairs, cls, ranks, sizes[0], changes[0]
 
 
 @nb.njit(cache=True, nogil=True)
