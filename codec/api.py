@@ -19,9 +19,6 @@ from .methods.base import Patch
 
 EFFORTS = ("fast", "default", "max")
 DENSE_FRACTION = 0.25  # above this changed fraction, also try the dense XOR path
-# BF16 tensors up to this many elements (norm weights, biases) are decoded in a batch: one
-# compiled call for all of them, instead of two per tensor and their Python wrappers
-SMALL_TENSOR = 1 << 14
 
 
 def _check_structure(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
@@ -164,16 +161,17 @@ class _BufferPool:
 _BUFFERS = _BufferPool()
 
 
-def _groups(names: list[str], target: Mapping[str, torch.Tensor], workers: int) -> list[list[str]]:
-    """Names split into up to `workers` batches of about equal element counts (one per thread)."""
+def _groups(names: list[str], items: Mapping, workers: int, size=lambda t: t.numel()) -> list[list[str]]:
+    """Names split into up to `workers` batches of about equal element counts (`size` of each
+    name's item), one per thread."""
     if workers <= 1 or len(names) <= 1:
         return [names] if names else []
     groups: list[list[str]] = [[] for _ in range(min(workers, len(names)))]
     load = [0] * len(groups)
-    for name in sorted(names, key=lambda n: -target[n].numel()):
+    for name in sorted(names, key=lambda n: -size(items[n])):
         g = load.index(min(load))
         groups[g].append(name)
-        load[g] += target[name].numel()
+        load[g] += size(items[name])
     return groups
 
 
@@ -369,21 +367,39 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
     return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
 
 
-def _decode_small(base: Mapping[str, torch.Tensor], parsed: Payload) -> dict[str, torch.Tensor]:
-    """The verified targets of the payload's small conditional tensors, decoded in one compiled
-    call. One that fails is left out: `_decode_entry` then decodes it alone and says why."""
-    small = [e for e in parsed.entries if e.method == conditional.ID and e.dtype is tensors.BF16
-             and 0 < e.numel <= SMALL_TENSOR and e.changes]
-    if not small:
-        return {}
-    views = [_base_view(e, base.get(e.name)) for e in small]
-    done = {}
-    for entry, result in zip(small, conditional.decode_targets(small, views, parsed.shared)):
-        if result is None or result[0] != entry.changes:
+def _decode_batched(base: Mapping[str, torch.Tensor], parsed: Payload, entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """The verified targets of conditional records over CPU BF16 bases, decoded in one compiled
+    call straight into new tensors (`conditional.decode_at`). One that fails is left out:
+    `_decode_entry` then decodes it alone and says why."""
+    keep: list = []
+    chosen, where, outs = [], [], []
+    for entry in entries:
+        tensor = base.get(entry.name)
+        if tensor is None or not tensor.is_cpu or tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != entry.shape:
             continue
-        new = result[1]
-        if digest_elements(entry.dtype.name, entry.shape, new) == entry.target_digest:
-            done[entry.name] = tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
+        out = torch.empty(entry.shape, dtype=torch.bfloat16)
+        chosen.append(entry)
+        outs.append(out)
+        where.append((_elements_at(tensor, keep), out.data_ptr()))
+    if not chosen:
+        return {}
+    headers = [header_bytes(e.dtype.name, e.shape) for e in chosen] if hashing.KERNEL_DIGESTS else None
+    result = conditional.decode_at(chosen, np.array(where, np.uintp).reshape(-1, 2), parsed.shared, headers)
+    del keep
+    if result is None:
+        return {}
+    decoded, status, halves = result
+    blob = digest_bytes(halves) if halves is not None else None
+    done = {}
+    for i, (entry, out) in enumerate(zip(chosen, outs)):
+        if status[i] or decoded[i] != entry.changes:
+            continue
+        if blob is not None:
+            digest = blob[16 * i: 16 * i + 16]
+        else:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python
+            digest = digest_elements(entry.dtype.name, entry.shape, tensors.element_view(out))
+        if digest == entry.target_digest:
+            done[entry.name] = out
     return done
 
 
@@ -395,15 +411,16 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     `workers` > 1 decodes tensors on that many threads (the compiled kernels release the GIL).
     """
     parsed = _parse(base, payload)
-    done = _decode_small(base, parsed)
+    batched = [e for e in parsed.entries if e.method == conditional.ID and conditional.batchable(e)]
+    by_name = {e.name: e for e in batched}
+    done: dict[str, torch.Tensor] = {}
+    for part in _map(workers, lambda names: _decode_batched(base, parsed, [by_name[n] for n in names]),
+                     _groups([e.name for e in batched], {e.name: e for e in batched}, workers, lambda e: e.numel)):
+        done.update(part)
     rest = [entry for entry in parsed.entries if entry.name not in done]
-    if workers <= 1:
-        done.update((entry.name, _decode_entry(base, entry, parsed)) for entry in rest)
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            # largest first, so one big tensor does not start last
-            order = sorted(rest, key=lambda e: -e.numel)
-            done.update(zip((e.name for e in order), pool.map(lambda e: _decode_entry(base, e, parsed), order)))
+    # largest first, so one big tensor does not start last
+    order = sorted(rest, key=lambda e: -e.numel) if workers > 1 else rest
+    done.update(zip((e.name for e in order), _map(workers, lambda e: _decode_entry(base, e, parsed), order)))
     return {entry.name: done[entry.name] for entry in parsed.entries}
 
 

@@ -32,11 +32,11 @@ import numba as nb
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from .. import rans
+from .. import hashing, rans
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
-from ..hashing import Running, hash_update
+from ..hashing import Running, hash_digest, hash_reset, hash_update
 from ..wire import _decode_uvarints, put_uvarint, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Patch
@@ -1218,17 +1218,25 @@ def _stream_states(words, nstates):
     return words[:n], states, 0
 
 
+_NONE = np.zeros(0, np.uint16)
+
+
 @nb.njit(cache=True, nogil=True)
-def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq, mslot, vcum, vfreq,
-                 vslot, vrow_of_key, out):
-    """`_decode` (building targets) of many small tensors, their records parsed here too: tensor
-    i's base is bases[starts[i]:] (sizes[i] elements, then zeros up to whole blocks), its target
-    goes to the same place in out, its params are params[poff[i]:poff[i + 1]] and its stream
-    words[woff[i]:woff[i + 1]]. Returns (changes decoded, status) of each: status 0, or not 0
-    when the record or its stream fails (decoding that one alone names the reason)."""
-    m = starts.size
+def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq, mslot, vcum, vfreq, vslot,
+                  vrow_of_key, headers, hoff, functions, state):
+    """`_decode` building the targets of many tensors in one compiled call, their records parsed
+    here too: tensor i's base is at address where[i, 0] (sizes[i] elements, readable in whole
+    blocks), its target goes to where[i, 1] (sizes[i] elements), its params are
+    params[poff[i]:poff[i + 1]] and its stream words[woff[i]:woff[i + 1]]. With `functions`
+    (`hashing.NATIVE.functions()`), each target is digested as it is built: the XXH3 state at
+    `state` reset per tensor and fed its header, headers[hoff[i]:hoff[i + 1]], first. Returns
+    (changes decoded, status, digests (low, high halves)) of each: status 0, or not 0 when the
+    record or its stream fails (decoding that one alone names the reason)."""
+    m = sizes.size
+    hashing = functions.size > 0
     decoded = np.zeros(m, np.int64)
     status = np.zeros(m, np.int64)
+    digests = np.zeros((m, 2), np.uint64)
     thr = np.zeros(MAX_CLASSES, np.int64)
     levels = np.zeros(MAX_CLASSES, np.int64)
     counts = np.zeros(MAX_CLASSES, np.int64)
@@ -1239,51 +1247,74 @@ def _decode_many(bases, starts, sizes, params, poff, words, woff, changes, four_
         if bad or broken:
             status[i] = 8
             continue
-        s = starts[i]
         n = sizes[i]
         padded = -(-n // ec.BLOCK) * ec.BLOCK
-        _, _, decoded[i], status[i] = _decode(bases[s:s + n], bases[s:s + padded], w, x[0], x[1], x[2], x[3], four,
-                                              thr[:nc - 1], levels[:nc], counts[:nc], mcum, mfreq, mslot, vcum, vfreq,
-                                              vslot, vrow_of_key, out[s:s + n], out[s:s + padded], np.uintp(0),
-                                              np.uintp(0))
-    return decoded, status
+        bb = nb.carray(ec._u16_at(where[i, 0]), padded)
+        out = nb.carray(ec._u16_at(where[i, 1]), n)
+        copy_to = out if n == padded else _NONE  # else `_decode` copies the base up front
+        function = np.uintp(0)
+        if hashing:
+            hash_reset(functions[0], state)
+            hash_update(functions[1], state, headers, hoff[i], hoff[i + 1])
+            function = functions[1]
+        _, _, decoded[i], status[i] = _decode(bb[:n], bb, w, x[0], x[1], x[2], x[3], four, thr[:nc - 1], levels[:nc],
+                                              counts[:nc], mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, out,
+                                              copy_to, function, state)
+        if hashing and status[i] == 0:
+            digests[i, 0], digests[i, 1] = hash_digest(functions[2], state)
+    return decoded, status, digests
 
 
-def decode_targets(entries: list[Entry], bases: list[np.ndarray], shared: dict) -> list[tuple[int, np.ndarray] | None]:
-    """`decode_target` of many small tensors in one compiled call, records parsed there too (per
-    tensor Python costs more than its decoding); None for an entry that fails (decoding it alone
-    names the reason). The targets are views of one buffer."""
-    results: list[tuple[int, np.ndarray] | None] = [None] * len(entries)
+def batchable(entry: Entry) -> bool:
+    """Whether a record's shape lets `decode_at` take it (one raw stream of whole words); others,
+    and any `decode_at` fails, are decoded alone, which names what is wrong."""
+    streams = entry.streams
+    return (entry.dtype.name == "BF16" and entry.changes > 0 and len(streams) == 1 and streams[0].codec == RAW
+            and streams[0].raw_len == len(streams[0].stored) and not len(streams[0].stored) % 4)
+
+
+def decode_at(entries: list[Entry], where: np.ndarray, shared: dict, headers: list[bytes] | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """`decode_target` of many `batchable` records in one compiled call (per-tensor Python costs
+    more than decoding a small tensor): record i's base elements are at address where[i, 0]
+    (readable in whole blocks), its target is written to where[i, 1] (entries[i].numel
+    elements); the caller owns both and keeps them alive. With `headers` (each target's
+    `hashing.header_bytes`; only where `hashing.KERNEL_DIGESTS`), each target is digested as it
+    is built. Returns (changes decoded, status, digests as (low, high) rows or None); None if the
+    payload's shared blocks fail (each record alone then says why). A record whose status is
+    not 0 left its target unfinished."""
     try:
         model = _model(shared)
         four_from = _rule(shared)
     except DeltaError:
-        return results
-    ok = []
-    for i, (entry, base) in enumerate(zip(entries, bases)):
-        streams = entry.streams
-        if (base.dtype == np.uint16 and base.size and len(streams) == 1 and streams[0].codec == RAW
-                and streams[0].raw_len == len(streams[0].stored) and not len(streams[0].stored) % 4):
-            ok.append(i)
-    if not ok:
-        return results
-    chosen = [entries[i] for i in ok]
-    poff = np.zeros(len(ok) + 1, np.int64)
-    poff[1:] = np.cumsum([len(e.params) for e in chosen])
-    woff = np.zeros(len(ok) + 1, np.int64)
-    woff[1:] = np.cumsum([len(e.streams[0].stored) >> 2 for e in chosen])
-    params = np.frombuffer(b"".join(e.params for e in chosen), np.uint8)
-    words = np.frombuffer(b"".join(e.streams[0].stored for e in chosen), "<u4")
-    changes = np.array([e.changes for e in chosen], np.int64)
-    joined, starts, sizes = ec.joined_blocks([bases[i].reshape(-1) for i in ok])
-    out = np.empty(joined.size, np.uint16)
+        return None
+    m = len(entries)
+    poff = np.zeros(m + 1, np.int64)
+    np.cumsum([len(e.params) for e in entries], out=poff[1:])
+    woff = np.zeros(m + 1, np.int64)
+    np.cumsum([len(e.streams[0].stored) >> 2 for e in entries], out=woff[1:])
+    params = np.frombuffer(b"".join(e.params for e in entries), np.uint8)
+    words = np.frombuffer(b"".join(e.streams[0].stored for e in entries), "<u4")
+    changes = np.array([e.changes for e in entries], np.int64)
+    sizes = np.array([e.numel for e in entries], np.int64)
+    functions, state, blob, hoff = _NO_FUNCTIONS, np.uintp(0), np.zeros(0, np.uint8), np.zeros(m + 1, np.int64)
+    scratch = None
+    if headers is not None:
+        if not hashing.KERNEL_DIGESTS:
+            raise ValueError("kernels cannot finish digests on this platform (hashing.KERNEL_DIGESTS)")
+        scratch = hashing.Scratch(hashing.NATIVE)
+        functions, state = hashing.NATIVE.functions(), scratch.states[0]
+        blob = np.frombuffer(b"".join(headers), np.uint8)
+        np.cumsum([len(h) for h in headers], out=hoff[1:])
     mfreq, mcum, mslot = mask_tables()
-    decoded, status = _decode_many(joined, starts, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq,
-                                   mslot, model.cum, model.freq, model.slots, model.row_of_key, out)
-    for j, i in enumerate(ok):
-        if status[j] == 0:
-            results[i] = (int(decoded[j]), out[starts[j]: starts[j] + sizes[j]])
-    return results
+    decoded, status, digests = _decode_batch(np.ascontiguousarray(where, np.uintp), sizes, params, poff, words, woff,
+                                             changes, four_from, mcum, mfreq, mslot, model.cum, model.freq,
+                                             model.slots, model.row_of_key, blob, hoff, functions, state)
+    del scratch
+    return decoded, status, digests if headers is not None else None
+
+
+_NO_FUNCTIONS = np.zeros(0, np.uintp)
 
 
 def stream_names(entry: Entry) -> list[str]:
