@@ -72,18 +72,6 @@ def blocks(a: np.ndarray) -> np.ndarray:
     return padded
 
 
-def joined_blocks(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Many flat uint16 arrays laid out one after another, each from a multiple of 64 and padded
-    with zeros to whole blocks (as `blocks` pads one): (joined, starts, sizes)."""
-    sizes = np.array([a.size for a in arrays], np.int64)
-    padded = -(-sizes // BLOCK) * BLOCK
-    starts = np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64)
-    joined = np.zeros(int(padded.sum()), np.uint16)
-    for s, a in zip(starts, arrays):
-        joined[s:s + a.size] = a.reshape(-1)
-    return joined, starts, sizes
-
-
 # ---------------------------------------------------------------- vector masks, bit tricks
 
 _LANES = ir.VectorType(ir.IntType(16), BLOCK)
