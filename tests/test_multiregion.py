@@ -103,6 +103,9 @@ def test_relay_mode_regions_converge_and_a_lost_region_is_reseeded(servers, trai
         servers["eu-west-1"].stop()  # the region goes away mid-run, and its data with it
         for step in range(8, 14):
             publish(step, ("us-west-2", "ap-northeast-1"))  # the others keep up, step by step
+        # a copy to the dead endpoint fails only once botocore's own connect retries give up:
+        # the six steps may be published before that
+        wait_for(lambda: fan.status()["regions"]["eu-west-1"]["errors"] >= 1, 30, "eu-west-1's failure counted")
         st = fan.status()["regions"]
         assert st["eu-west-1"]["head"] == 7 and st["eu-west-1"]["lag_steps"] == 6
         assert st["eu-west-1"]["errors"] >= 1 and st["eu-west-1"]["last_error"]
