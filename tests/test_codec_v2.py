@@ -224,6 +224,33 @@ def test_workers_give_the_same_payload_and_target(rl_pair):
     assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
 
 
+def test_batch_analyses_are_those_of_one_tensor_at_a_time():
+    """A Batch (tensors read in place through their addresses, changes back to back) gives each
+    tensor the analysis `analyze` gives it alone, value symbols included, with or without
+    buffers lent to it (grown here: they start empty)."""
+    rng = np.random.default_rng(5)
+    bs, ts = [], []
+    for n, p in [(64 * 300, 0.03), (1000, 0.5), (64, 0.0), (70000, 0.01)]:
+        b = (rng.normal(0, 0.05, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        t = b.copy()
+        flip = rng.random(n) < p
+        t[flip] += 1
+        bs.append(b)
+        ts.append(t)
+    padded = [ec.blocks(a) for a in bs + ts]  # readable in whole blocks, as analyze_at requires
+    where = np.array([[padded[i].ctypes.data, padded[len(bs) + i].ctypes.data] for i in range(len(bs))], np.uintp)
+    sizes = np.array([b.size for b in bs], np.int64)
+    for buffers in (None, ec.ScanBuffers()):
+        batch = conditional.analyze_at(where, sizes, buffers=buffers)
+        assert list(batch.changes()) == [int((b != t).sum()) for b, t in zip(bs, ts)]
+        batch.value_symbols  # computed for the whole batch first: each analysis then holds a view
+        for i, (b, t) in enumerate(zip(bs, ts)):
+            got, want = batch.analysis(i), conditional.analyze(b, t)
+            for field in ("thresholds", "class_sizes", "pairs", "classes", "ranks", "value_symbols"):
+                assert np.array_equal(getattr(got, field), getattr(want, field)), (i, field)
+            assert np.array_equal(got.class_changes(), want.class_changes())
+
+
 def test_reused_scan_buffers_give_the_payloads_of_fresh_ones(rl_pair, monkeypatch):
     """Encode lends its batches scan buffers kept from earlier calls (api._BUFFERS): a payload
     made after a larger or a denser one, on one thread or several, is the one fresh buffers give,

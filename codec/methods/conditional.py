@@ -651,12 +651,6 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None
     return Batch(*ec.analyze_at(where, sizes, headers=headers, buffers=buffers), buffers=buffers)
 
 
-def analyze_many(bases: list[np.ndarray], targets: list[np.ndarray]) -> list[Analysis]:
-    """`analyze` of many tensors in one compiled call (same results, tested)."""
-    batch = Batch(*ec.analyze_many([b.reshape(-1) for b in bases], [t.reshape(-1) for t in targets]))
-    return [batch.analysis(i) for i in range(len(batch))]
-
-
 @nb.njit(cache=True, nogil=True)
 def _pack_tables(keys, freq):
     """`ValueModel.pack`: the keys' count, then per key its delta, its non-zero tokens' count and
