@@ -202,6 +202,19 @@ def test_positions_refuse_ranks_beyond_a_class():
     assert run([27], padding_is_class_0, 1) == 2  # ... whatever the rank
 
 
+def _changed_pairs(rng: np.random.Generator, specs: list[tuple[int, float]]) -> tuple[list, list]:
+    """(bases, targets): per (n, fraction), n `_bits` of which about that fraction changed."""
+    bs, ts = [], []
+    for n, changed in specs:
+        b = _bits(rng, n) if n else np.zeros(0, np.uint16)
+        t = b.copy()
+        flip = rng.random(n) < changed
+        t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
+        bs.append(b)
+        ts.append(t)
+    return bs, ts
+
+
 @pytest.mark.parametrize("changed", [0.001, 0.3])  # 30%: the change buffers must grow mid-scan
 @pytest.mark.skipif(not hashing.KERNEL_DIGESTS, reason="this xxhash build or platform does not let kernels hash")
 def test_scan_digests_base_and_target_part_by_part(changed):
@@ -210,14 +223,7 @@ def test_scan_digests_base_and_target_part_by_part(changed):
     where the change buffers grow mid-scan (that part is scanned twice, hashed once) and for
     several tensors in one call (the states are reset per tensor)."""
     rng = np.random.default_rng(7)
-    bs, ts = [], []
-    for n in (2 * ec.HASH_PART + 64 * 5 + 37, 0, 100):
-        b = _bits(rng, n) if n else np.zeros(0, np.uint16)
-        t = b.copy()
-        flip = rng.random(n) < changed
-        t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
-        bs.append(b)
-        ts.append(t)
+    bs, ts = _changed_pairs(rng, [(2 * ec.HASH_PART + 64 * 5 + 37, changed), (0, changed), (100, changed)])
     headers = [hashing.header_bytes("BF16", (b.size,)) for b in bs]
     got = ec.analyze_many(bs, ts, headers=headers)
     want = ec.analyze_many(bs, ts)
@@ -253,15 +259,8 @@ def test_batched_analysis_matches_one_tensor_at_a_time():
     tensor exactly what analyze gives it alone: sizes that are and are not whole blocks, no
     change, every element changed (the shared buffers must grow), given thresholds."""
     rng = np.random.default_rng(9)
-    bs, ts = [], []
-    for n, changed in [(1, 1.0), (63, 0.1), (64, 0.0), (0, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0), (4000, 0.03),
-                       (70000, 0.02)]:
-        b = _bits(rng, n) if n else np.zeros(0, np.uint16)
-        t = b.copy()
-        flip = rng.random(n) < changed
-        t[flip] ^= rng.integers(1, 1 << 16, int(flip.sum()), dtype=np.uint16)
-        bs.append(b)
-        ts.append(t)
+    bs, ts = _changed_pairs(rng, [(1, 1.0), (63, 0.1), (64, 0.0), (0, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0),
+                                  (4000, 0.03), (70000, 0.02)])
     for given in (None, [np.array([100 + i, 120], np.int64) for i in range(len(bs))]):
         pairs, cls, ranks, first, thr, nthr, sizes, changes, digests = ec.analyze_many(bs, ts, given)
         assert digests is None and first[0] == 0 and first[-1] == pairs.size
