@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
 import threading
+from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -187,13 +187,16 @@ class _Pending:
         self._host: tuple[np.ndarray, np.ndarray] | None = None
         self.analysis: conditional.Analysis | None = None
         on_device = target.device.type != "cpu" and base.device == target.device
+        self.index: np.ndarray | None = None
         if use_conditional and self.dt is tensors.BF16 and on_device:
             self.analysis = device.analyze_on_device(base, target)
             self.index = self.analysis.index
+        elif use_conditional and self.dt is tensors.BF16:  # on two devices: analysed from host copies
+            self.analysis = conditional.analyze(*self.host)
         else:
             b, t = self.host
             self.index = exponent_classes.differences(b, t) if b.dtype == np.uint16 else np.flatnonzero(b != t)
-        self.changes = int(self.index.size)
+        self.changes = self.analysis.changes if self.index is None else int(self.index.size)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
     @property
@@ -415,7 +418,7 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     by_name = {e.name: e for e in batched}
     done: dict[str, torch.Tensor] = {}
     for part in _map(workers, lambda names: _decode_batched(base, parsed, [by_name[n] for n in names]),
-                     _groups([e.name for e in batched], {e.name: e for e in batched}, workers, lambda e: e.numel)):
+                     _groups(list(by_name), by_name, workers, lambda e: e.numel)):
         done.update(part)
     rest = [entry for entry in parsed.entries if entry.name not in done]
     # largest first, so one big tensor does not start last
