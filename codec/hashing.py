@@ -258,6 +258,30 @@ def _kernel_digests() -> bool:
 KERNEL_DIGESTS: bool = _kernel_digests()
 
 
+class KernelDigests:
+    """What a kernel that digests many tensors itself takes (`hash_reset`, `hash_update`,
+    `hash_digest`): `functions` (empty without headers: the kernel then hashes nothing), two
+    XXH3 `states` (freed with the object), and the tensors' headers (`header_bytes`) back to
+    back, tensor i's at headers[offsets[i]:offsets[i + 1]]."""
+
+    __slots__ = ("_scratch", "functions", "states", "headers", "offsets")
+
+    def __init__(self, headers: list[bytes] | None, count: int) -> None:
+        self._scratch = None
+        self.functions = np.zeros(0, np.uintp)
+        self.states = np.zeros(2, np.uintp)
+        self.headers = np.zeros(0, np.uint8)
+        self.offsets = np.zeros(count + 1, np.int64)
+        if headers is None:
+            return
+        if not KERNEL_DIGESTS:
+            raise ValueError("kernels cannot finish digests on this platform (hashing.KERNEL_DIGESTS)")
+        self._scratch = Scratch(NATIVE)
+        self.functions, self.states = NATIVE.functions(), self._scratch.states
+        self.headers = np.frombuffer(b"".join(headers), np.uint8)
+        np.cumsum([len(h) for h in headers], out=self.offsets[1:])
+
+
 def running(dtype_name: str, shape: tuple[int, ...]) -> Running | None:
     """A digest for a kernel to feed, or None where kernels cannot hash (see the module doc)."""
     return Running(dtype_name, shape, NATIVE) if NATIVE is not None else None

@@ -1293,24 +1293,14 @@ def decode_at(entries: list[Entry], where: np.ndarray, shared: dict, headers: li
     words = np.frombuffer(b"".join(e.streams[0].stored for e in entries), "<u4")
     changes = np.array([e.changes for e in entries], np.int64)
     sizes = np.array([e.numel for e in entries], np.int64)
-    functions, state, blob, hoff = _NO_FUNCTIONS, np.uintp(0), np.zeros(0, np.uint8), np.zeros(m + 1, np.int64)
-    scratch = None
-    if headers is not None:
-        if not hashing.KERNEL_DIGESTS:
-            raise ValueError("kernels cannot finish digests on this platform (hashing.KERNEL_DIGESTS)")
-        scratch = hashing.Scratch(hashing.NATIVE)
-        functions, state = hashing.NATIVE.functions(), scratch.states[0]
-        blob = np.frombuffer(b"".join(headers), np.uint8)
-        np.cumsum([len(h) for h in headers], out=hoff[1:])
+    digesting = hashing.KernelDigests(headers, m)
     mfreq, mcum, mslot = mask_tables()
     decoded, status, digests = _decode_batch(np.ascontiguousarray(where, np.uintp), sizes, params, poff, words, woff,
                                              changes, four_from, mcum, mfreq, mslot, model.cum, model.freq,
-                                             model.slots, model.row_of_key, blob, hoff, functions, state)
-    del scratch
+                                             model.slots, model.row_of_key, digesting.headers, digesting.offsets,
+                                             digesting.functions, digesting.states[0])
+    del digesting  # frees its states
     return decoded, status, digests if headers is not None else None
-
-
-_NO_FUNCTIONS = np.zeros(0, np.uintp)
 
 
 def stream_names(entry: Entry) -> list[str]:

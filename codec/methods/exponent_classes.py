@@ -29,7 +29,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
 from .. import hashing
-from ..hashing import Scratch, hash_digest, hash_reset, hash_update
+from ..hashing import hash_digest, hash_reset, hash_update
 
 MAX_CLASSES = 8
 KEY_SHIFT = 7
@@ -620,8 +620,6 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
     return pairs, cls, rank, first, thr, nthr, class_sizes, class_changes, digests
 
 
-_NO_HASHING = np.zeros(0, np.uintp)
-
 
 class ScanBuffers:
     """Change buffers for `analyze_at` to fill, kept from one scan to the next: fresh buffers
@@ -657,24 +655,16 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, thresholds: list[np.ndarray
         for i, th in enumerate(thresholds):
             ngiven[i] = len(th)
             given[i, : len(th)] = th
-    functions, states, blob, hoff = _NO_HASHING, np.zeros(2, np.uintp), np.zeros(0, np.uint8), np.zeros(m + 1, np.int64)
-    scratch = None
-    if headers is not None:
-        if not hashing.KERNEL_DIGESTS:
-            raise ValueError("kernels cannot finish digests on this platform (hashing.KERNEL_DIGESTS)")
-        scratch = Scratch(hashing.NATIVE)
-        functions, states = hashing.NATIVE.functions(), scratch.states
-        blob = np.frombuffer(b"".join(headers), np.uint8)
-        np.cumsum([len(h) for h in headers], out=hoff[1:])
+    digesting = hashing.KernelDigests(headers, m)
     padded = -(-sizes // BLOCK) * BLOCK
     cap = max(1024, int(padded.sum()) // 16)
     if buffers is not None and buffers.pairs.size >= cap + SCAN_SLACK:
         room = buffers.pairs, buffers.classes, buffers.ranks
     else:
         room = _scan_buffers(cap)
-    out = _analyze(np.ascontiguousarray(where, np.uintp), sizes, given, ngiven, thresholds is None, blob, hoff,
-                   functions, states, *room)
-    del scratch
+    out = _analyze(np.ascontiguousarray(where, np.uintp), sizes, given, ngiven, thresholds is None, digesting.headers,
+                   digesting.offsets, digesting.functions, digesting.states, *room)
+    del digesting  # frees its states
     if buffers is not None:
         buffers.pairs, buffers.classes, buffers.ranks = out[:3]
     k = int(out[3][-1])
