@@ -9,7 +9,7 @@ CORPUS ?= corpus/minilm-fp32-lr1e-6
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q pip==26.3
 	$(PIP) -e '.[dev]'
 	touch $@
 
@@ -45,10 +45,10 @@ clean:
 CHECKOV_VERSION := 3.3.30
 CHECKOV_VENV    := .venv-checkov
 
-$(CHECKOV_VENV)/.checkov-$(CHECKOV_VERSION):
+$(CHECKOV_VENV)/.checkov-$(CHECKOV_VERSION): constraints-checkov.txt
 	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
-	$(CHECKOV_VENV)/bin/python -m pip install -q checkov==$(CHECKOV_VERSION)
+	$(CHECKOV_VENV)/bin/python -m pip install -q pip==26.3
+	$(CHECKOV_VENV)/bin/python -m pip install -q -c constraints-checkov.txt checkov==$(CHECKOV_VERSION)
 	touch $@
 
 .PHONY: infra-check
