@@ -6,12 +6,17 @@ in another module does: after an edit to `methods/exponent_classes.py` alone,
 codec's modules are imported, numba caches into a directory named by a digest of all kernel
 sources (a change anywhere means fresh compiles), and the setting is restored afterwards so the
 caller's own numba caching is untouched. A NUMBA_CACHE_DIR set by the user wins.
+
+Every edit or upgrade leaves a directory behind (~3 MB each), so each import marks its directory
+as used and removes all but the KEEP most recently used ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +25,8 @@ import xxhash
 
 HERE = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "methods/conditional.py", "methods/exponent_classes.py")
+KEEP = 4  # cache directories kept: this version's and the three used most recently before it
+_DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 
 
 def cache_dir() -> Path:
@@ -32,13 +39,33 @@ def cache_dir() -> Path:
     return base / h.hexdigest()
 
 
+def prune(current: Path, keep: int = KEEP) -> list[Path]:
+    """Marks `current` as just used and removes its sibling cache directories beyond the `keep`
+    most recently used (only names of our digest form). Returns what it removed. Best effort: a
+    directory another process still loads from costs that process a recompile, nothing more."""
+    try:
+        current.mkdir(parents=True, exist_ok=True)
+        os.utime(current)
+        siblings = [p for p in current.parent.iterdir()
+                    if p != current and p.is_dir() and _DIGEST_NAME.fullmatch(p.name)]
+        siblings.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:  # a read-only or vanished cache: nothing to tidy
+        return []
+    stale = siblings[max(keep - 1, 0):]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 @contextlib.contextmanager
 def keyed_by_sources() -> Iterator[None]:
     if os.environ.get("NUMBA_CACHE_DIR"):
         yield
         return
     previous = numba.config.CACHE_DIR
-    numba.config.CACHE_DIR = str(cache_dir())
+    current = cache_dir()
+    prune(current)
+    numba.config.CACHE_DIR = str(current)
     try:
         yield
     finally:

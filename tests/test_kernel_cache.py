@@ -32,6 +32,35 @@ def test_editing_any_kernel_module_moves_the_cache(tmp_path, monkeypatch):
     assert before != after and before.parent == after.parent
 
 
+def test_old_cache_directories_are_pruned_most_recently_used_kept(tmp_path):
+    """Each edit or upgrade leaves a directory of compiled kernels behind; only the KEEP most
+    recently used survive, and nothing that is not a digest-named directory is touched."""
+    import os
+    root = tmp_path / "kernels"
+    dirs = [root / f"{i:016x}" for i in range(7)]
+    for age, d in enumerate(dirs):  # dirs[0] used most recently, dirs[6] longest ago
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "k.nbi").write_bytes(b"x")
+        os.utime(d, (1_000_000 - age, 1_000_000 - age))
+    (root / "notes").mkdir()
+    (root / "readme.txt").write_text("mine")
+    current = root / "00000000000000ff"  # this version's, not yet created
+    removed = _kernel_cache.prune(current, keep=4)
+    assert sorted(removed) == sorted(dirs[3:])
+    assert current.is_dir() and all(d.is_dir() for d in dirs[:3])
+    assert not any(d.exists() for d in dirs[3:])
+    assert (root / "notes").is_dir() and (root / "readme.txt").read_text() == "mine"
+    # using an old directory again makes it the most recent: now dirs[2] is the oldest kept
+    assert _kernel_cache.prune(dirs[2], keep=3) == [dirs[1]]
+    assert _kernel_cache.prune(dirs[2], keep=3) == []
+
+
+def test_pruning_a_cache_it_cannot_write_is_a_no_op(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert _kernel_cache.prune(blocker / "0123456789abcdef") == []
+
+
 _CACHED_KERNEL = """
 import numpy as np
 from codec import rans
