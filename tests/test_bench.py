@@ -65,6 +65,18 @@ def test_thread_settings_are_restored(corpus):
     assert torch.get_num_threads() == before
 
 
+def test_multicore_rows_compare_threads_on_one_clock(corpus):
+    """--workers N times v2 with one thread and with N threads in the same loop (wall clock) and
+    reports their ratio; both are checked bit-exact along the way."""
+    c = run_bench([corpus], repeat=2, pairs=1, workers=2)["corpora"][0]
+    m = c["multicore"]
+    assert m["workers"] == 2
+    for k in ("encode_mbps", "decode_mbps", "zstd1_compress_mbps_wall", "encode_vs_one_core", "decode_vs_one_core"):
+        assert math.isfinite(m[k]) and m[k] > 0, k
+    assert "2 workers" in format_table({"corpora": [c]}) and "one thread, same clock" in format_table({"corpora": [c]})
+    assert run_bench([corpus], repeat=1, pairs=1)["corpora"][0]["multicore"] is None
+
+
 def test_table_names_every_method_and_the_bound(results):
     table = format_table(results)
     for label in ["deltarelay v1", "deltarelay v2", "entropy bound", "speed vs zstd-1"] + [b.label for b in BASELINES.values()]:
