@@ -224,6 +224,34 @@ def test_workers_give_the_same_payload_and_target(rl_pair):
     assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
 
 
+def test_worker_pool_is_shared_by_concurrent_callers_and_renewed_after_fork(rl_pair):
+    """Calls with workers > 1 share one thread pool per process: callers on several threads at
+    once each get their own exact result, and a forked child (whose copy of the pool has no
+    threads) gets a working pool of its own instead of waiting forever."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+    base, target = rl_pair
+    one = codec.encode(base, target)
+    with ThreadPoolExecutor(3) as callers:
+        payloads = list(callers.map(lambda _: codec.encode(base, target, workers=2), range(3)))
+        outs = list(callers.map(lambda p: codec.decode(base, p, workers=2), payloads))
+    assert payloads == [one] * 3
+    assert all(np.array_equal(bits_of(o[k]), bits_of(target[k])) for o in outs for k in target)
+    child = multiprocessing.get_context("fork").Process(target=_encode_with_workers_and_check, args=(base, target, one))
+    child.start()
+    child.join(120)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0, (alive, child.exitcode)
+
+
+def _encode_with_workers_and_check(base, target, expected) -> None:
+    import os
+    ok = codec.encode(base, target, workers=2) == expected
+    os._exit(0 if ok else 3)
+
+
 def test_batch_analyses_are_those_of_one_tensor_at_a_time():
     """A Batch (tensors read in place through their addresses, changes back to back) gives each
     tensor the analysis `analyze` gives it alone, value symbols included, with or without
