@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q -c constraints.txt
+# pip itself is pinned like the packages: a new pip may resolve differently
+PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
 .PHONY: venv venv-bench test demo bench bench-fanout corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q pip==26.3
+	$(PY) -m pip install -q pip==$(PIP_VERSION)
 	$(PIP) -e '.[dev]'
 	touch $@
 
@@ -47,7 +49,7 @@ CHECKOV_VENV    := .venv-checkov
 
 $(CHECKOV_VENV)/.checkov-$(CHECKOV_VERSION): constraints-checkov.txt
 	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/python -m pip install -q pip==26.3
+	$(CHECKOV_VENV)/bin/python -m pip install -q pip==$(PIP_VERSION)
 	$(CHECKOV_VENV)/bin/python -m pip install -q -c constraints-checkov.txt checkov==$(CHECKOV_VERSION)
 	touch $@
 

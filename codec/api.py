@@ -250,11 +250,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     child gets a new pool (the parent's threads do not exist there)."""
     pid = os.getpid()
     with _POOLS_LOCK:
-        owner, pool = _POOLS.get(workers, (None, None))
-        if owner != pid or pool is None:
+        if workers not in _POOLS or _POOLS[workers][0] != pid:
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"deltarelay-codec-{workers}")
             _POOLS[workers] = (pid, pool)
-        return pool
+        return _POOLS[workers][1]
 
 
 def _map(workers: int, fn, items: list) -> list:
