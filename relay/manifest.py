@@ -13,6 +13,7 @@ of everything else, and a `sha256` in every object reference; relay/signing.py m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -33,6 +34,9 @@ SIGNED_PAYLOAD_PREFIX = b"deltarelay.manifest signed payload v1\n"  # domain sep
 # (dot names are the watcher's and the store's own), no NUL or control characters, bounded length.
 _SAFE_NAME = r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}"
 _SAFE_NAME_RE = re.compile(_SAFE_NAME)
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")  # the only characters a manifest string may hold (canonical JSON)
+MAX_INT = (1 << 63) - 1  # steps and sizes: signed 64-bit, so every implementation holds them exactly
 _KEY_STEP = re.compile(r"^(?:deltas/(\d{1,20})-\d{1,9}\.drd|records/(\d{1,20})\.json|snapshots/(\d{1,20})/" + _SAFE_NAME + ")$")
 
 
@@ -89,8 +93,21 @@ def _only(obj: Any, fields: set[str], where: str) -> dict:
 
 
 def _step_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ManifestError(f"{where}: a step is a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_INT:
+        raise ManifestError(f"{where}: a step is an integer from 0 to 2**63-1, got {str(value)[:40]}")
+    return value
+
+
+def _hex32(value: Any, where: str, what: str) -> str:
+    if not isinstance(value, str) or not _HEX32.fullmatch(value):
+        raise ManifestError(f"{where}: {what} is 32 lower-case hex digits, got {str(value)[:80]!r}")
+    return value
+
+
+def _printable(value: str, where: str) -> str:
+    """Manifest strings are printable ASCII, so canonical JSON (§4.2) needs no escaping rule but \\ and \"."""
+    if not _PRINTABLE.fullmatch(value):
+        raise ManifestError(f"{where}: {value[:80]!r} holds a character outside printable ASCII (0x20-0x7e)")
     return value
 
 
@@ -157,8 +174,8 @@ class ObjRef:
         if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
             raise ManifestError(f"{where}.key: {key[:300]!r} is not a deltas/, records/ or snapshots/ key")
         size = _need(obj, "size", int, where)
-        if size < 0:
-            raise ManifestError(f"{where}.size: negative")
+        if not 0 <= size <= MAX_INT:
+            raise ManifestError(f"{where}.size: {str(size)[:40]} is not from 0 to 2**63-1")
         digest = _need(obj, "xxh3", str, where)
         if not re.fullmatch(r"[0-9a-f]{32}", digest):
             raise ManifestError(f"{where}.xxh3: expected 32 hex digits")
@@ -244,7 +261,19 @@ class Step:
             if not parts_raw:
                 raise ManifestError(f"{where}.parts: empty (use null for a snapshot-only step)")
             parts = tuple(Part.parse(p, f"{where}.parts[{i}]") for i, p in enumerate(parts_raw))
-        return cls(step, record, parent, parts)
+        return cls(step, record, parent, parts).checked(where)
+
+    def checked(self, where: str = "step") -> "Step":
+        """The step, if its record and delta keys carry its own step number (an entry cannot borrow
+        another step's objects); else ManifestError."""
+        if self.record.key != record_key(self.step):
+            raise ManifestError(f"{where}.record.key: {self.record.key!r}, expected {record_key(self.step)!r}")
+        for i, p in enumerate(self.parts or ()):
+            if not p.ref.key.startswith("deltas/") or step_of_key(p.ref.key) != self.step:
+                raise ManifestError(f"{where}.parts[{i}].key: {p.ref.key!r} is not a delta of step {self.step}")
+            for name in p.tensors or ():
+                _printable(name, f"{where}.parts[{i}].tensors")
+        return self
 
 
 @dataclass(frozen=True)
@@ -284,6 +313,7 @@ class Manifest:
     steps: list[Step] = field(default_factory=list)
     snapshots: list[Snapshot] = field(default_factory=list)
     signatures: tuple[Signature, ...] = ()  # as parsed; to_bytes() writes fresh ones (or none)
+    writer: str | None = None  # the publisher that owns the run (PROTOCOL §4.3); None in older manifests
 
     @property
     def base(self) -> int:
@@ -345,10 +375,16 @@ class Manifest:
         if len(snaps) == len(self.snapshots) and self.steps[0].step == oldest and self.steps[0].parts is None:
             return None
         steps = [Step(s.step, s.record) if s.step == oldest else s for s in self.steps if s.step >= oldest]
-        return Manifest(self.run, self.head, steps, snaps)
+        return dataclasses.replace(self, steps=steps, snapshots=snaps, signatures=())
 
     def validate(self) -> "Manifest":
         where = "manifest"
+        _hex32(self.run, f"{where}.run", "a run id")
+        if self.writer is not None:
+            _hex32(self.writer, f"{where}.writer", "a writer id")
+        _step_int(self.head, f"{where}.head")
+        for s in self.steps:
+            s.checked(f"{where}.steps[step {s.step}]")
         if not self.steps:
             raise ManifestError(f"{where}.steps: empty")
         if not self.snapshots:
@@ -371,13 +407,17 @@ class Manifest:
         return self
 
     def _doc(self) -> dict:
-        return {"format": MANIFEST_FORMAT, "version": VERSION, "run": self.run, "head": self.head,
-                "base": self.base, "snapshots": [s.to_json() for s in self.snapshots],
-                "steps": [s.to_json() for s in self.steps]}
+        doc = {"format": MANIFEST_FORMAT, "version": VERSION, "run": self.run, "head": self.head,
+               "base": self.base, "snapshots": [s.to_json() for s in self.snapshots],
+               "steps": [s.to_json() for s in self.steps]}
+        if self.writer is not None:
+            doc["writer"] = self.writer
+        return doc
 
     def signed_payload(self) -> bytes:
-        """What a signature covers: a domain prefix, then canonical JSON (sorted keys, no spaces, ASCII)
-        of every field but `signatures`, so it is the same bytes for whoever re-serialises the parse."""
+        """What a signature covers: a domain prefix, then canonical JSON of every field but `signatures`
+        (PROTOCOL §4.2: keys sorted, no whitespace, strings printable ASCII with only \\ and \" escaped,
+        integers in plain decimal), so it is the same bytes for whoever re-serialises the parse."""
         self.validate()
         canon = json.dumps(self._doc(), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
         return SIGNED_PAYLOAD_PREFIX + canon.encode("ascii")
@@ -396,13 +436,15 @@ class Manifest:
     @classmethod
     def parse(cls, data: bytes, where: str = "manifest") -> "Manifest":
         doc = _load_json(data, where, MAX_MANIFEST_BYTES)
-        _only(doc, {"format", "version", "run", "head", "base", "snapshots", "steps", "signatures"}, where)
+        _only(doc, {"format", "version", "run", "head", "base", "snapshots", "steps", "signatures", "writer"}, where)
         if doc.get("format") != MANIFEST_FORMAT:
             raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
         version = _need(doc, "version", int, where)
         if version != VERSION:
             raise ManifestError(f"{where}: version {version} is not supported by this reader (knows {VERSION})")
-        run = _need(doc, "run", str, where)
+        run = _hex32(_need(doc, "run", str, where), f"{where}.run", "a run id")
+        writer = None if "writer" not in doc else _hex32(_need(doc, "writer", str, where), f"{where}.writer",
+                                                          "a writer id")
         head = _step_int(_need(doc, "head", int, where), f"{where}.head")
         base = _step_int(_need(doc, "base", int, where), f"{where}.base")
         snaps = [Snapshot.parse(s, f"{where}.snapshots[{i}]") for i, s in enumerate(_need(doc, "snapshots", list, where))]
@@ -413,7 +455,7 @@ class Manifest:
             if not 1 <= len(raw) <= MAX_SIGNATURES:
                 raise ManifestError(f"{where}.signatures: expected 1 to {MAX_SIGNATURES} signatures, got {len(raw)}")
             sigs = tuple(Signature.parse(s, f"{where}.signatures[{i}]") for i, s in enumerate(raw))
-        m = cls(run, head, steps, snaps, sigs).validate()
+        m = cls(run, head, steps, snaps, sigs, writer).validate()
         if m.base != base:
             raise ManifestError(f"{where}.base: {base} but the newest snapshot is {m.base}")
         return m
@@ -454,7 +496,10 @@ class Record:
             shape = _need(t, "shape", list, w)
             if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63 for d in shape):
                 raise ManifestError(f"{w}.shape: expected non-negative integers")
-            tensors[name] = TensorInfo(_need(t, "dtype", str, w), tuple(shape), _need(t, "digest", str, w))
+            dtype = _need(t, "dtype", str, w)
+            if dtype not in _dtype_names():
+                raise ManifestError(f"{w}.dtype: {dtype[:40]!r} is not a dtype of docs/FORMAT.md")
+            tensors[name] = TensorInfo(dtype, tuple(shape), _hex32(_need(t, "digest", str, w), f"{w}.digest", "a digest"))
         weight_map = _need(doc, "weight_map", dict, where)
         if set(weight_map) != set(tensors):
             raise ManifestError(f"{where}.weight_map: must map every tensor to a shard file name")
@@ -462,8 +507,21 @@ class Record:
         if bad:  # a watcher creates these files in DEST: one plain component, nothing else
             raise ManifestError(f"{where}.weight_map: {str(bad[0])[:300]!r} is not a safe shard file name "
                                 f"(one path component of [A-Za-z0-9._+-], not starting with '.', ending in .safetensors)")
-        return cls(_need(doc, "run", str, where), _step_int(_need(doc, "step", int, where), f"{where}.step"),
-                   tensors, dict(weight_map))
+        return cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
+                   _step_int(_need(doc, "step", int, where), f"{where}.step"), tensors, dict(weight_map))
+
+
+def _dtype_names() -> frozenset[str]:
+    """The dtype names of docs/FORMAT.md (codec.tensors' table; imported late: records parse without torch)."""
+    global _DTYPE_NAMES
+    if _DTYPE_NAMES is None:
+        from codec.tensors import DTYPES
+
+        _DTYPE_NAMES = frozenset(d.name for d in DTYPES)
+    return _DTYPE_NAMES
+
+
+_DTYPE_NAMES: frozenset[str] | None = None
 
 
 def tensor_infos(tensors: dict) -> dict[str, TensorInfo]:

@@ -13,6 +13,7 @@ docs/SECURITY.md has the threat model and the rotation procedure.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import binascii
 import hashlib
 import logging
@@ -222,7 +223,7 @@ def strengthen(store, m: Manifest) -> Manifest:
                   None if s.parts is None else tuple(Part(strong(p.ref), p.tensors) for p in s.parts))
              for s in m.steps]
     snaps = [Snapshot(s.step, strong(s.index), tuple(strong(f) for f in s.files)) for s in m.snapshots]
-    return Manifest(m.run, m.head, steps, snaps, m.signatures)
+    return dataclasses.replace(m, steps=steps, snapshots=snaps)
 
 
 __all__ = ["Signer", "TrustedKeys", "SignatureError", "KeyFileError", "generate_keypair", "load_private_key",

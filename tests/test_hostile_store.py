@@ -31,7 +31,7 @@ def _ref(key, size=10, strong=False):
 
 
 def valid_manifest_doc(signed: bool = False) -> dict:
-    doc = {"format": "deltarelay.manifest", "version": 1, "run": "r" * 32, "head": 2, "base": 0,
+    doc = {"format": "deltarelay.manifest", "version": 1, "run": "a" * 32, "head": 2, "base": 0,
            "snapshots": [{"step": 0, "index": _ref("snapshots/0/model.safetensors.index.json", strong=signed),
                           "files": [_ref("snapshots/0/model-00001-of-00001.safetensors", 99, signed)]}],
            "steps": [{"step": 0, "record": _ref("records/0.json", strong=signed), "parent": None, "parts": None},
@@ -45,7 +45,7 @@ def valid_manifest_doc(signed: bool = False) -> dict:
 
 
 def valid_record_doc() -> dict:
-    return {"format": "deltarelay.record", "version": 1, "run": "r" * 32, "step": 2,
+    return {"format": "deltarelay.record", "version": 1, "run": "a" * 32, "step": 2,
             "tensors": {"w": {"dtype": "BF16", "shape": [4, 2], "digest": H32},
                         "b": {"dtype": "F32", "shape": [4], "digest": H32}},
             "weight_map": {"w": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
@@ -335,7 +335,7 @@ def manifests(draw):
             files = tuple(ObjRef(f"snapshots/{x}/m{j}.safetensors", draw(st.integers(1, 3000)), H32)
                           for j in range(draw(st.integers(1, 2))))
             snaps.append(Snapshot(x, ObjRef(f"snapshots/{x}/model.safetensors.index.json", 5, H32), files))
-    m = Manifest("r", nums[-1], steps, snaps).validate()
+    m = Manifest("3" * 32, nums[-1], steps, snaps).validate()
     keys = sorted(m.referenced())
     excluded = set(draw(st.lists(st.sampled_from(keys), max_size=3)))
     held = draw(st.none() | st.sampled_from(nums) | st.integers(0, 45))
@@ -367,7 +367,7 @@ def test_long_manifest_plans_in_linear_time():
         for i in range(1, n)]
     snaps = [Snapshot(i, ObjRef(f"snapshots/{i}/model.safetensors.index.json", 1, H32),
                       (ObjRef(f"snapshots/{i}/m.safetensors", 10**9, H32),)) for i in range(n)]
-    m = Manifest("r", n - 1, steps, snaps)
+    m = Manifest("3" * 32, n - 1, steps, snaps)
     start = time.monotonic()
     plan = plan_path(m, 3)
     assert time.monotonic() - start < 5.0

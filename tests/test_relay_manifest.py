@@ -24,7 +24,7 @@ def sample() -> Manifest:
              Step(1, ref("records/1.json"), 0, (Part(ref("deltas/1-0.drd", 50)),)),
              Step(2, ref("records/2.json"), 1, (Part(ref("deltas/2-0.drd", 60)), Part(ref("deltas/2-1.drd", 5), ("b",)))),
              Step(3, ref("records/3.json"), 2, (Part(ref("deltas/3-0.drd", 70)),))]
-    return Manifest("run1", 3, steps, [snap0, snap2])
+    return Manifest("1" * 32, 3, steps, [snap0, snap2])
 
 
 def doc() -> dict:
@@ -59,7 +59,7 @@ def test_round_trip_and_chain():
     (lambda d: d.update(snapshots=[]), "snapshots: empty"),
     (lambda d: d["steps"].pop(0), "snapshot 0 has no step entry"),
     (lambda d: d.update(head=True), "head: expected int, got bool"),
-    (lambda d: d.update(head=-1), "non-negative integer"),
+    (lambda d: d.update(head=-1), "integer from 0 to 2\\*\\*63-1"),
 ])
 def test_strict_parsing_names_the_problem(mutate, message):
     d = doc()
@@ -84,7 +84,7 @@ def test_record_round_trip_and_hashes():
     tensors = {"a": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.ones(2)}
     infos = tensor_infos(tensors)
     assert infos["a"].dtype == "BF16" and infos["a"].shape == (2, 3) and len(infos["a"].digest) == 32
-    rec = Record("r", 4, infos, {"a": "m.safetensors", "b": "m.safetensors"})
+    rec = Record("2" * 32, 4, infos, {"a": "m.safetensors", "b": "m.safetensors"})
     assert Record.parse(rec.to_bytes()) == rec
     assert mismatches(tensors, infos) == []
     changed = dict(tensors, a=tensors["a"].clone())
@@ -95,7 +95,7 @@ def test_record_round_trip_and_hashes():
 
 
 def test_record_refuses_incomplete_layout():
-    rec = json.loads(Record("r", 1, {"a": TensorInfo("BF16", (2,), H)}, {"a": "m.safetensors"}).to_bytes())
+    rec = json.loads(Record("2" * 32, 1, {"a": TensorInfo("BF16", (2,), H)}, {"a": "m.safetensors"}).to_bytes())
     rec["weight_map"] = {}
     with pytest.raises(ManifestError, match="weight_map"):
         Record.parse(json.dumps(rec).encode())
