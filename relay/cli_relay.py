@@ -37,7 +37,8 @@ def _add_options(p: argparse.ArgumentParser, many: bool = False) -> None:
 def _publish(args: argparse.Namespace) -> int:
     tensors, _ = checkpoint.load(args.checkpoint)
     with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=_options(args.storage_options),
-                   resume=args.resume, background=False, signing_key=args.signing_key) as pub:
+                   resume=args.resume, background=False, signing_key=args.signing_key,
+                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned) as pub:
         pub.publish(tensors, args.step)
     print(f"published step {args.step} to {args.url}")
     return 0
@@ -59,13 +60,15 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _rebase(args: argparse.Namespace) -> int:
-    step = ops.rebase(args.url, _options(args.storage_options), signing_key=args.signing_key)
+    step = ops.rebase(args.url, _options(args.storage_options), signing_key=args.signing_key,
+                      trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
     print(f"{args.url}: base is now step {step}")
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
-    out = ops.gc(args.url, args.keep_snapshots, _options(args.storage_options), signing_key=args.signing_key)
+    out = ops.gc(args.url, args.keep_snapshots, _options(args.storage_options), signing_key=args.signing_key,
+                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
     print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects ({out['freed_bytes']} bytes)")
     return 0
 
@@ -101,6 +104,16 @@ def add_signing_key(p: argparse.ArgumentParser) -> None:
                         "key rotation; required to change a signed run")
 
 
+def add_writer_trust(p: argparse.ArgumentParser) -> None:
+    """What a signing writer accepts on the manifest it changes (relay.commit)."""
+    p.add_argument("--trusted-key", action="append", metavar="PATH",
+                   help="also accept a manifest signed by this public key before re-signing it (a key rotation); "
+                        "the signing keys' own public keys are always accepted")
+    p.add_argument("--adopt-unsigned", action="store_true",
+                   help="sign an UNSIGNED run from now on (refused otherwise: whoever can write the bucket can strip "
+                        "signatures); check it first with deltarelay verify --deep")
+
+
 def add_trusted_key(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trusted-key", action="append", metavar="PATH",
                    help="act only on manifests signed by this Ed25519 public key (PEM); repeat to trust several "
@@ -115,6 +128,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
     p.add_argument("--snapshot-every", type=int, default=25)
     add_signing_key(p)
+    add_writer_trust(p)
     _add_options(p)
     p.set_defaults(func=_publish)
 
@@ -132,6 +146,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
     p.add_argument("url")
     add_signing_key(p)
+    add_writer_trust(p)
     _add_options(p)
     p.set_defaults(func=_rebase)
 
@@ -139,6 +154,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("url")
     p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
     add_signing_key(p)
+    add_writer_trust(p)
     _add_options(p)
     p.set_defaults(func=_gc)
 

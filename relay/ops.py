@@ -8,56 +8,42 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from relay import commit
 from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
-from relay.signing import Signer, strengthen
-from relay.store import ConflictError, Store, open_store, unsure_write
+from relay.signing import Signer, TrustedKeys
+from relay.store import ConflictError, Store, open_store
 from relay.watcher import Reader
 
 log = logging.getLogger(__name__)
 
-ATTEMPTS = 20
 
 
 def _signer(signing_key: Any) -> Signer | None:
     return None if signing_key is None or isinstance(signing_key, Signer) else Signer(signing_key)
 
 
-def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None], signer: Signer | None = None) -> Manifest:
-    """Apply `change` to the current manifest and commit it conditionally, re-reading on a lost race.
+def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None], signer: Signer | None = None,
+                    *, trusted: Any = None, adopt_unsigned: bool = False) -> Manifest:
+    """Apply `change` to the current manifest and commit it conditionally (relay.commit.update_manifest).
 
-    `change` returns the new manifest, or None when there is nothing to do. A signed run is only
-    changed with a `signer` (the result is re-signed): an unsigned commit would stop every watcher
-    that checks signatures.
+    `change` returns the new manifest, or None when there is nothing to do; a write that landed
+    unreported is found by re-running it on the re-read manifest. A signed run is only changed
+    with a `signer`, and a signer only changes a manifest its own or `trusted` keys signed (an
+    unsigned one only with `adopt_unsigned`).
     """
-    unsure = 0
-    for _ in range(ATTEMPTS):
-        got = store.read_manifest()
-        if got is None:
+    def step(cur: Manifest | None, unsure: bool) -> Manifest | None:
+        if cur is None:
             raise FileNotFoundError(f"{store.url}/manifest.json: no run here")
-        m = Manifest.parse(got.data, f"{store.url}/manifest.json")
-        if signer is not None and m.signatures:
-            signer.trusted().verify(m, f"{store.url}/manifest.json")  # never re-sign what we did not sign
-        elif m.signatures:
-            raise ValueError(f"{store.url}: the run is signed; changing its manifest needs the signing key "
-                             f"(--signing-key)")
-        new = change(m)
-        if new is None:
-            return m
-        if signer is not None:
-            new = strengthen(store, new)
-        try:
-            store.commit_manifest(new.to_bytes(signer=signer), got.etag)
-            return new
-        except ConflictError:
-            log.info("%s: manifest changed while updating it, re-reading", store.url)
-        except Exception as exc:  # noqa: BLE001 - unsure_write re-raises all but transient errors
-            unsure = unsure_write(store.url, exc, unsure)  # if it landed, `change` finds nothing to do
-    raise ConflictError(f"{store.url}/manifest.json: lost {ATTEMPTS} conditional writes in a row")
+        return change(cur)
+
+    return commit.update_manifest(store, step, signer=signer, trusted=TrustedKeys.from_option(trusted),
+                                  adopt_unsigned=adopt_unsigned)
 
 
 def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: int | None = None,
-           timeout: float | None = None, signing_key: Any = None) -> int:
+           timeout: float | None = None, signing_key: Any = None, trusted_keys: Any = None,
+           adopt_unsigned: bool = False) -> int:
     """Materialise the head from the base and its chain (verified), store it as a snapshot, make it the base.
 
     Returns the step that now has a snapshot. The snapshot keeps the layout the trainer recorded
@@ -65,11 +51,15 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
     """
     store = open_store(url, storage_options)
     signer = _signer(signing_key)
+    trusted = TrustedKeys.from_option(trusted_keys)
     got = store.read_manifest()
-    signed = got is not None and bool(Manifest.parse(got.data, f"{url}/manifest.json").signatures)
-    # a signed run is read back only through manifests our key signed: we are about to sign its head
-    trusted = signer.trusted() if signer is not None and signed else None
-    m, tensors, rec = Reader(store, trusted_keys=trusted).reach(None, None, timeout=timeout)
+    if got is None:
+        raise FileNotFoundError(f"{url}/manifest.json: no run here")
+    first = Manifest.parse(got.data, f"{url}/manifest.json")
+    commit.check_writable(first, f"{url}/manifest.json", signer, trusted, adopt_unsigned)
+    # a signed run is read back only through manifests our keys signed: we are about to sign its head
+    reader_keys = commit.writer_keys(signer, trusted) if first.signatures else None
+    m, tensors, rec = Reader(store, trusted_keys=reader_keys).reach(None, None, timeout=timeout)
     if m.snapshot(rec.step) is not None:
         log.info("%s: step %d already has a snapshot", url, rec.step)
         return rec.step
@@ -90,12 +80,13 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
         cur.snapshots = sorted([*cur.snapshots, snap], key=lambda s: s.step)
         return cur
 
-    update_manifest(store, add, signer)
+    update_manifest(store, add, signer, trusted=trusted, adopt_unsigned=adopt_unsigned)
     log.info("%s: rebased onto a snapshot of step %d (%d bytes)", url, snap.step, snap.bytes)
     return snap.step
 
 
-def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, signing_key: Any = None) -> dict:
+def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, signing_key: Any = None,
+       trusted_keys: Any = None, adopt_unsigned: bool = False) -> dict:
     """Keep the newest `keep_snapshots` snapshots and the steps from the oldest of them on; delete the rest.
 
     A watcher holding any step from the oldest kept snapshot on still has its chain to the head.
@@ -113,7 +104,7 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
         before.update(m.referenced())
         return m.trimmed(keep_snapshots)
 
-    m = update_manifest(store, trim, _signer(signing_key))
+    m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
     oldest = m.snapshots[0].step
     now = m.referenced()
     listed: dict[str, int] = {}

@@ -10,26 +10,27 @@ only once every file is in the store.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors.torch import save as st_save
 
 import codec
 from relay.checkpoint import shard_plan
-from relay.manifest import (INDEX_NAME, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
+from relay.commit import check_writable, update_manifest, writer_keys
+from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
                             snapshot_prefix, step_of_key, tensor_infos)
-from relay.store import ConflictError, Store, open_store, unsure_write
-from relay.signing import Signer, strengthen
+from relay.signing import Signer, TrustedKeys
+from relay.store import ConflictError, Store, open_store
 
 log = logging.getLogger(__name__)
-
-COMMIT_ATTEMPTS = 20  # re-reads after losing an If-Match race to gc/rebase (never to another publisher)
 
 
 def state_tensors(state: Any) -> dict[str, torch.Tensor]:
@@ -60,11 +61,13 @@ def snapshot_objects(step: int, tensors: dict[str, torch.Tensor], weight_map: di
 
 
 def upload_snapshot(store: Store, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str],
-                    workers: int = 4, strong: bool = False) -> Snapshot:
-    """Write every snapshot file (in parallel), then return its manifest entry (with SHA-256s when `strong`)."""
+                    workers: int = 4, strong: bool = False, put: Callable[[str, bytes], None] | None = None) -> Snapshot:
+    """Write every snapshot file (in parallel, with `put`, default store.put_immutable), then return its
+    manifest entry (with SHA-256s when `strong`)."""
     objects = snapshot_objects(step, tensors, weight_map)
+    put = put or store.put_immutable
     with ThreadPoolExecutor(max(1, min(workers, len(objects)))) as pool:
-        list(pool.map(lambda kv: store.put_immutable(*kv), objects.items()))
+        list(pool.map(lambda kv: put(*kv), objects.items()))
         refs = dict(zip(objects, pool.map(lambda kv: ObjRef.of(kv[0], kv[1], strong), objects.items())))
     index_key = snapshot_prefix(step) + INDEX_NAME
     return Snapshot(step, refs.pop(index_key), tuple(refs[k] for k in sorted(refs)))
@@ -77,23 +80,34 @@ class Publisher:
     snapshot_fraction: also snapshot when the delta bytes since the last snapshot exceed this fraction of it.
     max_shard_bytes: size cap of one snapshot file. background: upload deferrable snapshots in a thread.
     resume: attach to an existing run at its head (its state is read back, waiting at most resume_timeout
-    seconds for objects that are not there yet); without it the run must be empty.
+    seconds for objects that are not there yet) and take it over: the manifest then names this
+    publisher as the run's writer, and any earlier publisher of the run (a trainer thought dead, a
+    split brain) is fenced: its next commit fails with ConflictError (PROTOCOL §4.3). Without
+    resume the run must be empty.
     keep_snapshots: when set, each snapshot commit also drops older snapshots and steps from the
     manifest (as `gc` does), so the manifest stays small; `gc` or lifecycle rules delete the objects.
     signing_key: a PEM private key path (or several during a key rotation, or Ed25519PrivateKey
     objects): every manifest commit is signed and every object carries its SHA-256 (docs/SECURITY.md).
-    A publisher without a key refuses to extend a signed run (it would strip the signatures).
+    Before each commit the manifest read back must verify with the publisher's own keys or
+    `trusted_keys` (public keys of a rotation); an unsigned one is refused unless
+    `adopt_unsigned` (the operator signs an unsigned run from now on; only until the first signed
+    commit). A publisher without a key refuses to extend a signed run (it would strip the signatures).
+    snapshot_attempts: tries of a background snapshot before it is reported failed (and retried at
+    the next step).
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
                  resume: bool = False, snapshot_fraction: float = 0.5, max_shard_bytes: int = 2 << 30,
                  effort: str = "default", background: bool = True, upload_workers: int = 4,
                  resume_timeout: float | None = 600.0, keep_snapshots: int | None = None,
-                 signing_key: Any = None) -> None:
+                 signing_key: Any = None, trusted_keys: Any = None, adopt_unsigned: bool = False,
+                 snapshot_attempts: int = 3) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
             raise ValueError("snapshot_fraction must be > 0")
+        if snapshot_attempts < 1:
+            raise ValueError("snapshot_attempts must be >= 1")
         self.url = url
         self.store = open_store(url, storage_options)
         self.snapshot_every = snapshot_every
@@ -102,20 +116,29 @@ class Publisher:
         self.effort = effort
         self.upload_workers = upload_workers
         self.resume_timeout = resume_timeout
+        self.snapshot_attempts = snapshot_attempts
         if keep_snapshots is not None and keep_snapshots < 1:
             raise ValueError("keep_snapshots must be >= 1")
         self.keep_snapshots = keep_snapshots
         self.signer = None if signing_key is None else Signer(signing_key)
+        self.trusted = TrustedKeys.from_option(trusted_keys)
+        self._adopt_unsigned = adopt_unsigned  # until our first signed commit: then the run is ours to sign
         self._commit_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
+        self._errors: list[BaseException] = []  # background snapshot failures not yet handed to flush()
+        self._snapshot_retry = False  # a background snapshot failed: take the next step's instead
+        self.snapshot_failures = 0
+        self.last_snapshot_error: str | None = None
         self._closed = False
         self.prev: dict[str, torch.Tensor] | None = None
         self.step: int | None = None  # last step published (committed) by this publisher
+        self._head: int | None = None  # the head of our last commit (what every later commit builds on)
         self._last_snapshot_step: int | None = None
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
         self.run = uuid.uuid4().hex
+        self.writer = uuid.uuid4().hex  # this publisher's id in the manifest's `writer` field
         existing = self.store.read_manifest()
         if existing is not None and not resume:
             m = Manifest.parse(existing.data, f"{url}/manifest.json")
@@ -124,39 +147,44 @@ class Publisher:
             self._attach(Manifest.parse(existing.data, f"{url}/manifest.json"))
 
     def _attach(self, m: Manifest) -> None:
+        """Read the head back (as a watcher would), then take the run over with one commit."""
         from relay.watcher import Reader  # reading back the head is the watcher's job
 
-        # a signed run is read back as a watcher would: only the manifest our own keys signed
-        trusted = self.signer.trusted() if self.signer is not None and m.signatures else None
+        where = f"{self.url}/manifest.json"
+        check_writable(m, where, self.signer, self.trusted, self._adopt_unsigned)
+        # a signed run is read back as a watcher would: only manifests our trusted keys signed
+        trusted = writer_keys(self.signer, self.trusted) if m.signatures else None
         m, tensors, _ = Reader(self.store, trusted_keys=trusted).reach(None, None, timeout=self.resume_timeout)
         self.run = m.run
-        self.prev, self.step = tensors, m.head
+        self.prev, self.step, self._head = tensors, m.head, m.head
         snap = m.snapshots[-1]
         self._last_snapshot_step, self._last_snapshot_bytes = snap.step, snap.bytes
         self._chain_bytes = sum(s.delta_bytes for s in m.chain_since_base())
-        leftovers = [k for k in self._list_all() if (step_of_key(k) or -1) > m.head]
-        if leftovers:  # objects of a step whose manifest commit never happened (a crashed publisher)
-            log.warning("%s: removing %d objects above head %d left by an interrupted publish", self.url,
-                        len(leftovers), m.head)
-            self.store.delete(leftovers)
-        log.info("%s: resumed at step %d", self.url, m.head)
+        previous = m.writer
 
-    def _list_all(self) -> dict[str, int]:
-        out = {}
-        for prefix in ("deltas/", "records/", "snapshots/"):
-            out.update(self.store.list(prefix))
-        return out
+        def take_over(cur: Manifest | None, unsure: bool) -> Manifest | None:
+            if cur is None or cur.run != self.run:
+                raise ConflictError(f"{where}: the run changed while this publisher resumed it")
+            if cur.writer == self.writer:
+                return None  # our take-over landed although the store reported a failure
+            if cur.head != m.head:
+                raise ConflictError(f"{where}: another publisher committed step {cur.head} while this one resumed "
+                                    f"at {m.head}: it is live; stop it before resuming")
+            return dataclasses.replace(cur, writer=self.writer, signatures=())
+
+        self._update(take_over)
+        log.info("%s: resumed at step %d as writer %s (fencing writer %s)", self.url, m.head, self.writer, previous)
 
     # -- publishing ---------------------------------------------------------------------------
     def publish(self, state: Any, step: int) -> None:
         """Publish `state` (state_dict or nn.Module) as `step`; returns once the step is in the manifest."""
         if self._closed:
             raise RuntimeError("publisher is closed")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+            raise ValueError(f"step must be an integer from 0 to 2**63-1, got {step!r}")
         if self.step is not None and step <= self.step:
             raise ValueError(f"step {step} does not increase (last published step is {self.step})")
-        self._raise_background_errors()
+        self._collect_background()
         tensors = state_tensors(state)
         record = Record(self.run, step, tensor_infos(tensors), shard_plan(tensors, self.max_shard_bytes))
         payload = None
@@ -168,106 +196,156 @@ class Publisher:
         strong = self.signer is not None
         record_bytes = record.to_bytes()
         rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
-        self.store.put_immutable(rec_ref.key, record_bytes)
+        self._put(rec_ref.key, record_bytes)
         if payload is not None:
             ref = ObjRef.of(delta_key(step, 0), payload, strong)
-            self.store.put_immutable(ref.key, payload)
+            self._put(ref.key, payload)
             entry = Step(step, rec_ref, self.step, (Part(ref),))
             self._chain_bytes += len(payload)
         else:
             entry = Step(step, rec_ref)
-        due = (payload is None or step - self._last_snapshot_step >= self.snapshot_every
+        due = (payload is None or self._snapshot_retry or step - self._last_snapshot_step >= self.snapshot_every
                or self._chain_bytes > self.snapshot_fraction * self._last_snapshot_bytes)
         if payload is None:  # only a snapshot reaches this step: upload it before the manifest names the step
-            self.flush()
-            snap = upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers, strong)
+            self._wait_background()
+            snap = upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers, strong,
+                                   put=self._put)
             self._commit(entry, snap)
         else:
             self._commit(entry, None)
             if due:
                 if self._pool is None:
                     self._commit(None, upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers,
-                                                       strong))
+                                                       strong, put=self._put))
                 else:
                     self._pending.append(self._pool.submit(self._background_snapshot, step, tensors, record.weight_map))
         if due:
+            self._snapshot_retry = False
             self._last_snapshot_step = step
             self._last_snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._chain_bytes = 0
         self.prev, self.step = tensors, step
 
+    def _put(self, key: str, data: bytes) -> None:
+        """Create an immutable object. An object of another content under the key of a step we have not
+        committed is a leftover of a crashed or fenced publisher: replaced once the manifest shows this
+        publisher still owns the run (only the owner commits, so no manifest names such an object)."""
+        try:
+            self.store.put_immutable(key, data)
+            return
+        except ConflictError:
+            step = step_of_key(key)
+            if step is None or (self._head is not None and step <= self._head):
+                raise
+        got = self.store.read_manifest()
+        m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
+        owner = m is not None and m.run == self.run and m.writer == self.writer and m.head == self._head
+        if not owner:
+            raise ConflictError(f"{self.url}/{key}: already exists with other content, and another publisher "
+                                f"owns the run (writer {m.writer if m else None}, head {m.head if m else None})")
+        log.warning("%s/%s: replacing a leftover of an uncommitted step (a crashed or fenced publisher wrote it)",
+                    self.url, key)
+        self.store.delete([key])
+        self.store.put_immutable(key, data)
+
     def _background_snapshot(self, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str]) -> None:
-        self._commit(None, upload_snapshot(self.store, step, tensors, weight_map, self.upload_workers,
-                                           self.signer is not None))
-        log.info("%s: snapshot %d committed", self.url, step)
+        """Upload and commit a snapshot, retrying; a final failure is reported, and the next step snapshots."""
+        for attempt in range(1, self.snapshot_attempts + 1):
+            try:
+                self._commit(None, upload_snapshot(self.store, step, tensors, weight_map, self.upload_workers,
+                                                   self.signer is not None, put=self._put))
+                log.info("%s: snapshot %d committed", self.url, step)
+                return
+            except ConflictError as exc:  # fenced, or the step was collected: retrying cannot help
+                self._snapshot_failed(step, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - reported below, never lost
+                if attempt == self.snapshot_attempts:
+                    self._snapshot_failed(step, exc)
+                    return
+                delay = min(0.5 * 2 ** (attempt - 1), 10.0)
+                log.warning("%s: snapshot %d failed (attempt %d of %d: %s); retrying in %.1fs", self.url, step, attempt,
+                            self.snapshot_attempts, exc, delay)
+                time.sleep(delay)
+
+    def _snapshot_failed(self, step: int, exc: BaseException) -> None:
+        self.snapshot_failures += 1
+        self.last_snapshot_error = f"snapshot {step}: {type(exc).__name__}: {exc}"
+        self._snapshot_retry = True  # the next publish snapshots its own step instead
+        self._errors.append(exc)
+        log.error("%s: background snapshot of step %d failed: %s; the next step will be snapshotted instead "
+                  "(watchers keep using the previous snapshot and the chain)", self.url, step, exc)
+
+    def _update(self, change: Any) -> Manifest | None:
+        """update_manifest with this publisher's keys; the first signed commit ends an adoption."""
+        out = update_manifest(self.store, change, signer=self.signer, trusted=self.trusted,
+                              adopt_unsigned=self._adopt_unsigned)
+        if self.signer is not None:
+            self._adopt_unsigned = False  # the run is signed by us now: an unsigned manifest means tampering
+        return out
 
     def _commit(self, entry: Step | None, snap: Snapshot | None) -> None:
-        """Read-modify-write the manifest with a conditional put; retry only if the head is still ours."""
+        """Add a step and/or a snapshot to the manifest. Only while this publisher owns the run and the head
+        is the one it last committed; a manifest holding our entry counts as our landed write only after
+        a write of ours whose outcome the store did not tell."""
+        where = f"{self.url}/manifest.json"
+
+        def add(cur: Manifest | None, unsure: bool) -> Manifest | None:
+            if cur is None:
+                if self._head is not None or entry is None or snap is None:
+                    raise ConflictError(f"{where}: gone (the run was deleted)")
+                return Manifest(self.run, entry.step, [entry], [snap], writer=self.writer)
+            if cur.run != self.run:
+                raise ConflictError(f"{self.url}: another publisher started run {cur.run} here")
+            if unsure and (entry is None or cur.step(entry.step) == entry) and (
+                    snap is None or cur.snapshot(snap.step) == snap):
+                # our earlier conditional write landed although the store (or the network) reported a
+                # failure: a 5xx after the write, a reset, a timeout. It is ours, not a lost race.
+                log.warning("%s: the manifest already holds our commit (one reported as failed had landed); "
+                            "carrying on", self.url)
+                return None
+            if cur.writer is not None and cur.writer != self.writer:
+                raise ConflictError(f"{self.url}: another publisher (writer {cur.writer}) took the run over; this "
+                                    f"one (writer {self.writer}) is fenced and commits nothing more")
+            if cur.head != self._head:
+                raise ConflictError(f"{self.url}: head is step {cur.head}, this publisher last committed "
+                                    f"{self._head}: another publisher extended the run")
+            if entry is None and (snap is None or cur.snapshot(snap.step) is not None):
+                return None  # the snapshot is there already (a rebase of the same step wrote the same bytes)
+            m = dataclasses.replace(cur, steps=list(cur.steps), snapshots=list(cur.snapshots), signatures=(),
+                                    writer=self.writer)
+            if entry is not None:
+                m.steps.append(entry)
+                m.head = entry.step
+            if snap is not None and m.snapshot(snap.step) is None:
+                if m.step(snap.step) is None:
+                    raise ConflictError(f"{self.url}: step {snap.step} left the manifest before its snapshot "
+                                        f"was committed")
+                m.snapshots.append(snap)
+                m.snapshots.sort(key=lambda s: s.step)
+                if self.keep_snapshots is not None:
+                    m = m.trimmed(self.keep_snapshots) or m
+            return m
+
         with self._commit_lock:
-            unsure = 0
-            for _ in range(COMMIT_ATTEMPTS):
-                current = self.store.read_manifest()
-                if current is None:
-                    if self.step is not None or entry is None or snap is None:
-                        raise ConflictError(f"{self.url}/manifest.json: gone (the run was deleted)")
-                    m, expected = Manifest(self.run, entry.step, [entry], [snap]), None
-                else:
-                    m, expected = Manifest.parse(current.data, f"{self.url}/manifest.json"), current.etag
-                    if m.run != self.run:
-                        raise ConflictError(f"{self.url}: another publisher started run {m.run} here")
-                    if entry is not None and m.step(entry.step) == entry and (
-                            snap is None or m.snapshot(snap.step) == snap):
-                        # our earlier conditional write landed although the store (or the network) reported a
-                        # failure: a 5xx after the write, a reset, a timeout. It is ours, not a lost race.
-                        log.warning("%s: the manifest already holds our step %d (a commit reported as failed had "
-                                    "landed); carrying on", self.url, entry.step)
-                        return
-                    if m.signatures and self.signer is None:
-                        raise ValueError(f"{self.url}: the run is signed; publishing without signing_key would "
-                                         f"leave every watcher that checks signatures behind")
-                    if self.signer is not None:
-                        m = strengthen(self.store, m)  # a run signed from now on: vouch for its older objects too
-                    if entry is not None:
-                        if m.head != self.step:
-                            raise ConflictError(f"{self.url}: head is step {m.head}, this publisher last committed "
-                                                f"{self.step}: another publisher extended the run")
-                        m.steps.append(entry)
-                        m.head = entry.step
-                    if snap is not None and m.snapshot(snap.step) is None:
-                        if m.step(snap.step) is None:
-                            raise ConflictError(f"{self.url}: step {snap.step} left the manifest before its snapshot "
-                                                f"was committed")
-                        m.snapshots.append(snap)
-                        m.snapshots.sort(key=lambda s: s.step)
-                        if self.keep_snapshots is not None:
-                            m = m.trimmed(self.keep_snapshots) or m
-                try:
-                    self.store.commit_manifest(m.to_bytes(signer=self.signer), expected)
-                    return
-                except ConflictError:
-                    log.info("%s: manifest changed under us (gc/rebase?), re-reading", self.url)
-                except Exception as exc:  # noqa: BLE001 - unsure_write re-raises all but transient errors
-                    # a 5xx or reset leaves the write's fate unknown: the re-read at the top of the
-                    # loop tells (our step is there: done; the head moved: a lost race)
-                    unsure = unsure_write(self.url, exc, unsure)
-            raise ConflictError(f"{self.url}/manifest.json: {COMMIT_ATTEMPTS} conditional writes lost in a row")
+            committed = self._update(add)
+            if committed is not None:
+                self._head = committed.head
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _raise_background_errors(self) -> None:
-        done = [f for f in self._pending if f.done()]
+    def _collect_background(self) -> None:
+        """Drop finished background uploads (their failures were reported and are kept for flush())."""
         self._pending = [f for f in self._pending if not f.done()]
-        for f in done:
-            f.result()
+
+    def _wait_background(self) -> None:
+        for f in self._pending:
+            f.result()  # _background_snapshot reports its own failures; nothing is raised here
+        self._pending = []
 
     def flush(self) -> None:
-        """Block until every background upload is committed; re-raise the first failure."""
-        pending, self._pending = self._pending, []
-        errors = []
-        for f in pending:
-            try:
-                f.result()
-            except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
-                errors.append(exc)
+        """Block until every background upload is done; re-raise the first failure since the last flush."""
+        self._wait_background()
+        errors, self._errors = self._errors, []
         if errors:
             raise errors[0]
 

@@ -1,0 +1,98 @@
+"""The one way to change a run's manifest: read, check who signed it, change, conditional write, repeat.
+
+Every writer (the publisher, rebase, gc) goes through `update_manifest`, so the rules that keep a
+signed run trustworthy hold for all of them (docs/SECURITY.md, "Writers"):
+
+* a writer that holds a signing key never signs a manifest it has not verified: the manifest it
+  read must carry a valid signature by one of its trusted keys (its own, plus any it was given for
+  a rotation), else it refuses. An unsigned manifest is adopted (signed from now on) only when the
+  operator says so (`adopt_unsigned`, `--adopt-unsigned`), and that is logged as a warning;
+* a writer without a key never rewrites a signed manifest (it would strip the signatures and
+  stop every watcher that checks them);
+* a write whose outcome the store did not tell (a 5xx after the write, a reset) is followed by a
+  re-read; `change` is told so and decides whether its earlier write landed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from relay.manifest import Manifest
+from relay.signing import Signer, SignatureError, TrustedKeys, strengthen
+from relay.store import ConflictError, Store, unsure_write
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 20  # conditional writes lost in a row before giving up
+
+Change = Callable[[Manifest | None, bool], Manifest | None]
+
+
+class UnsignedWriteError(ValueError):
+    """A writer without a signing key was asked to change a signed run."""
+
+
+def writer_keys(signer: Signer | None, trusted: TrustedKeys | None) -> TrustedKeys | None:
+    """The keys a signing writer accepts on what it reads: its own, plus `trusted` (a key rotation)."""
+    if signer is None:
+        return None
+    own = [k.public_key() for k in signer.keys]
+    return TrustedKeys(own + (list(trusted.keys.values()) if trusted is not None else []))
+
+
+def check_writable(m: Manifest, where: str, signer: Signer | None, trusted: TrustedKeys | None,
+                   adopt_unsigned: bool) -> None:
+    """Raise unless a writer with `signer` (or none) may build on `m` (the rules in the module docstring)."""
+    if signer is None:
+        if m.signatures:
+            raise UnsignedWriteError(f"{where}: the run is signed; changing its manifest needs the signing key "
+                                     f"(--signing-key), else every watcher that checks signatures stops")
+        return
+    if m.signatures:
+        writer_keys(signer, trusted).verify(m, where)  # never re-sign what no trusted key signed
+        return
+    if not adopt_unsigned:
+        raise SignatureError(
+            f"{where}: unsigned, and this writer signs with key(s) {signer.key_ids}: refusing to sign a manifest "
+            f"nobody signed (whoever can write the bucket can strip signatures and add steps). If this run was "
+            f"published unsigned and you mean to sign it from now on, check it (deltarelay verify --deep) and "
+            f"pass --adopt-unsigned (adopt_unsigned=True)")
+    log.warning("%s: ADOPTING AN UNSIGNED MANIFEST (head %d, run %s) and signing it with %s, as the operator asked "
+                "(--adopt-unsigned): its objects are vouched for from now on", where, m.head, m.run, signer.key_ids)
+
+
+def update_manifest(store: Store, change: Change, *, signer: Signer | None = None,
+                    trusted: TrustedKeys | None = None, adopt_unsigned: bool = False,
+                    attempts: int = ATTEMPTS) -> Manifest | None:
+    """Commit `change(current, unsure)` with a conditional write, re-reading after every lost race.
+
+    `current` is the parsed manifest (None when the run has none); `unsure` is True when an earlier
+    write of this call failed without the store saying whether it landed. `change` returns the new
+    manifest, None when there is nothing (more) to do, or raises (ConflictError when the run moved
+    in a way it cannot build on). Returns what was committed, or the manifest as read when `change`
+    returned None (None if there was none).
+    """
+    where = f"{store.url}/manifest.json"
+    unsure = 0
+    for _ in range(attempts):
+        got = store.read_manifest()
+        current = None if got is None else Manifest.parse(got.data, where)
+        if current is not None:
+            check_writable(current, where, signer, trusted, adopt_unsigned)
+        new = change(current, unsure > 0)
+        if new is None:
+            return current
+        if signer is not None:
+            new = strengthen(store, new)  # a run signed from now on: vouch for its older objects too
+        try:
+            store.commit_manifest(new.to_bytes(signer=signer), None if got is None else got.etag)
+            return new
+        except ConflictError:
+            log.info("%s: changed while we updated it, re-reading", where)
+        except Exception as exc:  # noqa: BLE001 - unsure_write re-raises all but transient errors
+            unsure = unsure_write(store.url, exc, unsure)  # the re-read tells whether it landed
+    raise ConflictError(f"{where}: {attempts} conditional writes lost in a row")
+
+
+__all__ = ["update_manifest", "check_writable", "writer_keys", "UnsignedWriteError", "ATTEMPTS"]
