@@ -99,3 +99,64 @@ def test_record_refuses_incomplete_layout():
     rec["weight_map"] = {}
     with pytest.raises(ManifestError, match="weight_map"):
         Record.parse(json.dumps(rec).encode())
+
+
+# -- protocol precision (#13): what PROTOCOL types is what the parser accepts -----------------------
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(run="run1"), "run: a run id is 32 lower-case hex digits"),
+    (lambda d: d.update(run="A" * 32), "run: a run id is 32 lower-case hex digits"),
+    (lambda d: d.update(writer="me"), "writer: a writer id is 32 lower-case hex digits"),
+    (lambda d: d.update(head=1 << 63), "integer from 0 to 2\\*\\*63-1"),
+    (lambda d: d["steps"][1]["record"].update(size=1 << 63), "size: .* is not from 0 to 2\\*\\*63-1"),
+    (lambda d: d["steps"][1]["record"].update(key="records/3.json"), "expected 'records/1.json'"),
+    (lambda d: d["steps"][2]["parts"][0].update(key="deltas/1-0.drd"), "is not a delta of step 2"),
+    (lambda d: d["steps"][2]["parts"][0].update(key="records/2.json"), "is not a delta of step 2"),
+    (lambda d: d["steps"][2]["parts"][1].update(tensors=["caf\u00e9"]), "outside printable ASCII"),
+    (lambda d: d["steps"][2]["parts"][1].update(tensors=["a\nb"]), "outside printable ASCII"),
+])
+def test_manifest_fields_are_validated_as_documented(mutate, message):
+    d = doc()
+    mutate(d)
+    with pytest.raises(ManifestError, match=message):
+        Manifest.parse(json.dumps(d).encode())
+
+
+def test_writer_round_trips_and_is_optional():
+    m = sample()
+    m.writer = "f" * 32
+    assert Manifest.parse(m.to_bytes()).writer == "f" * 32
+    assert Manifest.parse(sample().to_bytes()).writer is None  # manifests written before the field existed
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.update(run="r"), "run: a run id"),
+    (lambda r: r["tensors"]["a"].update(digest="xyz"), "digest: a digest is 32 lower-case hex digits"),
+    (lambda r: r["tensors"]["a"].update(dtype="bfloat16"), "not a dtype of docs/FORMAT.md"),
+    (lambda r: r.update(step=-1), "integer from 0"),
+])
+def test_record_fields_are_validated_as_documented(mutate, message):
+    rec = json.loads(Record("2" * 32, 1, {"a": TensorInfo("BF16", (2,), H)}, {"a": "m.safetensors"}).to_bytes())
+    mutate(rec)
+    with pytest.raises(ManifestError, match=message):
+        Record.parse(json.dumps(rec).encode())
+
+
+def test_signed_payload_test_vector():
+    """docs/vectors/signed-manifest.json: the canonical JSON a second implementation must rebuild."""
+    from pathlib import Path
+
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    from relay.signing import TrustedKeys, key_id
+
+    vec = json.loads((Path(__file__).parent.parent / "docs" / "vectors" / "signed-manifest.json").read_text())
+    m = Manifest.parse(json.dumps(vec["manifest"]).encode())
+    assert m.signed_payload() == vec["signed_payload"].encode("ascii")
+    public = load_pem_public_key(vec["public_key"].encode())
+    assert key_id(public) == vec["key_id"] == m.signatures[0].key_id
+    assert TrustedKeys(public).verify(m).key_id == vec["key_id"]
+    # the payload is exactly: the prefix, then sorted-key compact JSON with only \" and \\ escaped
+    body = vec["signed_payload"].split("\n", 1)[1]
+    assert body == json.dumps({k: v for k, v in vec["manifest"].items() if k != "signatures"}, sort_keys=True,
+                              separators=(",", ":"))
+    assert '\\"name\\" \\\\ here' in body
