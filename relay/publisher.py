@@ -285,9 +285,9 @@ class Publisher:
         return out
 
     def _commit(self, entry: Step | None, snap: Snapshot | None) -> None:
-        """Add a step and/or a snapshot to the manifest. Only while this publisher owns the run and the head
-        is the one it last committed; a manifest holding our entry counts as our landed write only after
-        a write of ours whose outcome the store did not tell."""
+        """Add a step and/or a snapshot to the manifest, only while this publisher owns the run (§4.3) and
+        the head is the one it last committed. A manifest that already holds our entry and names us as
+        its writer is our own earlier write that landed unreported."""
         where = f"{self.url}/manifest.json"
 
         def add(cur: Manifest | None, unsure: bool) -> Manifest | None:
@@ -297,7 +297,11 @@ class Publisher:
                 return Manifest(self.run, entry.step, [entry], [snap], writer=self.writer)
             if cur.run != self.run:
                 raise ConflictError(f"{self.url}: another publisher started run {cur.run} here")
-            if unsure and (entry is None or cur.step(entry.step) == entry) and (
+            # A manifest holding exactly our entry is our own write only if it names us as its writer
+            # (a 412 can answer botocore's retry of our own landed PUT, so a refusal proves nothing);
+            # in a manifest without a writer, only after a write of ours whose outcome was not told.
+            ours = cur.writer == self.writer if cur.writer is not None else unsure
+            if ours and (entry is None or cur.step(entry.step) == entry) and (
                     snap is None or cur.snapshot(snap.step) == snap):
                 # our earlier conditional write landed although the store (or the network) reported a
                 # failure: a 5xx after the write, a reset, a timeout. It is ours, not a lost race.
@@ -328,9 +332,9 @@ class Publisher:
             return m
 
         with self._commit_lock:
-            committed = self._update(add)
-            if committed is not None:
-                self._head = committed.head
+            self._update(add)
+            if entry is not None:
+                self._head = entry.step
 
     # -- lifecycle ----------------------------------------------------------------------------
     def _collect_background(self) -> None:

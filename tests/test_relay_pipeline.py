@@ -119,10 +119,11 @@ def test_memory_store_roundtrip(trainer, bits_equal, tmp_path):
     assert w.sync() == 9
     assert bits_equal(w.tensors, t.state())
     a = relay.Publisher(url, resume=True, background=False)
-    b = relay.Publisher(url, resume=True, background=False)
-    a.publish(t.step(), 10)
+    b = relay.Publisher(url, resume=True, background=False)  # the last to resume owns the run (PROTOCOL §4.3)
     with pytest.raises(relay.ConflictError, match="another publisher"):
-        b.publish(t.step(), 11)  # b still believes the head is 9
+        a.publish(t.step(), 10)  # a is fenced
+    b.publish(t.step(), 10)
+    assert relay.Watcher(url, tmp_path / "dest2").sync() == 10
 
 
 def test_snapshot_policy_and_shape_change(file_run, trainer, bits_equal, tmp_path):
@@ -174,8 +175,8 @@ def test_resume_and_leftovers(s3_run, trainer, bits_equal, tmp_path):
     store.put_new("records/3.json", b"{}")
     pub = relay.Publisher(s3_run.url, storage_options=s3_run.options, resume=True)
     assert pub.step == 2
-    assert "deltas/3-0.drd" not in store.list("deltas/")
-    pub.publish(t.step(), 3)
+    assert "deltas/3-0.drd" in store.list("deltas/")  # not deleted at resume: it could be a live publisher's
+    pub.publish(t.step(), 3)  # replaced once the take-over has fenced whoever wrote it
     pub.close()
     m = manifest_of(s3_run)
     assert m.step(3).parent == 2
