@@ -138,6 +138,6 @@ def status(url: str, storage_options: dict | None = None) -> dict:
         raise FileNotFoundError(f"{url}/manifest.json: no run here")
     m = Manifest.parse(got.data, f"{url}/manifest.json")
     chain = m.chain_since_base()
-    return {"url": url, "run": m.run, "head": m.head, "base": m.base, "chain_length": len(chain),
+    return {"url": url, "run": m.run, "writer": m.writer, "head": m.head, "base": m.base, "chain_length": len(chain),
             "chain_bytes": sum(s.delta_bytes for s in chain), "base_bytes": m.snapshots[-1].bytes,
             "snapshots": [s.step for s in m.snapshots], "steps_listed": len(m.steps)}

@@ -148,6 +148,21 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return True
 
 
+def publish_steps(url: str, trainer: Callable[..., Trainer], steps: int, options: dict | None = None, seed: int = 3,
+                  **kw: Any) -> list[dict[str, torch.Tensor]]:
+    """Publish `steps` training steps (0..steps-1) with a fresh Trainer(seed); returns each step's state."""
+    from relay.publisher import Publisher
+
+    t = trainer(seed=seed)
+    states = []
+    with Publisher(url, storage_options=options, snapshot_every=3, background=False, **kw) as pub:
+        for step in range(steps):
+            state = t.state() if step == 0 else t.step()
+            pub.publish(state, step)
+            states.append(state)
+    return states
+
+
 @pytest.fixture
 def bits_equal() -> Callable[[dict, dict], bool]:
     return same_bits

@@ -20,25 +20,13 @@ from relay.signing import (KeyFileError, SignatureError, Signer, TrustedKeys, ge
 from relay.store import open_store
 from relay.watcher import SyncError, Watcher
 
-from conftest import same_bits
+from conftest import publish_steps, same_bits
 
 
 @pytest.fixture
 def keys(tmp_path):
     """Two key pairs, 'a' and 'b': {name: (key path, pub path, key id)}."""
     return {name: generate_keypair(tmp_path / "keys" / name) for name in ("a", "b")}
-
-
-def publish_steps(url, trainer, steps, options=None, **kw):
-    """Publish `steps` training steps (0..steps-1); returns the state of each step."""
-    t = trainer(seed=3)
-    states = []
-    with Publisher(url, storage_options=options, snapshot_every=3, background=False, **kw) as pub:
-        for step in range(steps):
-            state = t.state() if step == 0 else t.step()
-            pub.publish(state, step)
-            states.append(state)
-    return states
 
 
 def commit_raw(store, data: bytes) -> None:

@@ -21,23 +21,12 @@ from relay.store import ConflictError, LocalStore, open_store
 from relay.verify import verify
 from relay.watcher import Watcher
 
-from conftest import same_bits
+from conftest import publish_steps, same_bits
 
 
 @pytest.fixture
 def keys(tmp_path):
     return {name: generate_keypair(tmp_path / "keys" / name) for name in ("a", "b")}
-
-
-def publish_steps(url, trainer, steps, options=None, seed=3, **kw):
-    t = trainer(seed=seed)
-    states = []
-    with Publisher(url, storage_options=options, snapshot_every=3, background=False, **kw) as pub:
-        for step in range(steps):
-            state = t.state() if step == 0 else t.step()
-            pub.publish(state, step)
-            states.append(state)
-    return states
 
 
 def plant_step(store, m: Manifest, step: int, tensors: dict) -> Manifest:
