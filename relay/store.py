@@ -119,7 +119,8 @@ class Store:
             if old is None or content_tag(old) != content_tag(data):
                 raise ConflictError(
                     f"{self.url}/{key}: already exists with other content (another publisher is writing this step, "
-                    f"or a crashed one left it; Publisher(resume=True) clears leftovers above the head)") from None
+                    f"or a crashed one left it; a resumed publisher that owns the run replaces leftovers above its "
+                    f"head)") from None
 
 
 class LocalStore(Store):
