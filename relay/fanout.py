@@ -17,11 +17,21 @@ deltas of the head, so a multi-megabyte snapshot never delays the next step. Eve
 idempotent: objects are create-only and compared on collision, the manifest is a compare-and-swap,
 so a restart at any point (or two relays on one destination) is safe.
 
+A regional object counts as present only once it is checked against the reference the manifest
+being committed gives it: we wrote those bytes, or we read the regional object back (in region;
+once per object and relay process) and it matched. Sizes prove nothing: a new run at the origin
+prefix reuses every key, and its records and same-architecture shards keep their sizes. When the
+origin's run changes, every object the new manifest names is verified or replaced, never mixed.
+
 Signed runs (docs/SECURITY.md): a signature covers the whole origin manifest, so a region cannot
 be given a trimmed copy. When the origin manifest is signed the relay copies every object it
 names (each checked against its SHA-256) and then commits the origin's bytes unchanged,
 signatures included. With `trusted_keys` the relay also refuses an origin manifest that is
-unsigned or not signed by one of them, so a forged origin never reaches the regions.
+unsigned or not signed by one of them, so a forged origin never reaches the regions; it verifies
+the regional manifest as well and replaces one that does not verify (damage, or a bucket writer's
+forgery that would otherwise freeze the region at a fake head); and it keeps a region on the
+verified run it holds when the origin shows another run, unless told to accept run changes
+(`replace_runs`): a replayed genuine manifest of an older run looks exactly like a new run.
 """
 
 from __future__ import annotations
@@ -285,15 +295,22 @@ class Fanout:
             region.objects_copied += 1
 
     def _held(self, region: _Region, ref: ObjRef) -> bool:
-        """Verified present, or listed at the right size (to be read back in region, not copied across)."""
-        return _covers(region.known.get(ref.key), ref) or (region.listed or {}).get(ref.key) == ref.size
+        """Verified present, or listed at the right size and not known to differ (to be read back in region,
+        not copied across)."""
+        held = region.known.get(ref.key)
+        if held is not None and (held.size, held.xxh3) != (ref.size, ref.xxh3):
+            return False
+        return _covers(held, ref) or (region.listed or {}).get(ref.key) == ref.size
 
     def _make_present(self, region: _Region, ref: ObjRef) -> None:
         """Make the regional object under ref.key exactly `ref`: a listed one of the right size is read back
         (an in-region read) and kept if it matches; anything else is copied from the origin (replacing it)."""
-        if _covers(region.known.get(ref.key), ref):
+        held = region.known.get(ref.key)
+        if _covers(held, ref):
             return
-        if region.known.get(ref.key) is None and (region.listed or {}).get(ref.key) == ref.size:
+        # read back unless we know it holds other bytes (a known ref with another tag: copy over it)
+        same_tag = held is None or (held.size, held.xxh3) == (ref.size, ref.xxh3)
+        if same_tag and (region.listed or {}).get(ref.key) == ref.size:
             try:
                 data = region.store.get(ref.key)
             except ObjectMissing:
@@ -457,8 +474,9 @@ class Fanout:
             with self._cond:
                 while not self._stop.is_set():
                     wait = region.next_try - time.monotonic()
-                    due = (region.synced_etag != self._origin_etag != region.refused_etag
-                           or time.monotonic() - region.last_check >= self.recheck_interval)
+                    behind = (region.synced_etag != self._origin_etag      # a version to mirror,
+                              and region.refused_etag != self._origin_etag)  # unless it was refused
+                    due = behind or time.monotonic() - region.last_check >= self.recheck_interval
                     if self._origin_etag is not None and due and wait <= 0:
                         break
                     self._cond.wait(timeout=max(0.01, min(wait, 1.0)) if wait > 0 else 1.0)

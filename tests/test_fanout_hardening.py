@@ -233,3 +233,51 @@ def test_without_keys_a_new_run_replaces_the_region_by_default(trainer, tmp_path
     state = publish_run(origin, trainer, seed=11, steps=3)
     assert Fanout(origin, [dest], **FAST).sync_once(timeout=20)
     assert_region_is(dest.url, state, 2, tmp_path / "w")
+
+
+def test_a_refused_region_waits_for_the_next_origin_version_instead_of_spinning(trainer, keys, tmp_path):
+    """In `run()`, a refusal is counted once per origin version (and recheck), not retried every poll."""
+    import threading
+    import time
+
+    origin, dest, held, _ = replay_setup(trainer, keys, tmp_path)
+    fan = Fanout(origin, [dest], trusted_keys=[keys["a"][1]], recheck_interval=30, **FAST)
+    th = threading.Thread(target=fan.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 10
+        while fan.status()["regions"]["eu"]["errors"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # 25 polls
+        st = fan.status()["regions"]["eu"]
+    finally:
+        fan.stop()
+        th.join(10)
+    assert st["errors"] == 1 and st["run_refused"] and not st["synced"]
+    assert open_store(dest.url).read_manifest().data == held
+
+
+# -- cost ------------------------------------------------------------------------------------------------
+def test_a_run_that_becomes_signed_is_checked_in_region_not_copied_again(trainer, keys, tmp_path):
+    """The first signed commit adds a SHA-256 to every reference: what the region holds is read back in the region
+    and checked against it, and only the new step's objects cross from the origin."""
+    origin = f"file://{tmp_path}/origin/run"
+    dest = Destination("eu", f"file://{tmp_path}/eu/run")
+    t = trainer(seed=12)
+    with Publisher(origin, snapshot_every=100, background=False) as pub:
+        for step in range(3):
+            pub.publish(t.step(), step)
+    fan = Fanout(origin, [dest], **FAST)
+    assert fan.sync_once(timeout=20)
+    before = fan.status()["regions"]["eu"]
+    with Publisher(origin, snapshot_every=100, background=False, resume=True, signing_key=keys["a"][0]) as pub:
+        state = t.step()
+        pub.publish(state, 3)
+    assert fan.sync_once(timeout=20)
+    after = fan.status()["regions"]["eu"]
+    m = manifest_of(origin)
+    assert after["objects_copied"] - before["objects_copied"] == 1 + len(m.step(3).parts)  # record and delta(s)
+    assert after["bytes_read_back"] - before["bytes_read_back"] == sum(
+        r.size for r in m.refs() if not r.key.startswith(("records/3.", "deltas/3-")))
+    assert open_store(dest.url).read_manifest().data == open_store(origin).read_manifest().data
+    assert_region_is(dest.url, state, 3, tmp_path / "w", trusted_keys=[keys["a"][1]])
