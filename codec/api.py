@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Mapping, MutableMapping
@@ -422,6 +423,21 @@ def _decode_batched(base: Mapping[str, torch.Tensor], parsed: Payload, entries: 
     return done
 
 
+def _memory_refused(fn):
+    """Running out of memory on a payload is a refusal like any other (DeltaError), not a crash of the
+    caller: apply_ has restored every tensor by the time the error leaves it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MemoryError:
+            raise DeltaError("the payload needs more memory than is available to decode") from None
+
+    return wrapper
+
+
+@_memory_refused
 def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
            workers: int = 1) -> dict[str, torch.Tensor]:
     """The target checkpoint, every tensor verified against the trainer's digest.
@@ -484,6 +500,7 @@ class _InPlace:
         self._put(index, old)
 
 
+@_memory_refused
 def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> None:
     """Apply a payload in place (a live model's state_dict) and verify every tensor.
 

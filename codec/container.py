@@ -26,6 +26,12 @@ SUPPORTED_VERSIONS = (1, 2, 3)
 CURRENT_VERSION = 3
 
 MAX_INDEX_BYTES = 256 << 20
+# The decompressed index may exceed its zstd frame by at most this ratio (beyond INDEX_FLOOR_BYTES,
+# always allowed): every entry carries 32 bytes of digests that do not compress, so real indexes
+# come out at 1.5-5x; a frame that claims more is a decompression bomb, refused before it allocates.
+MAX_INDEX_RATIO = 64
+INDEX_FLOOR_BYTES = 1 << 20
+MIN_ENTRY_BYTES = 39  # name length, dtype, ndim, method, changes, two digests, params length, stream count
 MAX_TENSORS = 1 << 20
 MAX_NAME_BYTES = 1 << 16
 MAX_NDIM = 32
@@ -75,11 +81,20 @@ class Payload:
         return sum(len(s.stored) for e in self.entries for s in e.streams)
 
 
+def index_limit(frame_len: int) -> int:
+    """The most bytes a zstd frame of `frame_len` bytes may decompress to as an index (docs/FORMAT.md)."""
+    return min(MAX_INDEX_BYTES, max(INDEX_FLOOR_BYTES, MAX_INDEX_RATIO * frame_len))
+
+
 def pack(payload: Payload) -> bytes:
     if payload.version not in SUPPORTED_VERSIONS:
         raise ValueError(f"cannot write format version {payload.version}")
+    raw = _index_bytes(payload)
     # level 3: within 1.2% of level 9's size on a model's index (its digests do not compress), 4x faster
-    index = zstandard.ZstdCompressor(level=3).compress(_index_bytes(payload))
+    index = zstandard.ZstdCompressor(level=3).compress(raw)
+    if len(raw) > index_limit(len(index)):  # never write what a decoder refuses
+        raise ValueError(f"index of {len(raw)} bytes ({len(index)} compressed) exceeds the decoder's limit "
+                         f"of {index_limit(len(index))} (MAX_INDEX_BYTES, MAX_INDEX_RATIO)")
     body = b"".join(bytes(s.stored) for e in payload.entries for s in e.streams)
     rest = index + body
     head = PREFIX.pack(MAGIC, payload.version, 0, len(index), bytes(16))[:16]
@@ -192,7 +207,17 @@ def checksum(head: bytes | memoryview, rest: bytes | memoryview) -> bytes:
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Payload:
-    """Parse and validate a payload's structure; no tensor is decoded here."""
+    """Parse and validate a payload's structure; no tensor is decoded here.
+
+    Every refusal is a DeltaError, running out of memory included (a payload this machine cannot
+    parse is one it cannot use)."""
+    try:
+        return _unpack(data)
+    except MemoryError:
+        raise DeltaError("the payload's index needs more memory than is available") from None
+
+
+def _unpack(data: bytes | bytearray | memoryview) -> Payload:
     view = memoryview(data)
     if len(view) < PREFIX_SIZE:
         raise DeltaError(f"truncated payload: {len(view)} bytes, the prefix alone is {PREFIX_SIZE}")
@@ -208,14 +233,20 @@ def unpack(data: bytes | bytearray | memoryview) -> Payload:
         raise DeltaError("payload checksum mismatch: the payload is corrupt or truncated")
     if index_len > len(rest):
         raise DeltaError(f"index length {index_len} exceeds the payload")
+    limit = index_limit(index_len)
+    claimed = -1  # the frame's declared content size; -1 while unknown
     try:
         frame = bytes(rest[:index_len])
-        # decompress() allocates the size a frame header declares, ignoring max_output_size
-        if zstandard.frame_content_size(frame) > MAX_INDEX_BYTES:
-            raise DeltaError(f"index declares more than {MAX_INDEX_BYTES} bytes")
-        raw_index = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_INDEX_BYTES)
+        # decompress() allocates the size a frame header declares, ignoring max_output_size; without a
+        # declared size it allocates max_output_size and fails beyond it
+        claimed = zstandard.frame_content_size(frame)
+        if claimed > limit:
+            raise DeltaError(f"index declares {claimed} bytes from a {index_len}-byte frame, more than the "
+                             f"{limit} a decoder accepts (MAX_INDEX_BYTES, MAX_INDEX_RATIO)")
+        raw_index = zstandard.ZstdDecompressor().decompress(frame, max_output_size=limit)
     except zstandard.ZstdError as exc:
-        raise DeltaError(f"index is corrupt ({exc})") from None
+        beyond = f", or inflates past the {limit} bytes a decoder accepts from it" if claimed < 0 else ""
+        raise DeltaError(f"index is corrupt ({exc}){beyond}") from None
     fast = _entries_fast(raw_index, rest, index_len)
     if fast is not None:
         return Payload(version, *fast)
@@ -283,16 +314,23 @@ def _scan_index(raw, body_len, dtype_ok):
     """The index's fields as columns: (status, per entry (name offset, name length, dtype code,
     ndim, method, changes, digests offset, params offset, params length, streams), dims, per
     stream (codec, raw_len, body offset, stored length), per shared block (kind, offset, length)).
-    Status 1 at any fault (left to `_entries_checked` to name), else 0. Allocations are bounded
-    by the index's size: an entry takes at least 40 bytes, a dim or a stream field one."""
+    Status 1 at any fault (left to `_entries_checked` to name), else 0.
+
+    Allocations follow what the index can hold, not what it claims: an entry takes at least
+    MIN_ENTRY_BYTES, and each dim (one byte) and stream (three) comes out of what is left, so an
+    impossible entry count is refused before anything is allocated; dims and streams grow by
+    doubling as they are read, so a bad index is refused having allocated about what it held."""
     empty = np.zeros((0, 10), np.int64)
     n, pos, ok = _uvarint(raw, 0, MAX_TENSORS)
-    if not ok or n > raw.size // 40:
+    spare = raw.size - pos - 1 - n * MIN_ENTRY_BYTES  # the shared count takes a byte
+    if not ok or spare < 0:
         return 1, empty, np.zeros(0, np.int64), np.zeros((0, 4), np.int64), np.zeros((0, 3), np.int64)
+    max_dims = min(n * MAX_NDIM, spare)
+    max_streams = min(n * MAX_STREAMS, spare // 3)
     cols = np.empty((n, 10), np.int64)
-    dims = np.empty(raw.size, np.int64)
-    streams = np.empty((raw.size // 3 + 1, 4), np.int64)
-    shared = np.empty((raw.size // 2 + 1, 3), np.int64)
+    dims = np.empty(min(max_dims, 2 * n + 16), np.int64)
+    streams = np.empty((min(max_streams, 4 * n + 16), 4), np.int64)
+    shared = np.empty((255, 3), np.int64)
     nd = ns = 0
     body = 0
     for i in range(n):
@@ -317,6 +355,12 @@ def _scan_index(raw, body_len, dtype_ok):
             dim, pos, ok = _uvarint(raw, pos, MAX_NUMEL)
             if not ok:
                 return 1, cols, dims, streams, shared
+            if nd == dims.size:
+                if nd >= max_dims:
+                    return 1, cols, dims, streams, shared
+                grown = np.empty(min(2 * nd + 16, max_dims), np.int64)
+                grown[:nd] = dims[:nd]
+                dims = grown
             dims[nd] = dim
             nd += 1
             if dim == 0:
@@ -348,8 +392,14 @@ def _scan_index(raw, body_len, dtype_ok):
             return 1, cols, dims, streams, shared
         cols[i, 9] = nstreams
         for _ in range(nstreams):
-            if pos >= raw.size or ns >= streams.shape[0]:
+            if pos >= raw.size:
                 return 1, cols, dims, streams, shared
+            if ns == streams.shape[0]:
+                if ns >= max_streams:
+                    return 1, cols, dims, streams, shared
+                more = np.empty((min(2 * ns + 16, max_streams), 4), np.int64)
+                more[:ns] = streams[:ns]
+                streams = more
             streams[ns, 0] = raw[pos]
             raw_len, pos, ok = _uvarint(raw, pos + 1, (1 << 63) - 1)
             if not ok:

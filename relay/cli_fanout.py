@@ -121,7 +121,8 @@ def _status_writer(path: str | None):
 def _relay(args: argparse.Namespace) -> int:
     source, source_options, dests = _from_args(args)
     fan = Fanout(source, dests, source_options=source_options, poll_interval=args.poll_interval,
-                 workers=args.workers, retry_max=args.retry_max, trusted_keys=args.trusted_key)
+                 workers=args.workers, retry_max=args.retry_max, trusted_keys=args.trusted_key,
+                 replace_runs=True if args.replace_run else None)
     on_status = _status_writer(args.status_file)
     if not args.once:
         try:
@@ -133,7 +134,8 @@ def _relay(args: argparse.Namespace) -> int:
     st = fan.status()
     head = st["origin"]["head"] if st["origin"] else None
     for name, r in st["regions"].items():
-        state = "ok" if r["head"] is not None and head is not None and r["head"] >= head else "BEHIND"
+        state = "REFUSED" if r["run_refused"] else (
+            "ok" if r["head"] is not None and head is not None and r["head"] >= head else "BEHIND")
         err = f"  last error: {r['last_error']}" if r["last_error"] and state != "ok" else ""
         print(f"{name:20} head {r['head']!s:>6} / {head!s:<6} {state:6} {r['bytes_copied']:>12} bytes copied{err}")
     if not ok:
@@ -170,6 +172,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--status-file", metavar="PATH", help="keep per-region lag and bytes in this JSON file")
     p.add_argument("--status-every", type=float, default=30.0, metavar="S", help="log per-region lag this often")
     add_trusted_key(p)
+    p.add_argument("--replace-run", action="store_true",
+                   help="with --trusted-key: let a new run at the origin replace the run a region holds (without it "
+                        "such a switch is refused, since a replayed manifest of an older run looks the same; "
+                        "without keys runs are always replaced)")
     p.set_defaults(func=_relay)
 
     p = subparsers.add_parser("demo", help="the whole pipeline on local S3 servers: train, publish, relay, watch")

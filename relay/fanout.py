@@ -17,15 +17,26 @@ deltas of the head, so a multi-megabyte snapshot never delays the next step. Eve
 idempotent: objects are create-only and compared on collision, the manifest is a compare-and-swap,
 so a restart at any point (or two relays on one destination) is safe.
 
+A regional object counts as present only once it is checked against the reference the manifest
+being committed gives it: we wrote those bytes, or we read the regional object back (in region;
+once per object and relay process) and it matched. Sizes prove nothing: a new run at the origin
+prefix reuses every key, and its records and same-architecture shards keep their sizes. When the
+origin's run changes, every object the new manifest names is verified or replaced, never mixed.
+
 Signed runs (docs/SECURITY.md): a signature covers the whole origin manifest, so a region cannot
 be given a trimmed copy. When the origin manifest is signed the relay copies every object it
 names (each checked against its SHA-256) and then commits the origin's bytes unchanged,
 signatures included. With `trusted_keys` the relay also refuses an origin manifest that is
-unsigned or not signed by one of them, so a forged origin never reaches the regions.
+unsigned or not signed by one of them, so a forged origin never reaches the regions; it verifies
+the regional manifest as well and replaces one that does not verify (damage, or a bucket writer's
+forgery that would otherwise freeze the region at a fake head); and it keeps a region on the
+verified run it holds when the origin shows another run, unless told to accept run changes
+(`replace_runs`): a replayed genuine manifest of an older run looks exactly like a new run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import threading
@@ -36,8 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, Step
-from relay.signing import TrustedKeys
-from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, Store, open_store
+from relay.signing import SignatureError, TrustedKeys
+from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, ObjectMissing, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,13 @@ LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")
 
 class CopyError(RuntimeError):
     """An object could not be copied as the origin manifest describes it (size or hash mismatch at the origin)."""
+
+
+def _covers(held: ObjRef | None, ref: ObjRef) -> bool:
+    """Whether an object verified as `held` is also `ref`: same key, size and xxh3, and `ref`'s SHA-256
+    was checked too when it has one (a run that became signed is read back once more)."""
+    return held is not None and (held == ref or (ref.sha256 is None and (held.key, held.size, held.xxh3)
+                                                 == (ref.key, ref.size, ref.xxh3)))
 
 
 @dataclass
@@ -65,7 +83,8 @@ def trim(m: Manifest, floor: int) -> Manifest:
         raise ValueError(f"trim: step {floor} has no snapshot in the manifest")
     steps = [Step(s.step, s.record) if s.step == floor and s.parent is not None else s
              for s in m.steps if s.step >= floor]
-    return Manifest(m.run, m.head, steps, snaps)
+    # replace(), not the constructor: fields the manifest gains later carry over; a trimmed copy is unsigned
+    return dataclasses.replace(m, steps=steps, snapshots=snaps, signatures=())
 
 
 def choose_floor(m: Manifest, current: Manifest | None) -> int:
@@ -96,16 +115,19 @@ def _manifest_refs(m: Manifest, without: set[int] = frozenset()) -> list[ObjRef]
 
 
 class _SourceCache:
-    """Origin objects fetched once and shared by every region's worker (bounded LRU, one fetch per key)."""
+    """Origin objects fetched once and shared by every region's worker (bounded LRU, one fetch per reference).
+
+    Keyed by the whole ObjRef, not the key: a new run at the origin prefix reuses every key, and bytes
+    verified against the old reference must never be handed out for the new one."""
 
     def __init__(self, store: Store, capacity: int) -> None:
         self.store = store
         self.capacity = capacity
         self.bytes_read = 0
-        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._data: OrderedDict[ObjRef, bytes] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
-        self._key_locks: dict[str, threading.Lock] = {}
+        self._key_locks: dict[ObjRef, threading.Lock] = {}
 
     def _verified(self, ref: ObjRef) -> bytes:
         data = b""
@@ -122,19 +144,19 @@ class _SourceCache:
 
     def get(self, ref: ObjRef) -> bytes:
         with self._lock:
-            if ref.key in self._data:
-                self._data.move_to_end(ref.key)
-                return self._data[ref.key]
-            key_lock = self._key_locks.setdefault(ref.key, threading.Lock())
+            if ref in self._data:
+                self._data.move_to_end(ref)
+                return self._data[ref]
+            key_lock = self._key_locks.setdefault(ref, threading.Lock())
         with key_lock:  # regions asking for the same object wait for one fetch
             with self._lock:
-                if ref.key in self._data:
-                    return self._data[ref.key]
+                if ref in self._data:
+                    return self._data[ref]
             data = self._verified(ref)
             with self._lock:
-                self._key_locks.pop(ref.key, None)
-                if len(data) <= self.capacity:
-                    self._data[ref.key] = data
+                self._key_locks.pop(ref, None)
+                if len(data) <= self.capacity and ref not in self._data:
+                    self._data[ref] = data
                     self._size += len(data)
                     while self._size > self.capacity:
                         _, old = self._data.popitem(last=False)
@@ -146,13 +168,18 @@ class _SourceCache:
 class _Region:
     dest: Destination
     store: Store
-    known: dict[str, int] | None = None  # key -> size of objects present; None: list the store first
+    # key -> the reference the regional object was verified against (we wrote those bytes, or read them
+    # back and they matched); only these count as present. Survives a relist for keys still listed at that size.
+    known: dict[str, ObjRef] = field(default_factory=dict)
+    listed: dict[str, int] | None = None  # key -> size as last listed; None: list the store first
+    refused_etag: str | None = None  # origin version this region refused to switch runs to
     head: int | None = None
     run: str | None = None
     synced_etag: str | None = None  # origin manifest version this region fully mirrors
     synced_head: int | None = None  # and that version's head
     bytes_copied: int = 0
     objects_copied: int = 0
+    bytes_read_back: int = 0  # in-region reads checking listed objects against the manifest
     failures: int = 0
     errors: int = 0
     last_error: str | None = None
@@ -173,13 +200,19 @@ class Fanout:
     retry_initial / retry_max: per-destination backoff after a failure.
     recheck_interval: a region in sync re-reads its own manifest this often, so an emptied or
     recreated bucket is re-seeded even while the origin is idle.
-    trusted_keys: Ed25519 public keys (PEM paths): only origin manifests signed by one of them are mirrored.
+    trusted_keys: Ed25519 public keys (PEM paths): only origin manifests signed by one of them are mirrored,
+    and a regional manifest that does not verify under them is treated as damage and replaced.
+    replace_runs: whether a region holding another run than the origin's is switched to the origin's run.
+    None means True without trusted_keys (the origin is all the relay can go by: a new run was started
+    there) and False with them (a verified regional run is kept; a replayed genuine manifest of an older
+    run at the origin must not switch it): the refusal is logged as an error and counted in the region's
+    status, and sync_once reports that region as not synced.
     """
 
     def __init__(self, source: str | Store, destinations: list[Destination], *, source_options: dict | None = None,
                  poll_interval: float = 1.0, workers: int = 4, cache_bytes: int = 1 << 30,
                  retry_initial: float = 0.5, retry_max: float = 30.0, recheck_interval: float = 30.0,
-                 trusted_keys: Any = None) -> None:
+                 trusted_keys: Any = None, replace_runs: bool | None = None) -> None:
         if not destinations:
             raise ValueError("the relay needs at least one destination")
         names = [d.name for d in destinations]
@@ -194,6 +227,7 @@ class Fanout:
         self.retry_max = retry_max
         self.recheck_interval = recheck_interval
         self.trusted = TrustedKeys.from_option(trusted_keys)
+        self.replace_runs = self.trusted is None if replace_runs is None else bool(replace_runs)
         self._cache = _SourceCache(self.source, cache_bytes)
         self.regions: dict[str, _Region] = {
             d.name: _Region(d, d.store if d.store is not None else open_store(d.url, d.storage_options))
@@ -244,32 +278,67 @@ class Fanout:
 
     # -- one destination --------------------------------------------------------------------------
     def _copy(self, region: _Region, ref: ObjRef) -> None:
-        data = self._cache.get(ref)
+        data = self._cache.get(ref)  # checked against `ref` (size, xxh3, SHA-256 when signed)
         try:
             region.store.put_immutable(ref.key, data)
         except ConflictError:
-            # A different object under this key: a crashed writer of another run, or damage. Regional
+            # A different object under this key: another run's, a crashed writer's, or damage. Regional
             # manifests only name objects this relay verified, so replacing it is safe.
             log.warning("%s/%s: holds other bytes than the origin; replacing it", region.store.url, ref.key)
             region.store.delete([ref.key])
             region.store.put_immutable(ref.key, data)
-        region.known[ref.key] = ref.size
+        region.known[ref.key] = ref
+        if region.listed is not None:
+            region.listed[ref.key] = ref.size
         with self._cond:
             region.bytes_copied += len(data)
             region.objects_copied += 1
 
+    def _held(self, region: _Region, ref: ObjRef) -> bool:
+        """Verified present, or listed at the right size and not known to differ (to be read back in region,
+        not copied across)."""
+        held = region.known.get(ref.key)
+        if held is not None and (held.size, held.xxh3) != (ref.size, ref.xxh3):
+            return False
+        return _covers(held, ref) or (region.listed or {}).get(ref.key) == ref.size
+
+    def _make_present(self, region: _Region, ref: ObjRef) -> None:
+        """Make the regional object under ref.key exactly `ref`: a listed one of the right size is read back
+        (an in-region read) and kept if it matches; anything else is copied from the origin (replacing it)."""
+        held = region.known.get(ref.key)
+        if _covers(held, ref):
+            return
+        # read back unless we know it holds other bytes (a known ref with another tag: copy over it)
+        same_tag = held is None or (held.size, held.xxh3) == (ref.size, ref.xxh3)
+        if same_tag and (region.listed or {}).get(ref.key) == ref.size:
+            try:
+                data = region.store.get(ref.key)
+            except ObjectMissing:
+                data = None
+            if data is not None:
+                with self._cond:
+                    region.bytes_read_back += len(data)
+                problem = ref.matches(data)
+                if problem is None:
+                    region.known[ref.key] = ref
+                    return
+                # Records and same-architecture shards have the same size in every run: a new run at the
+                # origin prefix, or damage, leaves objects that only a content check tells apart.
+                log.warning("%s/%s: %s; replacing it from the origin", region.store.url, ref.key, problem)
+        self._copy(region, ref)
+
     def _ensure(self, region: _Region, refs: list[ObjRef]) -> None:
-        """Copy every ref the region lacks (in parallel); returns once all are present."""
-        missing = [r for r in refs if region.known.get(r.key) != r.size]
+        """Make every ref verified present in the region (in parallel); returns once all are."""
+        missing = [r for r in refs if not _covers(region.known.get(r.key), r)]
         if not missing:
             return
         if len(missing) == 1 or self.workers <= 1:
             for r in missing:
-                self._copy(region, r)
+                self._make_present(region, r)
             return
         with ThreadPoolExecutor(min(self.workers, len(missing)),
                                 thread_name_prefix=f"fanout-{region.dest.name}") as pool:
-            for f in [pool.submit(self._copy, region, r) for r in missing]:
+            for f in [pool.submit(self._make_present, region, r) for r in missing]:
                 f.result()
 
     def _commit(self, region: _Region, new: Manifest, current_data: bytes | None, etag: str | None,
@@ -282,7 +351,7 @@ class Fanout:
         except ConflictError:
             # Another relay (or a regional gc) committed in between, or the bucket was emptied:
             # re-read and redo next round.
-            region.known, region.manifest = None, None
+            region.listed, region.manifest = None, None
             raise
         region.manifest = ManifestRead(data, tag)
         now_mono, now_wall = time.monotonic(), time.time()
@@ -298,12 +367,43 @@ class Fanout:
                  region.objects_copied, region.bytes_copied)
         return tag
 
+    def _regional(self, region: _Region, got: ManifestRead | None) -> Manifest | None:
+        """The regional manifest if it can stand: parsed and, with trusted keys, verified. Anything else is
+        damage (a bucket writer's forgery, a torn write) that the origin's verified manifest replaces."""
+        if got is None:
+            return None
+        where = f"{region.store.url}/manifest.json"
+        try:
+            current = Manifest.parse(got.data, where)
+            if self.trusted is not None:
+                self.trusted.verify(current, where)
+        except SignatureError as exc:
+            log.warning("%s: regional manifest does not verify (%s); treating it as damage and replacing it with "
+                        "the origin's", region.dest.name, exc)
+            return None
+        except ManifestError as exc:
+            log.warning("%s: regional manifest unreadable (%s); replacing it", region.dest.name, exc)
+            return None
+        return current
+
+    def _refuse_run_change(self, region: _Region, current: Manifest, m: Manifest, origin_etag: str | None) -> bool:
+        msg = (f"holds run {current.run} (verified), the origin now shows another run {m.run}; not switching: a "
+               f"replayed genuine manifest of an older run looks the same (pass replace_runs=True, relay "
+               f"--replace-run, to accept a new run)")
+        log.error("%s: %s", region.dest.name, msg)
+        with self._cond:
+            region.errors += 1
+            region.last_error = msg
+            region.refused_etag = origin_etag
+        return False
+
     def sync_region(self, region: _Region) -> bool:
         """Bring one destination to the origin manifest as last polled; True when it mirrors that version.
 
         First the head: every record and delta and the snapshots the region needs to stand alone,
         then the manifest naming them; then the origin's other snapshots, then the full manifest.
-        Returns False early when the origin moves on during a snapshot copy (the head comes first).
+        Returns False early when the origin moves on during a snapshot copy (the head comes first),
+        and False when the region holds another (verified) run that this relay may not replace.
         """
         with self._cond:
             m, origin_etag, origin_data = self._origin, self._origin_etag, self._origin_data
@@ -315,48 +415,44 @@ class Fanout:
             got = region.store.read_manifest()
             region.manifest, region.last_read = got, time.monotonic()
         got = region.manifest
-        current = None
-        if got is not None:
-            try:
-                current = Manifest.parse(got.data, f"{region.store.url}/manifest.json")
-            except ManifestError as exc:
-                log.warning("%s: regional manifest unreadable (%s); replacing it", region.dest.name, exc)
-        elif region.head is not None:
+        current = self._regional(region, got)
+        if got is None and region.head is not None:
             log.warning("%s: regional manifest is gone (bucket emptied or recreated?); re-seeding from step %d's "
                         "snapshot", region.dest.name, m.base)
-            region.known, region.head, region.run = None, None, None
-        if current is not None:
-            with self._cond:
-                region.head, region.run = current.head, current.run
+            region.listed = None
+        with self._cond:
+            region.head, region.run = (None, None) if current is None else (current.head, current.run)
         if current is not None and current.run != m.run:
-            log.warning("%s: holds run %s, the origin now has run %s; replacing it", region.dest.name, current.run,
-                        m.run)
+            if not self.replace_runs:
+                return self._refuse_run_change(region, current, m, origin_etag)
+            log.warning("%s: holds run %s, the origin now has run %s; replacing it (every object verified or "
+                        "replaced)", region.dest.name, current.run, m.run)
         if current is not None and current.run == m.run and current.head > m.head:
             log.warning("%s: regional head %d is ahead of the origin's %d; leaving it", region.dest.name,
                         current.head, m.head)
             with self._cond:
-                region.head, region.run = current.head, current.run
-                region.synced_etag, region.synced_head = origin_etag, m.head
+                region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
             return True
-        if region.known is None:
+        if region.listed is None:
             listed: dict[str, int] = {}
             for prefix in LAYOUT_PREFIXES:
                 listed.update(region.store.list(prefix))
-            region.known = listed
+            region.listed = listed
+            # what we verified stays verified while the store still lists it at that size
+            region.known = {k: r for k, r in region.known.items() if listed.get(k) == r.size}
+        data = None if got is None else got.data
+        etag = None if got is None else got.etag
         if m.signatures:  # a signature covers the whole manifest: mirror it as is, after every object it names
             self._ensure(region, _manifest_refs(m))
-            self._commit(region, m, None if got is None else got.data, None if got is None else got.etag,
-                         raw=origin_data)
+            self._commit(region, m, data, etag, raw=origin_data)
             with self._cond:
-                region.synced_etag, region.synced_head = origin_etag, m.head
+                region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
             return True
         target = trim(m, choose_floor(m, current))
         floor = target.snapshots[0].step
         extra = {s.step for s in target.snapshots
-                 if s.step != floor and any(region.known.get(r.key) != r.size for r in snapshot_refs(s))}
-        first = Manifest(target.run, target.head, target.steps, [s for s in target.snapshots if s.step not in extra])
-        data = None if got is None else got.data
-        etag = None if got is None else got.etag
+                 if s.step != floor and not all(self._held(region, r) for r in snapshot_refs(s))}
+        first = dataclasses.replace(target, snapshots=[s for s in target.snapshots if s.step not in extra])
         self._ensure(region, _manifest_refs(first))
         etag = self._commit(region, first, data, etag)
         data = first.to_bytes()
@@ -370,7 +466,7 @@ class Fanout:
         if extra:
             self._commit(region, target, data, etag)
         with self._cond:
-            region.synced_etag, region.synced_head = origin_etag, m.head
+            region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
         return True
 
     def _worker(self, region: _Region) -> None:
@@ -378,8 +474,9 @@ class Fanout:
             with self._cond:
                 while not self._stop.is_set():
                     wait = region.next_try - time.monotonic()
-                    due = (region.synced_etag != self._origin_etag
-                           or time.monotonic() - region.last_check >= self.recheck_interval)
+                    behind = (region.synced_etag != self._origin_etag      # a version to mirror,
+                              and region.refused_etag != self._origin_etag)  # unless it was refused
+                    due = behind or time.monotonic() - region.last_check >= self.recheck_interval
                     if self._origin_etag is not None and due and wait <= 0:
                         break
                     self._cond.wait(timeout=max(0.01, min(wait, 1.0)) if wait > 0 else 1.0)
@@ -395,7 +492,7 @@ class Fanout:
                 region.failures += 1
                 region.errors += 1
                 # Its contents may have changed (a restarted server, an emptied bucket): look again.
-                region.known = region.manifest = None
+                region.listed = region.manifest = None
                 delay = min(self.retry_initial * 2 ** (region.failures - 1), self.retry_max)
                 region.next_try = time.monotonic() + delay
                 region.last_error = f"{type(exc).__name__}: {exc}"
@@ -444,7 +541,8 @@ class Fanout:
         """Mirror the origin, as seen at the start or later, into every destination; True if all got there in time.
 
         "Got there" means the head and the snapshots of that origin version, so new watchers find
-        them too. Destinations that fail keep retrying with their backoff until the deadline.
+        them too. Destinations that fail keep retrying with their backoff until the deadline; one that
+        refused the origin's run (see replace_runs) makes the answer False as soon as the others are done.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.poll_source() and self._origin is None:
@@ -457,9 +555,13 @@ class Fanout:
         self._start()
         try:
             while True:
-                if all(r.run == run and r.synced_head is not None and r.synced_head >= target
-                       for r in self.regions.values()):
-                    return True
+                with self._cond:
+                    refused = [r.refused_etag is not None and r.refused_etag == self._origin_etag
+                               for r in self.regions.values()]
+                    done = [r.run == run and r.synced_head is not None and r.synced_head >= target
+                            for r in self.regions.values()]
+                if all(x or y for x, y in zip(refused, done)):
+                    return not any(refused)
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
                 self._stop.wait(min(self.poll_interval, 0.05))
@@ -514,6 +616,8 @@ class Fanout:
                     "url": r.store.url, "head": r.head, "lag_steps": lag_steps, "lag_seconds": lag_seconds,
                     "synced": origin is not None and r.synced_etag == self._origin_etag,
                     "bytes_copied": r.bytes_copied, "objects_copied": r.objects_copied,
+                    "bytes_read_back": r.bytes_read_back,
+                    "run_refused": r.refused_etag is not None and r.refused_etag == self._origin_etag,
                     "failures": r.failures, "errors": r.errors, "last_error": r.last_error,
                     "last_commit": r.last_commit,
                     "delay_median_s": statistics.median(delays) if delays else None,

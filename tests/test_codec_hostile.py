@@ -12,6 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -354,6 +355,92 @@ def test_stream_frame_declaring_a_huge_size_allocates_nothing(case):
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, f"a {len(forged)}-byte payload made decode allocate {peak} bytes"
+
+
+def _with_index_frame(payload: bytes, frame: bytes) -> bytes:
+    """`payload` with its index frame replaced by `frame` (any bytes), checksum fixed."""
+    version, _, body = split_payload(payload)
+    return fix_checksum(PREFIX.pack(b"DRDELTA\x00", version, 0, len(frame), bytes(16)) + frame + body)
+
+
+@pytest.mark.parametrize("content_size", [True, False], ids=["declared", "undeclared"])
+def test_tiny_payload_whose_index_inflates_is_refused_before_it_allocates(case, content_size):
+    """A few-KiB payload whose index decompresses to 128 MiB (under MAX_INDEX_BYTES): before the ratio bound
+    the decoder inflated all of it (and then reserved gigabytes of scan columns sized by it); now the frame's
+    size bounds what it may decompress to, so it is refused at once, having allocated next to nothing."""
+    import time
+
+    base, _, payload = case
+    _, index, _ = split_payload(payload)
+    bomb = index + bytes(128 << 20)
+    frame = zstandard.ZstdCompressor(level=3, write_content_size=content_size).compress(bomb)
+    forged = _with_index_frame(payload, frame)
+    assert len(forged) < 64 << 10
+    started = time.perf_counter()
+    tracemalloc.start()
+    try:
+        for parse in (lambda: codec.decode(base, forged), lambda: codec.apply_(clone_all(base), forged),
+                      lambda: container.unpack(forged), lambda: codec.describe(forged)):
+            with pytest.raises(codec.DeltaError, match="index"):
+                parse()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"a {len(forged)}-byte payload made the decoder allocate {peak} bytes"
+    assert time.perf_counter() - started < 2.0
+
+
+def test_index_claims_are_bounded_by_what_the_index_can_hold():
+    """An incompressible 32 MiB index (within every size and ratio limit) that claims one entry: the scan used to
+    reserve dims, streams and shared columns sized by the whole index (about 1 GB), which under an address-space
+    limit escaped as a MemoryError; now its columns are sized by the entry count and grow as they are read. Run in
+    a child process under RLIMIT_AS, so a reservation that is too large fails instead of being overcommitted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = r"""
+import os, resource, sys
+sys.path.insert(0, "tests")
+import numpy as np, zstandard
+import codec
+from codec import container
+from codec_cases import PREFIX, fix_checksum, split_payload
+from test_codec_hostile import _BASE, _PAYLOADS
+
+payload = _PAYLOADS[3]
+version, _, body = split_payload(payload)
+codec.decode(_BASE, payload)  # compiled kernels loaded before the limit
+raw = b"\x01" + np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8).tobytes()
+frame = zstandard.ZstdCompressor(level=1).compress(raw)
+forged = fix_checksum(PREFIX.pack(b"DRDELTA\x00", version, 0, len(frame), bytes(16)) + frame + body)
+vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+for parse in (lambda: container.unpack(forged), lambda: codec.decode(_BASE, forged)):
+    try:
+        parse()
+    except codec.DeltaError as exc:
+        print("DeltaError", exc)
+    except BaseException as exc:
+        print("ESCAPED", type(exc).__name__, exc)
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("DeltaError") for line in lines), out.stdout + out.stderr[-2000:]
+
+
+def test_pack_never_writes_an_index_the_decoder_would_refuse(case):
+    """The ratio bound is a decoder limit, so the encoder checks it too: 64 near-identical 60 KiB names compress
+    about 1000x, and pack refuses that index (ValueError) rather than publish a payload nobody can read."""
+    _, _, payload = case
+    parsed = container.unpack(payload)
+    entry = parsed.entries[0]
+    stem = "x" * (60 << 10)
+    parsed.entries = [dataclasses.replace(entry, name=f"{stem}{i}", streams=[]) for i in range(64)]
+    with pytest.raises(ValueError, match="limit"):
+        container.pack(parsed)
 
 
 # --- fuzzing ------------------------------------------------------------------------------------
