@@ -17,6 +17,7 @@ Three backends, chosen by protocol:
 
 from __future__ import annotations
 
+import abc
 import errno
 import fcntl
 import logging
@@ -67,30 +68,39 @@ def content_tag(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-class Store:
-    """Keys are '/'-separated names relative to the run prefix (e.g. 'deltas/12-0.drd')."""
+class Store(abc.ABC):
+    """A run prefix in an object store. Keys are '/'-separated names relative to it ('deltas/12-0.drd').
+
+    The contract every implementation keeps (tests/test_store_conformance.py checks it on every
+    kind): `ObjectMissing` for an absent key, `ObjectExists` from a create-only write that found
+    one, `ConflictError` from a conditional write that lost; any other exception is a store or
+    network failure (`transient()` tells which a retry may cure) after which the state of a write
+    is unknown. Nothing is ever partly written: a reader sees a whole object or none.
+    """
 
     url: str
 
+    @abc.abstractmethod
     def get(self, key: str) -> bytes:
-        raise NotImplementedError
+        """The object's bytes. ObjectMissing (with `.key`) if there is none."""
 
+    @abc.abstractmethod
     def put_new(self, key: str, data: bytes) -> None:
-        """Create `key`; ObjectExists if it is already there (its content is left alone)."""
-        raise NotImplementedError
+        """Create `key` with `data`, atomically; ObjectExists if it is already there (its content left alone)."""
 
+    @abc.abstractmethod
     def delete(self, keys: list[str]) -> None:
-        raise NotImplementedError
+        """Delete every key; absent keys are not an error. Raises (naming the keys) if any present key
+        could not be deleted."""
 
+    @abc.abstractmethod
     def list(self, prefix: str) -> dict[str, int]:
-        """Key -> size for every object under `prefix` (operators only; watchers never list)."""
-        raise NotImplementedError
+        """Key -> size for every object under `prefix` ({} if none); operators only, watchers never list.
+        Never a cached view: a key written or deleted before the call is seen as such."""
 
     def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | object:
-        """The manifest and its ETag; None if the run has none; NOT_MODIFIED if the ETag still holds.
-
-        Stores without ETags use the content tag; S3 overrides this with a conditional GET.
-        """
+        """The manifest and its ETag; None if the run has none; NOT_MODIFIED if `if_none_match` is
+        still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
         try:
             data = self.get(MANIFEST_KEY)
         except ObjectMissing:
@@ -100,15 +110,14 @@ class Store:
             return NOT_MODIFIED
         return ManifestRead(data, tag)
 
+    @abc.abstractmethod
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
-        """Write the manifest iff its current ETag is `expected_etag` (None: iff absent). Returns the new ETag.
-
-        Raises ConflictError when another writer got there first.
-        """
-        raise NotImplementedError
+        """Write the manifest iff its current ETag is `expected_etag` (None: iff there is none); returns
+        the new ETag. ConflictError when another writer got there first; the manifest is then unchanged."""
 
     def put_immutable(self, key: str, data: bytes) -> None:
-        """Create `key`; accept an existing object only if it holds exactly these bytes."""
+        """Create `key`; accept an existing object only if it holds exactly these bytes (an idempotent
+        retry), else ConflictError."""
         try:
             self.put_new(key, data)
         except ObjectExists:
@@ -226,10 +235,12 @@ class FsspecStore(Store):
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
     def put_new(self, key: str, data: bytes) -> None:
+        path = self._path(key)
         with _PROCESS_LOCK:
-            if self.fs.exists(self._path(key)):
+            if self.fs.exists(path):
                 raise ObjectExists(f"{self.url}/{key}: exists")
-            self.fs.pipe_file(self._path(key), data)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # no-op on flat stores, needed on others
+            self.fs.pipe_file(path, data)
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
@@ -254,6 +265,7 @@ class FsspecStore(Store):
             current_tag = None if current is None else current.etag
             if current_tag != expected_etag:
                 raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer")
+            self.fs.makedirs(self.root, exist_ok=True)
             self.fs.pipe_file(self._path(MANIFEST_KEY), data)
         return content_tag(data)
 
@@ -374,8 +386,13 @@ class S3Store(Store):
         for i in range(0, len(keys), 1000):
             batch = keys[i:i + 1000]
             if batch:
-                self.fs.call_s3("delete_objects", Bucket=self.bucket,
-                                Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True})
+                resp = self.fs.call_s3("delete_objects", Bucket=self.bucket,
+                                       Delete={"Objects": [{"Key": self._key(k)} for k in batch], "Quiet": True})
+                failed = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+                if failed:  # a 200 response can still refuse some keys (AccessDenied, InternalError)
+                    self.fs.invalidate_cache(self.root)
+                    raise OSError(errno.EIO, f"{self.url}: could not delete {len(failed)} object(s): " + ", ".join(
+                        f"{e.get('Key')} ({e.get('Code')}: {e.get('Message', '')})" for e in failed[:5]))
         self.fs.invalidate_cache(self.root)
 
     def list(self, prefix: str) -> dict[str, int]:

@@ -1,54 +1,14 @@
-"""Conditional writes: the store's commit semantics on every backend, and publishers racing for one step."""
+"""Publishers racing for one step (the stores' own commit semantics: tests/test_store_conformance.py)."""
 
 from __future__ import annotations
 
 import threading
-import uuid
 
 import pytest
 
 import relay
 from relay.manifest import Manifest
-from relay.store import NOT_MODIFIED, ConflictError, ObjectExists, ObjectMissing, open_store
-
-
-@pytest.fixture(params=["file", "s3", "memory"])
-def any_store(request, tmp_path):
-    if request.param == "memory":
-        return open_store(f"memory://race-{uuid.uuid4().hex}/run")
-    run = request.getfixturevalue(f"{request.param}_run")
-    return open_store(run.url, run.options)
-
-
-def test_manifest_commit_is_compare_and_swap(any_store):
-    assert any_store.read_manifest() is None
-    tag1 = any_store.commit_manifest(b'{"v": 1}', None)
-    with pytest.raises(ConflictError):
-        any_store.commit_manifest(b'{"v": 1, "fork": true}', None)  # If-None-Match: * on an existing manifest
-    tag2 = any_store.commit_manifest(b'{"v": 2}', tag1)
-    with pytest.raises(ConflictError):
-        any_store.commit_manifest(b'{"v": 3}', tag1)  # stale If-Match
-    got = any_store.read_manifest()
-    assert got.data == b'{"v": 2}' and got.etag == tag2
-    assert any_store.read_manifest(if_none_match=tag2) is NOT_MODIFIED
-    assert any_store.read_manifest(if_none_match=tag1).data == b'{"v": 2}'
-
-
-def test_immutable_objects_are_create_only(any_store):
-    any_store.put_immutable("deltas/4-0.drd", b"payload")
-    any_store.put_immutable("deltas/4-0.drd", b"payload")  # the same bytes again: an idempotent retry
-    with pytest.raises(ObjectExists):
-        any_store.put_new("deltas/4-0.drd", b"other")
-    with pytest.raises(ConflictError, match="deltas/4-0.drd"):
-        any_store.put_immutable("deltas/4-0.drd", b"other")
-    assert any_store.get("deltas/4-0.drd") == b"payload"
-    with pytest.raises(ObjectMissing):
-        any_store.get("deltas/5-0.drd")
-    any_store.put_new("snapshots/4/model.safetensors.index.json", b"{}")
-    assert any_store.list("deltas/") == {"deltas/4-0.drd": 7}
-    assert set(any_store.list("snapshots/")) == {"snapshots/4/model.safetensors.index.json"}
-    any_store.delete(["deltas/4-0.drd", "deltas/9-0.drd"])  # deleting a missing key is not an error
-    assert any_store.list("deltas/") == {}
+from relay.store import ConflictError, open_store
 
 
 def _race(url, options, states, step):
