@@ -45,17 +45,18 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    w = Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options),
-                trusted_keys=args.trusted_key)
-    try:
-        if args.once:
-            step = w.sync(timeout=args.timeout)
-            print(f"{args.dest}: step {step}")
-        else:
-            w.run(sync_timeout=args.timeout)
-    except SyncError as exc:
-        held = "no step yet" if w.step is None else f"step {w.step}"
-        raise SyncError(f"{exc}; {args.dest} stays on {held}") from None
+    # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
+    with Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options),
+                 trusted_keys=args.trusted_key) as w:
+        try:
+            if args.once:
+                step = w.sync(timeout=args.timeout)
+                print(f"{args.dest}: step {step}")
+            else:
+                w.run(sync_timeout=args.timeout)
+        except SyncError as exc:
+            held = "no step yet" if w.step is None else f"step {w.step}"
+            raise SyncError(f"{exc}; {args.dest} stays on {held}") from None
     return 0
 
 

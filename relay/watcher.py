@@ -9,9 +9,12 @@ reader (or a crash) sees the old step or the new one, never a mix.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 import codec
@@ -34,6 +38,9 @@ from relay.store import NOT_MODIFIED, ObjectMissing, Store, open_store
 log = logging.getLogger(__name__)
 
 STATE_NAME = "relay-state.json"
+_TMP_PATTERNS = (".current.tmp-*", ".link.tmp-*")  # what a crash mid-swap leaves in DEST
+_VERSION_NAME = re.compile(r"[0-9]+-[0-9a-f]{8}")  # .versions/<step>-<nonce>, as _persist names them
+LOCK_NAME = ".lock"  # flock'ed for a Watcher's lifetime: one watcher per DEST
 
 
 class SyncError(RuntimeError):
@@ -44,10 +51,24 @@ class SyncTimeout(SyncError, TimeoutError):
     """The head was not reached in the time allowed (objects still missing); DIR keeps its last good step."""
 
 
+class DestLocked(SyncError):
+    """Another watcher (process or object) holds DEST: two would delete each other's committed versions."""
+
+
+class HotLoadError(SyncError):
+    """The module could not take the held step; it stays entirely at its previous one, retried next sync."""
+
+
+class _BadVersion(Exception):
+    """A local version proven damaged (state file, shards, digests): the only kind start-up deletes."""
+
+
 class _VerifyError(Exception):
-    def __init__(self, keys: list[str], reason: str) -> None:
+    """Objects (by reference) whose bytes failed a check; the reader refetches them once, then backs off."""
+
+    def __init__(self, refs: list[ObjRef], reason: str) -> None:
         super().__init__(reason)
-        self.keys = keys
+        self.refs = refs
 
 
 @dataclass
@@ -114,20 +135,41 @@ def plan_path(m: Manifest, held: int | None, excluded: set[str] = frozenset()) -
     return best
 
 
+@dataclass
+class _Failure:
+    """A reference that failed verification: not downloaded again before `retry_at` (monotonic seconds)."""
+
+    backoff: float
+    retry_at: float
+
+
 class Reader:
-    """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet."""
+    """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet.
+
+    A reference (key, size and tags) that fails verification twice is planned around, and not
+    downloaded again, for failure_backoff_initial seconds, doubling at each further failure up to
+    failure_backoff_max: a persistently bad object costs a bounded number of downloads, not two per
+    poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try.
+    """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
-                 reroute_after: float | None = 300.0, trusted_keys: Any = None) -> None:
+                 reroute_after: float | None = 300.0, trusted_keys: Any = None,
+                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0) -> None:
         self.store = store
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.reroute_after = reroute_after
         self.workers = workers
         self.retry_initial = retry_initial
         self.retry_max = retry_max
+        self.failure_backoff_initial = failure_backoff_initial
+        self.failure_backoff_max = failure_backoff_max
+        if failure_backoff_initial <= 0 or failure_backoff_max < failure_backoff_initial:
+            raise ValueError("need 0 < failure_backoff_initial <= failure_backoff_max")
         self.bytes_downloaded = 0
         self._count_lock = threading.Lock()
-        self._cache: dict[str, bytes] = {}
+        self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
+        self._failures: dict[ObjRef, _Failure] = {}
+        self._warned_unchecked = False
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
@@ -138,31 +180,36 @@ class Reader:
         m = Manifest.parse(got.data, where)
         if self.trusted is not None:
             self.trusted.verify(m, where)
+        elif m.signatures and not self._warned_unchecked:
+            self._warned_unchecked = True  # once per Reader: the operator probably forgot the key
+            log.warning("%s: run is signed but this watcher trusts no key; signatures are not checked; "
+                        "pass --trusted-key", self.store.url)
         return m
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
-        if ref.key in self._cache:
-            return self._cache[ref.key]
+        if ref in self._cache:
+            return self._cache[ref]
         data = self.store.get(ref.key)
         with self._count_lock:
             self.bytes_downloaded += len(data)
         problem = ref.matches(data)  # size, xxh3 and, in a signed manifest, SHA-256: before any byte is used
         if problem:
-            raise _VerifyError([ref.key], f"{ref.key}: {problem}")
-        self._cache[ref.key] = data
+            raise _VerifyError([ref], f"{ref.key}: {problem}")
+        self._cache[ref] = data
         return data
 
     def _fetch(self, refs: list[ObjRef]) -> dict[str, bytes]:
         with ThreadPoolExecutor(max(1, min(self.workers, len(refs)))) as pool:
             return dict(zip((r.key for r in refs), pool.map(self._fetch_one, refs)))
 
-    def _record(self, data: bytes, key: str, run: str, step: int) -> Record:
+    def _record(self, data: bytes, ref: ObjRef, run: str, step: int) -> Record:
+        key = ref.key
         try:
             rec = Record.parse(data, key)
         except ManifestError as exc:
-            raise _VerifyError([key], str(exc)) from None
+            raise _VerifyError([ref], str(exc)) from None
         if rec.run != run or rec.step != step:
-            raise _VerifyError([key], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
+            raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
     def _execute(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None) -> tuple[dict, Record]:
@@ -170,18 +217,19 @@ class Reader:
         if plan.snapshot is not None:
             snap = plan.snapshot
             rec_ref = m.step(snap.step).record
-            rec = self._record(got[rec_ref.key], rec_ref.key, m.run, snap.step)
+            rec = self._record(got[rec_ref.key], rec_ref, m.run, snap.step)
             tensors: dict[str, torch.Tensor] = {}
-            file_keys = [f.key for f in snap.files]
-            for key in file_keys:
+            for f in snap.files:
                 try:
-                    tensors.update(st_load(got[key]))
+                    tensors.update(st_load(got[f.key]))
                 except Exception as exc:  # safetensors raises its own types on bad bytes
-                    raise _VerifyError([key], f"{key}: not a safetensors file ({exc})") from None
+                    raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
             bad = mismatches(tensors, rec.tensors)
             if bad:
-                raise _VerifyError(file_keys + [rec_ref.key], f"snapshot {snap.step} does not match its record "
-                                                             f"(tensors {bad[:5]})")
+                # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
+                # good one (typically the head's) must stay usable for the chain from another snapshot.
+                raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
+                                                     f"(tensors {bad[:5]})")
         else:
             if held is None:
                 raise SyncError("internal: chain plan without a held state")
@@ -194,27 +242,44 @@ class Reader:
                 try:
                     codec.apply_(target, got[part.ref.key])  # verifies every tensor it covers, or changes nothing
                 except codec.DeltaError as exc:
-                    raise _VerifyError([part.ref.key], f"{part.ref.key}: {exc}") from None
+                    raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
                 covered.update(target)
             if covered != set(tensors):
-                raise _VerifyError([p.ref.key for p in s.parts],
+                raise _VerifyError([p.ref for p in s.parts],
                                    f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
         if plan.steps:
             last = plan.steps[-1]
-            rec = self._record(got[last.record.key], last.record.key, m.run, last.step)
+            rec = self._record(got[last.record.key], last.record, m.run, last.step)
             bad = mismatches(tensors, rec.tensors)
             if bad:
-                raise _VerifyError([p.ref.key for s in plan.steps for p in s.parts] + [last.record.key],
+                raise _VerifyError([p.ref for s in plan.steps for p in s.parts] + [last.record],
                                    f"step {last.step} does not match its record (tensors {bad[:5]})")
         return tensors, rec
+
+    def _backed_off(self, m: Manifest, now: float) -> set[str]:
+        """Keys of this manifest's references still inside their failure backoff; forgets stale failures."""
+        refs = set(m.refs())
+        for ref in [r for r, f in self._failures.items() if r not in refs and f.retry_at <= now]:
+            del self._failures[ref]  # bounded: only references of the current manifest or still backing off
+        return {r.key for r in refs if r in self._failures and now < self._failures[r].retry_at}
+
+    def _failed(self, refs: list[ObjRef], now: float) -> float:
+        """Back off from `refs` (doubling per failure); returns the longest backoff now in force."""
+        longest = 0.0
+        for ref in refs:
+            f = self._failures.get(ref)
+            backoff = self.failure_backoff_initial if f is None else min(f.backoff * 2, self.failure_backoff_max)
+            self._failures[ref] = _Failure(backoff, now + backoff)
+            longest = max(longest, backoff)
+        return longest
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         """(manifest, tensors, record) at the head; tensors None if already there (or the head is older)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = self.retry_initial
-        refetched: set[str] = set()
-        excluded: set[str] = set()  # failed verification twice
+        refetched: set[ObjRef] = set()
+        failed_here: set[ObjRef] = set()  # failed twice in this call: out for the rest of it, whatever the backoff
         missing_since: dict[str, float] = {}
         rerouted: set[str] = set()  # missing for longer than reroute_after: try another complete path
         try:
@@ -232,13 +297,14 @@ class Reader:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
                                         m.head, held_step, held_step)
                         return m, None, None
+                    excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     plan = plan_path(m, held_step, excluded | rerouted) or plan_path(m, held_step, excluded)
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
-                                        f"(objects that failed verification: {sorted(excluded)[:5]})")
+                                        f"(objects that failed verification, not fetched again until their backoff "
+                                        f"ends: {sorted(excluded)[:5]})")
                     try:
                         tensors, rec = self._execute(m, plan, held)
-                        return m, tensors, rec
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
                         if exc.key is not None and self.reroute_after is not None:
@@ -250,16 +316,21 @@ class Reader:
                                             time.monotonic() - first)
                                 continue
                     except _VerifyError as exc:
-                        for key in exc.keys:
-                            self._cache.pop(key, None)
-                        if any(k not in refetched for k in exc.keys):
-                            refetched.update(exc.keys)
+                        for ref in exc.refs:
+                            self._cache.pop(ref, None)
+                        if any(r not in refetched and r not in self._failures for r in exc.refs):
+                            refetched.update(exc.refs)
                             log.warning("verification failed, discarding and refetching: %s", exc)
                         else:
-                            excluded.update(exc.keys)
-                            log.warning("verification failed again, planning around %s (snapshot fallback): %s",
-                                        exc.keys, exc)
+                            failed_here.update(exc.refs)
+                            backoff = self._failed(exc.refs, time.monotonic())
+                            log.warning("verification failed again, planning around %s for %.0fs (snapshot "
+                                        "fallback): %s", [r.key for r in exc.refs], backoff, exc)
                         continue
+                    else:
+                        for ref in plan.keys(m):
+                            self._failures.pop(ref, None)
+                        return m, tensors, rec
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise SyncTimeout(f"gave up after {timeout:g}s waiting for {waiting_for}")
                 log.info("waiting %.2fs for %s", delay, waiting_for)
@@ -267,6 +338,18 @@ class Reader:
                 delay = min(delay * 2, self.retry_max)
         finally:
             self._cache.clear()
+
+
+def _remove_entry(p: Path) -> None:
+    """Delete a directory tree, file or link without following a link: a link is unlinked (and logged)."""
+    if p.is_symlink():
+        log.warning("%s: a symlink (to %s) where the watcher keeps its own files; removing the link, its "
+                    "target is left alone", p, os.readlink(p))
+        p.unlink(missing_ok=True)
+    elif p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -285,7 +368,11 @@ class Watcher:
     relay-state.json), or nothing before the first sync. It never moves to an older step.
     on_update(step, tensors) runs after each persisted step; `module` is updated in place too.
     With `trusted_keys` (PEM paths or Ed25519 public keys) only manifests signed by one of them are
-    acted on, and every object is checked against the SHA-256 the signed manifest gives it.
+    acted on, and every object is checked against the SHA-256 the signed manifest gives it (without
+    keys a signed run is followed unchecked, with one warning).
+    One Watcher per `dest`: it flocks DEST/.lock until close() (or `with Watcher(...)`), and a second
+    one raises DestLocked. An object that fails verification twice is not downloaded again for
+    failure_backoff_initial seconds, doubling per failure up to failure_backoff_max.
     An object the manifest names but the store lacks is waited for (backoff from retry_initial to
     retry_max seconds); after reroute_after seconds the watcher also considers other complete paths
     (a newer snapshot) that avoid it. It never skips a step of a path or applies part of a chain.
@@ -294,7 +381,8 @@ class Watcher:
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
                  storage_options: dict | None = None, on_update: Callable[[int, dict], Any] | None = None,
                  module: torch.nn.Module | None = None, workers: int = 8, retry_initial: float = 0.2,
-                 retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None) -> None:
+                 retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None,
+                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0) -> None:
         self.url = url
         self.dest = Path(dest)
         self.poll_interval = poll_interval
@@ -302,13 +390,58 @@ class Watcher:
         self.module = module
         self.store = open_store(url, storage_options)
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
-                             reroute_after=reroute_after, trusted_keys=trusted_keys)
+                             reroute_after=reroute_after, trusted_keys=trusted_keys,
+                             failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max)
         self._stop = threading.Event()
         self.step: int | None = None
         self.run_id: str | None = None
         self.tensors: dict[str, torch.Tensor] | None = None
+        self.module_step: int | None = None  # the step `module` holds (set by a successful hot-load)
+        self.delivered_step: int | None = None  # the last step on_update accepted
+        self._module_tensors: dict[str, torch.Tensor] | None = None  # what the module holds, to restore from
         self.dest.mkdir(parents=True, exist_ok=True)
-        self._recover()
+        self._lock = self._take_lock()
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_lock(self):
+        """flock DEST/.lock (exclusive, non-blocking) before touching DEST; DestLocked if another watcher has it.
+
+        A file object, so a Watcher that is dropped without close() still releases the lock when collected.
+        """
+        path = self.dest / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        f = os.fdopen(fd, "r+b")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = f.read(32).decode("ascii", "replace").strip()
+            f.close()
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            by = f" (pid {holder})" if holder.isdigit() else ""
+            raise DestLocked(f"{self.dest}: another watcher is running on this directory{by}; it holds "
+                             f"{path}. One watcher per directory: stop the other one first") from None
+        f.truncate(0)
+        f.write(str(os.getpid()).encode())
+        f.flush()
+        return f
+
+    def close(self) -> None:
+        """Stop run() and release DEST's lock; the Watcher cannot sync afterwards. Idempotent."""
+        self._stop.set()
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.close()  # closing the descriptor releases the flock
+
+    def __enter__(self) -> "Watcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def bytes_downloaded(self) -> int:
@@ -316,42 +449,136 @@ class Watcher:
 
     # -- local directory ----------------------------------------------------------------------
     def _recover(self) -> None:
-        """Load the held step (verified against its state file) and tidy what a crash left behind."""
-        current = self.dest / ".current"
-        keep = None
-        if current.is_symlink() and (current / STATE_NAME).is_file():
-            try:
-                state = json.loads((current / STATE_NAME).read_text())
-                tensors, _ = checkpoint.load(current)
-                expected = {k: TensorInfo(v["dtype"], tuple(v["shape"]), v["digest"]) for k, v in state["tensors"].items()}
-                bad = mismatches(tensors, expected)
-                if bad:
-                    raise ValueError(f"tensors {bad[:5]} do not match the state file")
-                self.step, self.run_id, self.tensors = int(state["step"]), state["run"], tensors
-                keep = os.path.basename(os.readlink(current))
-                log.info("%s: holding step %d", self.dest, self.step)
-            except Exception as exc:  # noqa: BLE001 - a damaged local copy is refetched, not trusted
-                log.warning("%s: held step unreadable (%s); starting fresh", self.dest, exc)
+        """Load the held step (verified against its state file) and tidy what a crash left behind.
+
+        Links are never followed while cleaning up: a symlinked .versions, a symlinked entry in it, or a
+        .current naming anything but .versions/<version> is unlinked as a link (with a warning), so a
+        planted link cannot make start-up delete or load a directory outside DEST. Only a proven-bad
+        version (see _load_version) is removed; any other failure to load it (MemoryError, an I/O error)
+        is raised and nothing is deleted.
+        """
         versions = self.dest / ".versions"
-        if versions.is_dir():
+        if versions.is_symlink():
+            log.warning("%s: .versions is a symlink (to %s); removing the link, its target is left alone",
+                        self.dest, os.readlink(versions))
+            versions.unlink()
+        name = self._current_name()
+        keep = None
+        if name is not None:
+            try:
+                self.step, self.run_id, self.tensors = self._load_version(versions / name)
+                keep = name
+                log.info("%s: holding step %d", self.dest, self.step)
+            except _BadVersion as exc:
+                log.warning("%s: held step unusable (%s); removing it and starting fresh", self.dest, exc)
+        self.module_step = self.delivered_step = self.step  # a held step counts as delivered (as before)
+        if versions.is_dir():  # a real directory: the link case is gone above
             for v in versions.iterdir():
                 if v.name != keep:
-                    shutil.rmtree(v, ignore_errors=True)
-        for p in self.dest.glob(".current.tmp-*"):
-            p.unlink(missing_ok=True)
+                    _remove_entry(v)
+        for pattern in _TMP_PATTERNS:
+            for p in self.dest.glob(pattern):
+                _remove_entry(p)
+        if keep is not None:
+            self._link_visible(versions / keep, strict=False)
         self._drop_dangling()
+
+    def _current_name(self) -> str | None:
+        """The version .current names, if it is a link to .versions/<version name> that is a real directory."""
+        current = self.dest / ".current"
+        if not current.is_symlink():
+            return None
+        target = os.readlink(current)
+        head, _, name = target.partition("/")
+        if head != ".versions" or not _VERSION_NAME.fullmatch(name):
+            log.warning("%s: .current points to %r, not into .versions; removing the link, its target is left "
+                        "alone", self.dest, target)
+            current.unlink()
+            return None
+        entry = self.dest / ".versions" / name
+        if entry.is_symlink() or not entry.is_dir():
+            return None  # a planted link is unlinked by the cleanup; a missing version is simply not held
+        return name
+
+    def _load_version(self, path: Path) -> tuple[int, str, dict[str, torch.Tensor]]:
+        """(step, run, tensors) of a version directory, checked against its state file.
+
+        _BadVersion only when the version is proven bad: its state file is missing or not valid, a shard
+        is missing or not parseable by safetensors, or the digests differ from the state file. Anything
+        else (MemoryError, an OSError other than a missing file) propagates: the version may be fine.
+        """
+        try:
+            state = json.loads((path / STATE_NAME).read_bytes())
+            expected = {k: TensorInfo(v["dtype"], tuple(v["shape"]), v["digest"])
+                        for k, v in state["tensors"].items()}
+            step, run = int(state["step"]), state["run"]
+            if not isinstance(run, str):
+                raise TypeError("run is not a string")
+        except FileNotFoundError:
+            raise _BadVersion(f"no {STATE_NAME}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, UTF-8, fields
+            raise _BadVersion(f"{STATE_NAME} is not valid ({exc!r})") from None
+        try:
+            tensors, _ = checkpoint.load(path)
+        except FileNotFoundError as exc:
+            raise _BadVersion(f"missing file ({exc})") from None
+        except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _BadVersion(f"unreadable checkpoint ({exc!r})") from None
+        bad = mismatches(tensors, expected)
+        if bad:
+            raise _BadVersion(f"tensors {bad[:5]} do not match the state file")
+        return step, run, tensors
 
     def _drop_dangling(self) -> None:
         for p in self.dest.iterdir():
             if p.is_symlink() and not p.name.startswith(".") and not p.exists():
                 p.unlink()
 
+    def _link_visible(self, version: Path, strict: bool = True) -> None:
+        """Make each visible name of `version` exactly the link the watcher creates: .current/<name>.
+
+        A missing name is created; a symlink pointing anywhere else (a Hugging Face hub download links into
+        its blob cache) is replaced atomically (temporary link + rename), its target never touched; a name
+        that is not a symlink stops the update (SyncError) when `strict`, else it is only logged.
+        """
+        names = sorted(f.name for f in version.iterdir())
+        for name in names:
+            link = self.dest / name
+            if os.path.lexists(link) and not link.is_symlink():
+                message = f"{link}: a regular file in the watcher's directory; the watcher owns {self.dest}"
+                if strict:
+                    raise SyncError(message)
+                log.warning("%s; readers of this name do not see the held step", message)
+        for name in names:
+            link = self.dest / name
+            want = os.path.join(".current", name)
+            if link.is_symlink():
+                target = os.readlink(link)
+                if target == want:
+                    continue
+                tmp = self.dest / f".link.tmp-{uuid.uuid4().hex[:8]}"
+                os.symlink(want, tmp)
+                os.replace(tmp, link)
+                log.warning("%s: replaced a symlink to %s (not the watcher's) with one through .current; its "
+                            "target is left alone", link, target)
+            elif not os.path.lexists(link):
+                os.symlink(want, link)
+
+    def _versions_dir(self) -> Path:
+        """DEST/.versions as a real directory (a link planted since start-up is unlinked, never written through)."""
+        versions = self.dest / ".versions"
+        if versions.is_symlink():
+            log.warning("%s: .versions is a symlink (to %s); removing the link, its target is left alone",
+                        self.dest, os.readlink(versions))
+            versions.unlink()
+        versions.mkdir(exist_ok=True)
+        return versions
+
     def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor]) -> None:
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
         if bad or set(rec.weight_map) != set(tensors):  # Record.parse refuses these; never write outside DEST
             raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} in {self.dest}")
-        versions = self.dest / ".versions"
-        versions.mkdir(exist_ok=True)
+        versions = self._versions_dir()
         name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
         try:
             self._write_version(m, rec, tensors, versions, name)
@@ -361,8 +588,9 @@ class Watcher:
             if os.path.realpath(self.dest / ".current") != os.path.realpath(versions / name):
                 shutil.rmtree(versions / f".{name}.tmp", ignore_errors=True)
                 shutil.rmtree(versions / name, ignore_errors=True)
-                for p in self.dest.glob(".current.tmp-*"):
-                    p.unlink(missing_ok=True)
+                for pattern in _TMP_PATTERNS:
+                    for p in self.dest.glob(pattern):
+                        p.unlink(missing_ok=True)
                 self._drop_dangling()
             raise
 
@@ -382,13 +610,7 @@ class Watcher:
         final = versions / name
         os.rename(tmp, final)
         _fsync_dir(versions)
-        for f in final.iterdir():  # visible names: symlinks through .current (dangling until the swap)
-            link = self.dest / f.name
-            if os.path.lexists(link):
-                if not link.is_symlink():
-                    raise SyncError(f"{link}: a regular file in the watcher's directory; the watcher owns {self.dest}")
-                continue
-            os.symlink(os.path.join(".current", f.name), link)
+        self._link_visible(final)  # visible names: symlinks through .current (dangling until the swap)
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
@@ -396,28 +618,83 @@ class Watcher:
         self._drop_dangling()
         for v in versions.iterdir():
             if v.name != name:
-                shutil.rmtree(v, ignore_errors=True)
+                _remove_entry(v)
 
     # -- syncing ------------------------------------------------------------------------------
     def sync(self, timeout: float | None = None) -> int:
-        """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError)."""
+        """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError).
+
+        DEST is persisted first; then the module and on_update get the held step unless they already have
+        it, so one that failed (HotLoadError, or on_update's own exception, raised here) is retried by the
+        next sync even when the manifest has not changed.
+        """
+        if self._lock is None:
+            raise SyncError(f"{self.dest}: this watcher is closed (it no longer holds {self.dest / LOCK_NAME})")
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout)
-        if tensors is None:
-            return self.step
-        if self.step is not None and (rec.step <= self.step or m.run != self.run_id):
-            raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step {self.step} "
-                            f"of run {self.run_id} and never moves back or across runs")
-        self._persist(m, rec, tensors)
-        self.step, self.run_id, self.tensors = rec.step, m.run, tensors
-        log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
-        if self.module is not None:
-            live = self.module.state_dict()
+        if tensors is not None:
+            if self.step is not None and (rec.step <= self.step or m.run != self.run_id):
+                raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
+                                f"{self.step} of run {self.run_id} and never moves back or across runs")
+            self._persist(m, rec, tensors)
+            self.step, self.run_id, self.tensors = rec.step, m.run, tensors
+            log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
+        self._deliver()
+        return self.step
+
+    def _deliver(self) -> None:
+        """Hand the held step to the module and to on_update, each unless it already has it."""
+        failure: BaseException | None = None
+        if self.module is not None and self.step is not None and self.module_step != self.step:
+            try:
+                self._hot_load()
+            except HotLoadError as exc:
+                log.error("%s", exc)
+                failure = exc
+        if self.on_update is not None and self.step is not None and self.delivered_step != self.step:
+            try:
+                self.on_update(self.step, self.tensors)
+                self.delivered_step = self.step
+            except Exception as exc:  # noqa: BLE001 - raised below, after the module's error if any
+                log.error("%s: on_update(%d) failed, retried at the next sync: %s", self.dest, self.step, exc)
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def _hot_load(self) -> None:
+        """Copy the held step into the module, all or nothing.
+
+        Every name, shape and dtype is checked first (exact: a broadcasting copy_ is refused), then the
+        tensors are copied; if a copy fails anyway, those already copied are restored from the tensors the
+        module held (when the watcher loaded them), so the module never mixes two steps.
+        """
+        live = self.module.state_dict()
+        new = self.tensors
+        problems = [f"missing {sorted(set(live) - set(new))[:5]}"] if set(live) - set(new) else []
+        problems += [f"not in the module {sorted(set(new) - set(live))[:5]}"] if set(new) - set(live) else []
+        for k in sorted(set(live) & set(new)):
+            if live[k].shape != new[k].shape or live[k].dtype != new[k].dtype:
+                problems.append(f"{k}: module has shape {tuple(live[k].shape)} {live[k].dtype}, step has "
+                                f"{tuple(new[k].shape)} {new[k].dtype}")
+        where = f"{self.dest}: module not updated to step {self.step}, it stays at step {self.module_step}"
+        if problems:
+            raise HotLoadError(f"{where}: {'; '.join(problems[:5])}")
+        done: list[str] = []
+        try:
             with torch.no_grad():
-                for k, t in tensors.items():
-                    live[k].copy_(t)
-        if self.on_update is not None:
-            self.on_update(rec.step, tensors)
-        return rec.step
+                for k in live:
+                    live[k].copy_(new[k])
+                    done.append(k)
+        except Exception as exc:
+            previous = self._module_tensors
+            if previous is None:
+                raise HotLoadError(f"{self.dest}: module update to step {self.step} failed copying {k} ({exc}); "
+                                   f"the module never took a step from this watcher, so the {len(done)} tensors "
+                                   f"already copied cannot be restored") from exc
+            with torch.no_grad():
+                for d in done:
+                    live[d].copy_(previous[d])
+            raise HotLoadError(f"{where} (copying {k} failed: {exc}; {len(done)} copied tensors restored)") from exc
+        self.module_step, self._module_tensors = self.step, new
 
     def run(self, sync_timeout: float | None = None) -> None:
         """Poll forever (until stop()): one conditional manifest read per interval, a sync when it changed.

@@ -74,10 +74,10 @@ KILL_POINTS = [
     ("persist: writing the shards", "call", "save_file", "write_dir", 1, "old"),
     ("persist: fsync of the new version", "c_call", "fsync", "_persist|_write_version", 1, "old"),
     ("persist: rename of the finished version", "c_call", "rename", "_persist|_write_version", 1, "old"),
-    ("persist: visible symlinks created", "c_call", "symlink", "_persist|_write_version", 1, "old"),
+    ("persist: visible symlinks created", "c_call", "symlink", "_persist|_write_version|_link_visible", 1, "old"),
     ("persist: just before the .current swap", "c_call", "replace", "_persist|_write_version", 1, "old"),
     ("persist: just after the .current swap", "c_return", "replace", "_persist|_write_version", 1, "new"),
-    ("persist: removing the old version", "call", "rmtree", "_persist|_write_version", 1, "new"),
+    ("persist: removing the old version", "call", "rmtree", "_persist|_write_version|_remove_entry", 1, "new"),
 ]
 
 

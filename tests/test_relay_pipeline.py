@@ -231,8 +231,10 @@ def test_crash_during_persist_keeps_last_step(file_run, trainer, bits_equal, tmp
         return real_replace(src, dst, *a, **kw)
 
     monkeypatch.setattr(os, "replace", crash_at_swap)
+    crashed = relay.Watcher(file_run.url, dest)
     with pytest.raises(KeyboardInterrupt):
-        relay.Watcher(file_run.url, dest).sync()
+        crashed.sync()
+    crashed.close()  # the crashed process is gone: its lock with it
     monkeypatch.setattr(os, "replace", real_replace)
     assert_holds(dest, 0, first, bits_equal)  # the half-written step 1 is invisible
     assert any(p.name.startswith(".current.tmp-") for p in dest.iterdir()) or (dest / ".versions").exists()
