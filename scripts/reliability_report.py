@@ -29,7 +29,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RELIABILITY.md"
 FAULT_FILES = ["tests/test_faults_store.py", "tests/test_faults_crash.py", "tests/test_faults_load.py"]
-SECURITY_FILES = ["tests/test_signing.py", "tests/test_verify.py", "tests/test_hostile_store.py"]
+SECURITY_FILES = ["tests/test_signing.py", "tests/test_verify.py", "tests/test_hostile_store.py",
+                  "tests/test_writer_hardening.py", "tests/test_watcher_hardening.py", "tests/test_fanout_hardening.py"]
 MARKERS = {"faults": ("<!-- fault-table:begin -->", "<!-- fault-table:end -->"),
            "security": ("<!-- security-rows:begin -->", "<!-- security-rows:end -->")}
 
