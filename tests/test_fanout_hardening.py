@@ -4,6 +4,7 @@ its trusted keys, and with keys it does not switch a region to another run unles
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import relay
 from relay.cli import main as cli_main
 from relay.fanout import Destination, Fanout
-from relay.manifest import Manifest, Step
+from relay.manifest import Manifest, ObjRef, Step, delta_key, record_key
 from relay.publisher import Publisher
 from relay.signing import Signer, generate_keypair
 from relay.store import open_store
@@ -116,10 +117,18 @@ def test_damaged_regional_object_of_the_right_size_is_replaced_on_restart(traine
 
 
 # -- finding 9: a forged regional manifest ---------------------------------------------------------------
-def forged_ahead(m: Manifest, head: int) -> Manifest:
-    """`m` claiming step `head` (the real head's objects renumbered): parses, but is not the publisher's."""
+def forged_ahead(store, m: Manifest, head: int) -> Manifest:
+    """`m` claiming step `head` (the real head's record and delta copied under step `head`'s keys in `store`):
+    parses, but is not the publisher's."""
     delta = next(s for s in reversed(m.steps) if s.parts)
-    return Manifest(m.run, head, [*m.steps, Step(head, delta.record, m.head, delta.parts)], m.snapshots)
+
+    def renumbered(ref: ObjRef, key: str) -> ObjRef:
+        store.put_new(key, store.get(ref.key))
+        return dataclasses.replace(ref, key=key)
+
+    record = renumbered(delta.record, record_key(head))
+    parts = tuple(dataclasses.replace(p, ref=renumbered(p.ref, delta_key(head, i))) for i, p in enumerate(delta.parts))
+    return dataclasses.replace(m, head=head, steps=[*m.steps, Step(head, record, m.head, parts)], signatures=())
 
 
 @pytest.mark.parametrize("forgery", ["other-key", "unsigned", "garbage"])
@@ -132,7 +141,7 @@ def test_forged_regional_manifest_is_repaired_with_keys(trainer, keys, tmp_path,
     publish_run(origin, trainer, seed=6, steps=4, signing_key=keys["a"][0])
     assert Fanout(origin, [dest], trusted_keys=trusted, **FAST).sync_once(timeout=20)
     region = open_store(dest.url)
-    fake = forged_ahead(manifest_of(dest.url), 1000)
+    fake = forged_ahead(region, manifest_of(dest.url), 1000)
     data = {"other-key": fake.to_bytes(signer=Signer(keys["b"][0])), "unsigned": fake.to_bytes(),
             "garbage": b'{"format": "deltarelay.manifest", "head": 10'}[forgery]
     region.commit_manifest(data, region.read_manifest().etag)
@@ -270,7 +279,8 @@ def test_a_run_that_becomes_signed_is_checked_in_region_not_copied_again(trainer
     fan = Fanout(origin, [dest], **FAST)
     assert fan.sync_once(timeout=20)
     before = fan.status()["regions"]["eu"]
-    with Publisher(origin, snapshot_every=100, background=False, resume=True, signing_key=keys["a"][0]) as pub:
+    with Publisher(origin, snapshot_every=100, background=False, resume=True, signing_key=keys["a"][0],
+                   adopt_unsigned=True) as pub:
         state = t.step()
         pub.publish(state, 3)
     assert fan.sync_once(timeout=20)
