@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, Step
+from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, ObjectMissing, Store, open_store
 
@@ -225,6 +226,7 @@ class Fanout:
         self.workers = workers
         self.retry_initial = retry_initial
         self.retry_max = retry_max
+        self.backoff = Backoff(retry_initial, retry_max)  # per region, after each failure in a row
         self.recheck_interval = recheck_interval
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.replace_runs = self.trusted is None if replace_runs is None else bool(replace_runs)
@@ -493,7 +495,7 @@ class Fanout:
                 region.errors += 1
                 # Its contents may have changed (a restarted server, an emptied bucket): look again.
                 region.listed = region.manifest = None
-                delay = min(self.retry_initial * 2 ** (region.failures - 1), self.retry_max)
+                delay = self.backoff.delay(region.failures)
                 region.next_try = time.monotonic() + delay
                 region.last_error = f"{type(exc).__name__}: {exc}"
                 log.warning("%s: sync failed (attempt %d): %s; retrying in %.1fs, other regions continue",

@@ -27,10 +27,13 @@ from relay.checkpoint import shard_plan
 from relay.commit import check_writable, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
                             snapshot_prefix, step_of_key, tensor_infos)
+from relay.retry import Backoff
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_BACKOFF = Backoff(0.5, 10.0)  # between tries of a background snapshot
 
 
 def state_tensors(state: Any) -> dict[str, torch.Tensor]:
@@ -263,7 +266,7 @@ class Publisher:
                 if attempt == self.snapshot_attempts:
                     self._snapshot_failed(step, exc)
                     return
-                delay = min(0.5 * 2 ** (attempt - 1), 10.0)
+                delay = SNAPSHOT_BACKOFF.delay(attempt)
                 log.warning("%s: snapshot %d failed (attempt %d of %d: %s); retrying in %.1fs", self.url, step, attempt,
                             self.snapshot_attempts, exc, delay)
                 time.sleep(delay)

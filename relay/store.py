@@ -24,7 +24,6 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,14 @@ from typing import Any
 import fsspec
 import xxhash
 
+from relay.retry import Backoff
+
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = "manifest.json"
 BODY_ATTEMPTS = 5  # S3 GETs whose body breaks off after the headers (s3fs retries only the request)
+BODY_BACKOFF = Backoff(0.1, 2.0, 1.7)  # s3fs's own growth between those re-fetches
+UNSURE_BACKOFF = Backoff(0.1, 2.0)  # before re-reading after a manifest write whose outcome was not told
 
 
 class ConflictError(RuntimeError):
@@ -316,7 +319,7 @@ def unsure_write(url: str, exc: Exception, tries: int) -> int:
     if not transient(exc) or tries >= UNSURE_ATTEMPTS:
         raise exc
     log.warning("%s/%s: write failed (%s); re-reading to learn whether it landed", url, MANIFEST_KEY, exc)
-    time.sleep(min(0.05 * 2 ** (tries + 1), 2.0))
+    UNSURE_BACKOFF.sleep(tries + 1)
     return tries + 1
 
 
@@ -362,7 +365,7 @@ class S3Store(Store):
                 if attempt == BODY_ATTEMPTS - 1:
                     raise
                 log.info("%s/%s: the response body broke off (%s); fetching it again", self.url, key, exc)
-                time.sleep(min(0.1 * 1.7 ** attempt, 2.0))
+                BODY_BACKOFF.sleep(attempt + 1)
         raise AssertionError("unreachable")
 
     def get(self, key: str) -> bytes:

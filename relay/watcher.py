@@ -32,6 +32,7 @@ import codec
 from relay import checkpoint
 from relay.manifest import (Manifest, ManifestError, ObjRef, Record, Snapshot, Step, TensorInfo, mismatches,
                             safe_shard_name)
+from relay.retry import Backoff
 from relay.signing import TrustedKeys
 from relay.store import NOT_MODIFIED, ObjectMissing, Store, open_store
 
@@ -137,9 +138,9 @@ def plan_path(m: Manifest, held: int | None, excluded: set[str] = frozenset()) -
 
 @dataclass
 class _Failure:
-    """A reference that failed verification: not downloaded again before `retry_at` (monotonic seconds)."""
+    """A reference that failed verification `count` times: not downloaded again before `retry_at` (monotonic)."""
 
-    backoff: float
+    count: int
     retry_at: float
 
 
@@ -161,10 +162,10 @@ class Reader:
         self.workers = workers
         self.retry_initial = retry_initial
         self.retry_max = retry_max
-        self.failure_backoff_initial = failure_backoff_initial
-        self.failure_backoff_max = failure_backoff_max
+        self.waiting = Backoff(retry_initial, retry_max)  # for objects that are not there yet
         if failure_backoff_initial <= 0 or failure_backoff_max < failure_backoff_initial:
             raise ValueError("need 0 < failure_backoff_initial <= failure_backoff_max")
+        self.failure_backoff = Backoff(failure_backoff_initial, failure_backoff_max)  # for objects that fail checks
         self.bytes_downloaded = 0
         self._count_lock = threading.Lock()
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
@@ -268,8 +269,9 @@ class Reader:
         longest = 0.0
         for ref in refs:
             f = self._failures.get(ref)
-            backoff = self.failure_backoff_initial if f is None else min(f.backoff * 2, self.failure_backoff_max)
-            self._failures[ref] = _Failure(backoff, now + backoff)
+            count = 1 if f is None else f.count + 1
+            backoff = self.failure_backoff.delay(count)
+            self._failures[ref] = _Failure(count, now + backoff)
             longest = max(longest, backoff)
         return longest
 
@@ -277,7 +279,7 @@ class Reader:
               timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         """(manifest, tensors, record) at the head; tensors None if already there (or the head is older)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = self.retry_initial
+        waits = 0
         refetched: set[ObjRef] = set()
         failed_here: set[ObjRef] = set()  # failed twice in this call: out for the rest of it, whatever the backoff
         missing_since: dict[str, float] = {}
@@ -331,11 +333,12 @@ class Reader:
                         for ref in plan.keys(m):
                             self._failures.pop(ref, None)
                         return m, tensors, rec
+                waits += 1
+                delay = self.waiting.delay(waits)
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise SyncTimeout(f"gave up after {timeout:g}s waiting for {waiting_for}")
                 log.info("waiting %.2fs for %s", delay, waiting_for)
                 time.sleep(delay)
-                delay = min(delay * 2, self.retry_max)
         finally:
             self._cache.clear()
 
