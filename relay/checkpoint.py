@@ -13,13 +13,17 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-INDEX_NAME = "model.safetensors.index.json"
+from relay.files import atomic_path
+from relay.manifest import INDEX_NAME
+
 SINGLE_NAME = "model.safetensors"
+DEFAULT_SHARD_BYTES = 2 << 30  # the shard cap of snapshots and of directories written without a layout
 
 
 @dataclass
@@ -107,18 +111,24 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def index_bytes(tensors: dict[str, torch.Tensor], weight_map: dict[str, str], **metadata: Any) -> bytes:
+    """The Hugging Face index of a shard directory (`model.safetensors.index.json`): total size, any extra
+    metadata, and the weight map. Deterministic, so two writers of one step write the same bytes."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()
+
+
 def write_dir(tensors: dict[str, torch.Tensor], directory: Path, layout: Layout) -> None:
     """Write tensors into an existing empty directory in `layout`."""
     tensors = _contiguous(tensors)
     if layout.sharded:
         weight_map = {k: layout.weight_map.get(k) for k in tensors}
         if any(v is None for v in weight_map.values()):
-            weight_map = shard_plan(tensors, 5 << 30)
+            weight_map = shard_plan(tensors, DEFAULT_SHARD_BYTES)
         for shard in sorted(set(weight_map.values())):
             part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
             save_file(part, str(directory / shard), metadata=layout.metadata or None)
-        total = sum(v.numel() * v.element_size() for v in tensors.values())
-        (directory / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (directory / INDEX_NAME).write_bytes(index_bytes(tensors, weight_map))
     else:
         save_file(tensors, str(directory / SINGLE_NAME), metadata=layout.metadata or None)
 
@@ -129,14 +139,8 @@ def save(tensors: dict[str, torch.Tensor], path: str | os.PathLike, layout: Layo
     layout = layout or Layout()
     p.parent.mkdir(parents=True, exist_ok=True)
     if not layout.sharded:
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-        os.close(fd)
-        try:
-            save_file(_contiguous(tensors), tmp, metadata=layout.metadata or None)
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(p) as tmp:
+            save_file(_contiguous(tensors), str(tmp), metadata=layout.metadata or None)
         return
     tmpdir = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent))
     try:

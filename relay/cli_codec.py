@@ -10,31 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import codec
 from codec import container
 from relay import checkpoint
+from relay.files import write_atomic
 
 _ROW_KEYS = {"name", "dtype", "shape", "method", "changed", "changed_fraction", "bytes", "streams"}
-
-
-def _write_bytes(data: bytes, path: Path) -> None:
-    """Atomically replace `path` with `data` (temporary sibling, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _save_like_base(tensors: dict, out: Path, base: Path, layout: checkpoint.Layout) -> None:
@@ -57,7 +41,7 @@ def _encode(args: argparse.Namespace) -> int:
     base, _ = checkpoint.load(args.base)
     target, _ = checkpoint.load(args.target)
     payload = codec.encode(base, target, effort=args.effort, format_version=args.format_version)
-    _write_bytes(payload, Path(args.out))
+    write_atomic(Path(args.out), payload)
     info = codec.describe(payload)
     raw = sum(t.numel() * t.element_size() for t in target.values())
     share = f"{100 * len(payload) / raw:.4f}% of" if raw else "vs"

@@ -27,6 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from relay.files import create_exclusive
 from relay.manifest import Manifest, ManifestError, ObjRef, Signature
 
 log = logging.getLogger(__name__)
@@ -51,20 +52,11 @@ def key_id(public: Ed25519PublicKey) -> str:
 
 # -- key files -------------------------------------------------------------------------------------
 def _write_new(path: Path, data: bytes, mode: int) -> None:
-    """Create `path` with `mode` (never widening an existing file): O_EXCL, so a key is never overwritten."""
+    """Create `path` with exactly `mode` (not narrowed by the umask): a key is never overwritten."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        create_exclusive(path, data, mode)
     except FileExistsError:
         raise KeyFileError(f"{path}: already exists; refusing to overwrite a key") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    os.chmod(path, mode)  # the umask may have narrowed it further; make it exactly `mode`
 
 
 def generate_keypair(prefix: str | os.PathLike) -> tuple[Path, Path, str]:

@@ -22,7 +22,6 @@ import errno
 import fcntl
 import logging
 import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,13 @@ from typing import Any
 import fsspec
 import xxhash
 
+from relay.files import create_exclusive, write_atomic
 from relay.retry import Backoff
 
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = "manifest.json"
+LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")  # every immutable object lives under one of these
 BODY_ATTEMPTS = 5  # S3 GETs whose body breaks off after the headers (s3fs retries only the request)
 BODY_BACKOFF = Backoff(0.1, 2.0, 1.7)  # s3fs's own growth between those re-fetches
 UNSURE_BACKOFF = Backoff(0.1, 2.0)  # before re-reading after a manifest write whose outcome was not told
@@ -101,6 +102,13 @@ class Store(abc.ABC):
         """Key -> size for every object under `prefix` ({} if none); operators only, watchers never list.
         Never a cached view: a key written or deleted before the call is seen as such."""
 
+    def list_run(self) -> dict[str, int]:
+        """Key -> size of every object of the run's layout (PROTOCOL §2: deltas/, records/, snapshots/)."""
+        out: dict[str, int] = {}
+        for prefix in LAYOUT_PREFIXES:
+            out.update(self.list(prefix))
+        return out
+
     def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | object:
         """The manifest and its ETag; None if the run has none; NOT_MODIFIED if `if_none_match` is
         still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
@@ -151,28 +159,11 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
-    def _tmp_write(self, directory: Path, data: bytes) -> str:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        return tmp
-
     def put_new(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = self._tmp_write(path.parent, data)
         try:
-            os.link(tmp, path)
+            create_exclusive(self._path(key), data)
         except FileExistsError:
             raise ObjectExists(f"{self.url}/{key}: exists") from None
-        finally:
-            os.unlink(tmp)
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
@@ -191,7 +182,7 @@ class LocalStore(Store):
             return {}
         out = {}
         for p in base.rglob("*"):
-            if p.is_file() and not p.name.startswith(".tmp-"):
+            if p.is_file() and not p.name.startswith("."):  # temporaries and the lock: keys never start with '.'
                 out[p.relative_to(self.root).as_posix()] = p.stat().st_size
         return out
 
@@ -204,13 +195,7 @@ class LocalStore(Store):
             if current_tag != expected_etag:
                 raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
                                     f"(expected {expected_etag or 'no manifest'}, found {current_tag or 'none'})")
-            tmp = self._tmp_write(self.root, data)
-            os.replace(tmp, self._path(MANIFEST_KEY))
-            dfd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            write_atomic(self._path(MANIFEST_KEY), data)
         return content_tag(data)
 
 

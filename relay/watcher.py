@@ -32,6 +32,7 @@ import codec
 from relay import checkpoint
 from relay.manifest import (Manifest, ManifestError, ObjRef, Record, Snapshot, Step, TensorInfo, mismatches,
                             safe_shard_name)
+from relay.files import fsync_dir
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
 from relay.store import NOT_MODIFIED, ObjectMissing, Store, open_store
@@ -355,14 +356,6 @@ def _remove_entry(p: Path) -> None:
         p.unlink(missing_ok=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Watcher:
     """Keeps `dest` on the head of the run at `url`.
 
@@ -609,15 +602,15 @@ class Watcher:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = versions / name
         os.rename(tmp, final)
-        _fsync_dir(versions)
+        fsync_dir(versions)
         self._link_visible(final)  # visible names: symlinks through .current (dangling until the swap)
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
-        _fsync_dir(self.dest)
+        fsync_dir(self.dest)
         self._drop_dangling()
         for v in versions.iterdir():
             if v.name != name:
