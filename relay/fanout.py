@@ -46,14 +46,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, Step
+from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot
 from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, ObjectMissing, Store, open_store
 
 log = logging.getLogger(__name__)
 
-LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")
 
 
 class CopyError(RuntimeError):
@@ -78,14 +77,8 @@ class Destination:
 
 
 def trim(m: Manifest, floor: int) -> Manifest:
-    """`m` without what precedes snapshot `floor`: the floor step becomes reachable only through its snapshot."""
-    snaps = [s for s in m.snapshots if s.step >= floor]
-    if not snaps or snaps[0].step != floor:
-        raise ValueError(f"trim: step {floor} has no snapshot in the manifest")
-    steps = [Step(s.step, s.record) if s.step == floor and s.parent is not None else s
-             for s in m.steps if s.step >= floor]
-    # replace(), not the constructor: fields the manifest gains later carry over; a trimmed copy is unsigned
-    return dataclasses.replace(m, steps=steps, snapshots=snaps, signatures=())
+    """`m` without what precedes snapshot `floor` (Manifest.trimmed_to)."""
+    return m.trimmed_to(floor)
 
 
 def choose_floor(m: Manifest, current: Manifest | None) -> int:
@@ -436,9 +429,7 @@ class Fanout:
                 region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
             return True
         if region.listed is None:
-            listed: dict[str, int] = {}
-            for prefix in LAYOUT_PREFIXES:
-                listed.update(region.store.list(prefix))
+            listed = region.store.list_run()
             region.listed = listed
             # what we verified stays verified while the store still lists it at that size
             region.known = {k: r for k, r in region.known.items() if listed.get(k) == r.size}

@@ -365,17 +365,26 @@ class Manifest:
             keys.update(f.key for f in snap.files)
         return keys
 
+    def trimmed_to(self, floor: int) -> "Manifest":
+        """This manifest without what precedes snapshot `floor`: the snapshots and steps from `floor` on,
+        the floor step reachable only through its snapshot (its parent is gone). Unsigned: a signature
+        covers the whole manifest, so a trimmed copy is new content."""
+        snaps = [s for s in self.snapshots if s.step >= floor]
+        if not snaps or snaps[0].step != floor:
+            raise ValueError(f"trim: step {floor} has no snapshot in the manifest")
+        steps = [Step(s.step, s.record) if s.step == floor else s for s in self.steps if s.step >= floor]
+        # replace(), not the constructor: fields the manifest gains later carry over
+        return dataclasses.replace(self, steps=steps, snapshots=snaps, signatures=())
+
     def trimmed(self, keep_snapshots: int) -> "Manifest | None":
         """This manifest keeping only the newest `keep_snapshots` snapshots and the steps from the oldest
-        of them on (that step loses its delta: its parent is gone); None if nothing would change."""
+        of them on (trimmed_to); None if nothing would change."""
         if keep_snapshots < 1:
             raise ValueError("keep_snapshots must be >= 1")
-        snaps = self.snapshots[-keep_snapshots:]
-        oldest = snaps[0].step
-        if len(snaps) == len(self.snapshots) and self.steps[0].step == oldest and self.steps[0].parts is None:
+        oldest = self.snapshots[-keep_snapshots:][0].step
+        if oldest == self.snapshots[0].step and self.steps[0].step == oldest and self.steps[0].parts is None:
             return None
-        steps = [Step(s.step, s.record) if s.step == oldest else s for s in self.steps if s.step >= oldest]
-        return dataclasses.replace(self, steps=steps, snapshots=snaps, signatures=())
+        return self.trimmed_to(oldest)
 
     def validate(self) -> "Manifest":
         where = "manifest"

@@ -107,9 +107,7 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
     oldest = m.snapshots[0].step
     now = m.referenced()
-    listed: dict[str, int] = {}
-    for prefix in ("deltas/", "records/", "snapshots/"):
-        listed.update(store.list(prefix))
+    listed = store.list_run()
 
     def garbage(key: str) -> bool:
         step = step_of_key(key)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import save as st_save
 
 import codec
-from relay.checkpoint import shard_plan
+from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
 from relay.commit import check_writable, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
                             snapshot_prefix, step_of_key, tensor_infos)
@@ -57,9 +56,7 @@ def snapshot_objects(step: int, tensors: dict[str, torch.Tensor], weight_map: di
     for shard in sorted(set(weight_map.values())):
         part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
         objects[prefix + shard] = st_save(part, metadata={"step": str(step)})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total, "step": step}, "weight_map": weight_map}
-    objects[prefix + INDEX_NAME] = json.dumps(index, indent=1).encode()
+    objects[prefix + INDEX_NAME] = index_bytes(tensors, weight_map, step=step)
     return objects
 
 
@@ -100,7 +97,7 @@ class Publisher:
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
-                 resume: bool = False, snapshot_fraction: float = 0.5, max_shard_bytes: int = 2 << 30,
+                 resume: bool = False, snapshot_fraction: float = 0.5, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                  effort: str = "default", background: bool = True, upload_workers: int = 4,
                  resume_timeout: float | None = 600.0, keep_snapshots: int | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, adopt_unsigned: bool = False,

@@ -287,9 +287,7 @@ def verify(url: str, storage_options: dict | None = None, *, deep: bool = False,
     if deep:
         checker.deep()
     try:
-        listed: dict[str, int] = {}
-        for prefix in ("deltas/", "records/", "snapshots/"):
-            listed.update(store.list(prefix))
+        listed = store.list_run()
         report.unreferenced = len(set(listed) - m.referenced())
     except Exception as exc:  # noqa: BLE001 - listing is informational
         report.notes.append(f"could not list the store ({type(exc).__name__}: {exc})")
