@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Write the codec's test vectors: docs/vectors/codec/<name>/{base,target}.safetensors, payload.drd.
+
+Each vector is a (base, target) checkpoint pair and the payload our encoder makes for it:
+
+    payload = codec.encode(load_file(base), load_file(target), format_version=V, effort=E)
+    codec.decode(load_file(base), payload) == load_file(target)   # bit for bit
+
+The committed files are the contract (tests/test_format_vectors.py checks them, and a second
+decoder can check itself against them); this script only says how they were made. Everything
+is seeded, so a rerun with the same library versions writes the same bytes. It refuses to
+overwrite existing vectors unless given --overwrite.
+
+    python scripts/make_codec_vectors.py [--out docs/vectors/codec] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import codec  # noqa: E402
+from codec import container  # noqa: E402
+from codec.methods import conditional  # noqa: E402
+
+DEFAULT_OUT = ROOT / "docs" / "vectors" / "codec"
+
+# BF16 bit patterns every decoder must carry exactly (NaN payloads, both zeros, infinities, subnormals)
+SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7FC5, 0x7F81, 0xFFAA, 0x0001, 0x807F,
+            0x0080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80, 0x3F81]
+
+
+# ---------------------------------------------------------------- tensor builders
+
+def bf16(bits, shape) -> torch.Tensor:
+    arr = np.ascontiguousarray(np.asarray(bits, np.uint16)).view(np.int16).copy()
+    return torch.from_numpy(arr).view(torch.bfloat16).reshape(shape)
+
+
+def bits16(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def weights(rng: np.random.Generator, shape, spread: float = 1.0) -> torch.Tensor:
+    """BF16 weights of mixed magnitude: log-normal scales over a few binades, random signs."""
+    n = int(np.prod(shape))
+    mag = np.exp(rng.normal(np.log(0.02), spread, n)) * rng.choice([-1.0, 1.0], n)
+    return torch.from_numpy(mag.astype(np.float32)).to(torch.bfloat16).reshape(shape)
+
+
+def rl_step(t: torch.Tensor, fraction: float, rng: np.random.Generator, small_first: bool = True) -> torch.Tensor:
+    """`fraction` of the elements move by a few ULPs (small weights likelier, as AdamW makes them),
+    a few cross an exponent boundary, a very few flip sign."""
+    b = bits16(t)
+    n = b.size
+    k = max(1, int(round(n * fraction)))
+    expo = ((b >> 7) & 0xFF).astype(np.float64)
+    p = np.exp2(-(expo - expo.min()) / 2) if small_first else np.ones(n)
+    idx = rng.choice(n, size=k, replace=False, p=p / p.sum())
+    new = b[idx].astype(np.int64)
+    kind = rng.random(k)
+    mant = kind < 0.97
+    step = rng.choice(np.array([-3, -2, -1, 1, 1, 2, 3]), size=int(mant.sum()))
+    m = np.clip((new[mant] & 0x7F) + step, 0, 0x7F)
+    m = np.where(m == (new[mant] & 0x7F), m ^ 1, m)
+    new[mant] = (new[mant] & 0xFF80) | m
+    ex = (kind >= 0.97) & (kind < 0.995)
+    e = (new[ex] >> 7) & 0xFF
+    e = np.where(e >= 0xFE, e - 1, e + 1)
+    new[ex] = (new[ex] & 0x807F) | (e << 7)
+    new[kind >= 0.995] ^= 0x8000
+    out = b.copy()
+    out[idx] = new.astype(np.uint16)
+    return bf16(out, tuple(t.shape))
+
+
+def random_bits(dtype: torch.dtype, shape, rng: np.random.Generator) -> torch.Tensor:
+    n = int(np.prod(shape, dtype=np.int64))
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype is torch.bool:
+        raw = rng.integers(0, 2, size=n, dtype=np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=n * size, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(shape).clone()
+
+
+def flip_bytes(t: torch.Tensor, fraction: float, rng: np.random.Generator) -> torch.Tensor:
+    """A copy with `fraction` of its elements given one different random byte (bool: negated)."""
+    out = t.clone()
+    n = t.numel()
+    k = max(1, int(round(n * fraction)))
+    idx = torch.from_numpy(rng.choice(n, size=k, replace=False))
+    flat = out.reshape(-1)
+    if t.dtype is torch.bool:
+        flat[idx] = ~flat[idx]
+        return out
+    raw = flat.view(torch.uint8).reshape(n, -1)
+    lane = torch.from_numpy(rng.integers(0, raw.shape[1], size=k))
+    flips = torch.from_numpy(rng.integers(1, 256, size=k).astype(np.uint8))
+    raw[idx, lane] ^= flips
+    return out
+
+
+# ---------------------------------------------------------------- the vectors
+
+def v1_methods(rng):
+    """v1: every v1 method: same, sparse-split with gap positions, sparse-split with a bitmask,
+    xor-planes on F32."""
+    base = {
+        "a.same": weights(rng, (16, 8)),
+        "b.sparse_gaps": weights(rng, (64, 32)),
+        "c.sparse_mask": weights(rng, (32, 32)),
+        "d.f32": torch.from_numpy(rng.normal(1.0, 0.1, 64).astype(np.float32)),
+    }
+    target = {
+        "a.same": base["a.same"].clone(),
+        "b.sparse_gaps": rl_step(base["b.sparse_gaps"], 0.01, rng),
+        "c.sparse_mask": rl_step(base["c.sparse_mask"], 0.20, rng, small_first=False),
+        "d.f32": base["d.f32"] + torch.from_numpy(rng.choice([0.0, 1e-3], 64).astype(np.float32)),
+    }
+    return base, target
+
+
+def v2_conditional(rng):
+    """v2: conditional records with several exponent classes (two rANS states), one whose size is
+    not a multiple of 64 (padded blocks), changes to and from NaN payloads, -0.0 and infinities."""
+    sp = np.array(SPECIALS, np.uint16)
+    w = weights(rng, (96, 64), spread=1.5)
+    tail = weights(rng, (100,), spread=1.0)
+    grid_b = np.repeat(sp, sp.size)
+    grid_t = np.tile(sp, sp.size)
+    keep = grid_b != grid_t
+    specials_b = bits16(weights(rng, (2048,)))
+    specials_t = specials_b.copy()
+    at = rng.choice(2048, size=int(keep.sum()), replace=False)
+    at.sort()
+    specials_b[at] = grid_b[keep]
+    specials_t[at] = grid_t[keep]
+    base = {"layer.w": w, "layer.tail": tail, "layer.specials": bf16(specials_b, (2048,)),
+            "layer.same": weights(rng, (8, 8))}
+    target = {"layer.w": rl_step(w, 0.03, rng), "layer.tail": rl_step(tail, 0.05, rng),
+              "layer.specials": bf16(specials_t, (2048,)), "layer.same": base["layer.same"].clone()}
+    return base, target
+
+
+def v3_interleave(rng):
+    """v3: one conditional record with >= 4096 changes (four interleaved rANS states, the
+    payload's interleave rule) next to one with few (two states)."""
+    big = weights(rng, (144, 128), spread=1.2)
+    small = weights(rng, (32, 64))
+    return {"big": big, "small": small}, {"big": rl_step(big, 0.24, rng), "small": rl_step(small, 0.02, rng)}
+
+
+def v3_dtypes(rng):
+    """v3: xor-planes on every item size and on non-float dtypes; an unchanged non-BF16 tensor."""
+    dtypes = [("f16", torch.float16), ("f32", torch.float32), ("f64", torch.float64), ("i8", torch.int8),
+              ("i32", torch.int32), ("i64", torch.int64), ("u8", torch.uint8), ("bool", torch.bool),
+              ("f8e4m3", torch.float8_e4m3fn), ("f8e5m2", torch.float8_e5m2), ("f8e8m0", torch.float8_e8m0fnu),
+              ("u16", torch.uint16), ("u32", torch.uint32), ("u64", torch.uint64), ("c64", torch.complex64)]
+    base, target = {}, {}
+    for name, dt in dtypes:
+        base[name] = random_bits(dt, (24,), rng)
+        target[name] = flip_bytes(base[name], 0.25, rng)
+    base["i16.same"] = random_bits(torch.int16, (5, 3), rng)
+    target["i16.same"] = base["i16.same"].clone()
+    return base, target
+
+
+def v3_edge(rng):
+    """v3: 0-d and empty tensors (same, xor-planes), a one-element BF16 tensor that becomes a NaN
+    payload, a conditional record of 65 elements whose one change lies in its padded last block."""
+    base = {
+        "scalar.bf16": bf16([0x3F80], ()),
+        "scalar.f32": torch.tensor(1.5, dtype=torch.float32),
+        "scalar.same": bf16([0x7FC5], ()),
+        "empty.bf16": torch.empty((0, 8), dtype=torch.bfloat16),
+        "empty.f32": torch.empty((3, 0), dtype=torch.float32),
+        "one.bf16": bf16([0xBF80], (1,)),
+        "tail65.bf16": weights(rng, (65,)),
+    }
+    target = {
+        "scalar.bf16": bf16([0x3F81], ()),
+        "scalar.f32": torch.tensor(-0.0, dtype=torch.float32),
+        "scalar.same": bf16([0x7FC5], ()),
+        "empty.bf16": torch.empty((0, 8), dtype=torch.bfloat16),
+        "empty.f32": torch.empty((3, 0), dtype=torch.float32),
+        "one.bf16": bf16([0xFFAA], (1,)),
+        "tail65.bf16": bf16(np.concatenate([bits16(base["tail65.bf16"])[:64], [0x8000]]), (65,)),
+    }
+    return base, target
+
+
+def v3_dense_max(rng):
+    """v3 at effort "max": dense BF16 changes, where sparse-split and xor-planes race the
+    conditional method (sparse-split with a bitmask wins one), and brotli races the other
+    stream compressors (and wins on an F32 tensor's planes)."""
+    a = weights(rng, (40, 40))
+    b = weights(rng, (48, 32))
+    ta = bf16(bits16(a) ^ (rng.random(a.numel()) < 0.6).astype(np.uint16) * rng.integers(1, 1 << 16, a.numel(),
+                                                                                          dtype=np.uint16),
+              tuple(a.shape))
+    f = torch.from_numpy(np.linspace(-1.0, 1.0, 1024, dtype=np.float32))
+    tf = f + torch.from_numpy(np.tile(np.array([0.0, 0.0, 0.0, 2.0 ** -20], np.float32), 256))
+    return ({"dense.random": a, "dense.rl": b, "norm.f32": f},
+            {"dense.random": ta, "dense.rl": rl_step(b, 0.5, rng, False), "norm.f32": tf})
+
+
+# (name, builder, seed, format_version, effort)
+VECTORS = [
+    ("v1-methods", v1_methods, 101, 1, "default"),
+    ("v2-conditional", v2_conditional, 202, 2, "default"),
+    ("v3-interleave", v3_interleave, 303, 3, "default"),
+    ("v3-dtypes", v3_dtypes, 404, 3, "default"),
+    ("v3-edge", v3_edge, 505, 3, "default"),
+    ("v3-dense-max", v3_dense_max, 606, 3, "max"),
+]
+
+
+def _library_versions() -> dict:
+    import brotli
+    import lz4
+    import zstandard
+
+    return {"zstandard": zstandard.__version__, "zstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
+            "lz4": lz4.library_version_string(), "brotli": brotli.version if hasattr(brotli, "version") else brotli.__version__}
+
+
+def _describe(payload: bytes) -> dict:
+    """What the vector exercises, read back from the payload itself."""
+    parsed = container.unpack(payload)
+    four_from = conditional._four_from(parsed.shared)
+    tensors = {}
+    for e, row in zip(parsed.entries, codec.describe(payload)["tensors"]):
+        info = {"dtype": e.dtype.name, "shape": list(e.shape), "method": row["method"], "changes": e.changes,
+                "stream_codecs": [s.codec for s in e.streams]}
+        if e.method == conditional.ID:
+            info["rans_states"] = 4 if e.changes >= four_from else 2
+            info["classes"] = int(e.params[0])
+        if e.method == 2:
+            info["position_mode"] = int(e.params[0])
+        tensors[e.name] = info
+    return {"format_version": parsed.version, "shared_kinds": sorted(parsed.shared), "tensors": tensors}
+
+
+def make(out: Path, overwrite: bool) -> dict:
+    existing = [name for name, *_ in VECTORS if (out / name).exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"{out}: vectors {', '.join(existing)} exist; pass --overwrite to replace them")
+    index = {"about": "deltarelay codec test vectors (docs/FORMAT.md); made by scripts/make_codec_vectors.py",
+             "libraries": _library_versions(), "vectors": []}
+    for name, build, seed, version, effort in VECTORS:
+        base, target = build(np.random.default_rng(seed))
+        d = out / name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        save_file(base, str(d / "base.safetensors"))
+        save_file(target, str(d / "target.safetensors"))
+        # the call is made on the files as a reader loads them (their tensor order included)
+        b, t = load_file(str(d / "base.safetensors")), load_file(str(d / "target.safetensors"))
+        payload = codec.encode(b, t, format_version=version, effort=effort)
+        again = codec.encode(b, t, format_version=version, effort=effort)
+        if again != payload:
+            raise SystemExit(f"{name}: encoding is not deterministic")
+        out_t = codec.decode(b, payload)
+        for k in t:
+            if bits(out_t[k]) != bits(t[k]):
+                raise SystemExit(f"{name}: {k} does not round-trip")
+        (d / "payload.drd").write_bytes(payload)
+        entry = {"name": name, "about": " ".join(build.__doc__.split()), "seed": seed,
+                 "call": f'codec.encode(load_file("base.safetensors"), load_file("target.safetensors"), '
+                         f'format_version={version}, effort="{effort}")',
+                 "format_version": version, "effort": effort, "payload_bytes": len(payload),
+                 "sha256": {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
+                            for f in ("base.safetensors", "target.safetensors", "payload.drd")}}
+        entry.update(_describe(payload))
+        index["vectors"].append(entry)
+        print(f"{name}: {len(payload)} bytes, " + ", ".join(f"{k}={v['method']}" for k, v in entry["tensors"].items()))
+    (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return index
+
+
+def bits(t: torch.Tensor) -> bytes:
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--overwrite", action="store_true", help="replace existing vectors")
+    args = ap.parse_args()
+    make(args.out, args.overwrite)
+
+
+if __name__ == "__main__":
+    main()
