@@ -488,7 +488,7 @@ class Record:
 
     def to_bytes(self) -> bytes:
         doc = {"format": RECORD_FORMAT, "version": VERSION, "run": self.run, "step": self.step,
-               "tensors": {k: {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest} for k, v in self.tensors.items()},
+               "tensors": _tensors_json(self.tensors),
                "weight_map": self.weight_map}
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -498,17 +498,7 @@ class Record:
         _only(doc, {"format", "version", "run", "step", "tensors", "weight_map"}, where)
         if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
             raise ManifestError(f"{where}: not a {RECORD_FORMAT} v{VERSION} document")
-        tensors = {}
-        for name, t in _need(doc, "tensors", dict, where).items():
-            w = f"{where}.tensors[{name!r}]"
-            _only(t, {"dtype", "shape", "digest"}, w)
-            shape = _need(t, "shape", list, w)
-            if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63 for d in shape):
-                raise ManifestError(f"{w}.shape: expected non-negative integers")
-            dtype = _need(t, "dtype", str, w)
-            if dtype not in _dtype_names():
-                raise ManifestError(f"{w}.dtype: {dtype[:40]!r} is not a dtype of docs/FORMAT.md")
-            tensors[name] = TensorInfo(dtype, tuple(shape), _hex32(_need(t, "digest", str, w), f"{w}.digest", "a digest"))
+        tensors = _tensor_infos(_need(doc, "tensors", dict, where), f"{where}.tensors")
         weight_map = _need(doc, "weight_map", dict, where)
         if set(weight_map) != set(tensors):
             raise ManifestError(f"{where}.weight_map: must map every tensor to a shard file name")
@@ -518,6 +508,49 @@ class Record:
                                 f"(one path component of [A-Za-z0-9._+-], not starting with '.', ending in .safetensors)")
         return cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
                    _step_int(_need(doc, "step", int, where), f"{where}.step"), tensors, dict(weight_map))
+
+
+def _tensors_json(tensors: dict[str, TensorInfo]) -> dict:
+    return {k: {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest} for k, v in tensors.items()}
+
+
+def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
+    """The `tensors` object of a record or a state file (schema/record.schema.json#/$defs/tensor)."""
+    tensors = {}
+    for name, t in obj.items():
+        w = f"{where}[{name!r}]"
+        _only(t, {"dtype", "shape", "digest"}, w)
+        shape = _need(t, "shape", list, w)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape):
+            raise ManifestError(f"{w}.shape: expected integers from 0 to 2**63-1")
+        dtype = _need(t, "dtype", str, w)
+        if dtype not in _dtype_names():
+            raise ManifestError(f"{w}.dtype: {dtype[:40]!r} is not a dtype of docs/FORMAT.md")
+        tensors[name] = TensorInfo(dtype, tuple(shape), _hex32(_need(t, "digest", str, w), f"{w}.digest", "a digest"))
+    return tensors
+
+
+@dataclass
+class DestState:
+    """DEST/relay-state.json: which step of which run a watcher's directory holds, with the record's
+    tensors of that step to check the files against (docs/schema/relay-state.schema.json)."""
+
+    run: str
+    step: int
+    url: str
+    tensors: dict[str, TensorInfo]
+
+    def to_bytes(self) -> bytes:
+        doc = {"run": self.run, "step": self.step, "url": self.url, "tensors": _tensors_json(self.tensors)}
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str = "relay-state.json") -> "DestState":
+        doc = _load_json(data, where, MAX_RECORD_BYTES)
+        _only(doc, {"run", "step", "url", "tensors"}, where)
+        return cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
+                   _step_int(_need(doc, "step", int, where), f"{where}.step"), _need(doc, "url", str, where),
+                   _tensor_infos(_need(doc, "tensors", dict, where), f"{where}.tensors"))
 
 
 def _dtype_names() -> frozenset[str]:

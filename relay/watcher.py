@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
@@ -30,7 +29,7 @@ from safetensors.torch import load as st_load
 
 import codec
 from relay import checkpoint
-from relay.manifest import (Manifest, ManifestError, ObjRef, Record, Snapshot, Step, TensorInfo, mismatches,
+from relay.manifest import (DestState, Manifest, ManifestError, ObjRef, Record, Snapshot, Step, mismatches,
                             safe_shard_name)
 from relay.files import fsync_dir
 from relay.retry import Backoff
@@ -504,16 +503,12 @@ class Watcher:
         else (MemoryError, an OSError other than a missing file) propagates: the version may be fine.
         """
         try:
-            state = json.loads((path / STATE_NAME).read_bytes())
-            expected = {k: TensorInfo(v["dtype"], tuple(v["shape"]), v["digest"])
-                        for k, v in state["tensors"].items()}
-            step, run = int(state["step"]), state["run"]
-            if not isinstance(run, str):
-                raise TypeError("run is not a string")
+            state = DestState.parse((path / STATE_NAME).read_bytes(), str(path / STATE_NAME))
         except FileNotFoundError:
             raise _BadVersion(f"no {STATE_NAME}") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON, UTF-8, fields
-            raise _BadVersion(f"{STATE_NAME} is not valid ({exc!r})") from None
+        except ManifestError as exc:  # not JSON, or not the schema
+            raise _BadVersion(f"{STATE_NAME} is not valid ({exc})") from None
+        step, run, expected = state.step, state.run, state.tensors
         try:
             tensors, _ = checkpoint.load(path)
         except FileNotFoundError as exc:
@@ -596,9 +591,7 @@ class Watcher:
         tmp = versions / f".{name}.tmp"
         tmp.mkdir()
         checkpoint.write_dir(tensors, tmp, checkpoint.Layout(True, rec.weight_map, {"step": str(rec.step)}))
-        state = {"run": m.run, "step": rec.step, "url": self.url,
-                 "tensors": {k: {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest} for k, v in rec.tensors.items()}}
-        (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
+        (tmp / STATE_NAME).write_bytes(DestState(m.run, rec.step, self.url, rec.tensors).to_bytes())
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

@@ -208,7 +208,7 @@ class DiskQuota:
     Why not a real full filesystem: no small tmpfs or loop device is available to an unprivileged test, and
     filling the shared disk would hurt everything else on the machine. So the real code path runs and only
     its write primitives are wrapped: safetensors' save_file (the shards, via relay.checkpoint),
-    Path.write_text (index and state file) and os.symlink under DEST. A write that does not fit writes what
+    Path.write_bytes (index and state file) and os.symlink under DEST. A write that does not fit writes what
     fits, then raises ENOSPC, as a filling disk does; nothing outside DEST is affected.
     """
 
@@ -217,7 +217,7 @@ class DiskQuota:
         self.capacity = capacity
         self.refusals = 0
         self._save_file = checkpoint.save_file
-        self._write_text = Path.write_text
+        self._write_bytes = Path.write_bytes
         self._symlink = os.symlink
 
     def used(self) -> int:
@@ -245,10 +245,10 @@ class DiskQuota:
             return self._save_file(tensors, filename, metadata=metadata)
         self._write(filename, st_save(tensors, metadata=metadata))
 
-    def write_text(self, path_self, data, encoding=None, errors=None, newline=None):
+    def write_bytes(self, path_self, data):
         if not self._mine(path_self):
-            return self._write_text(path_self, data, encoding=encoding, errors=errors, newline=newline)
-        self._write(path_self, data.encode(encoding or "utf-8"))
+            return self._write_bytes(path_self, data)
+        self._write(path_self, bytes(data))
         return len(data)
 
     def symlink(self, src, dst, *a, **kw):
@@ -259,7 +259,7 @@ class DiskQuota:
 
     def install(self, monkeypatch) -> "DiskQuota":
         monkeypatch.setattr(checkpoint, "save_file", self.save_file)
-        monkeypatch.setattr(Path, "write_text", lambda path, *a, **kw: self.write_text(path, *a, **kw))
+        monkeypatch.setattr(Path, "write_bytes", lambda path, data: self.write_bytes(path, data))
         monkeypatch.setattr(os, "symlink", self.symlink)
         return self
 

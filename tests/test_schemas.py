@@ -1,0 +1,123 @@
+"""docs/schema/: the JSON Schemas of the manifest, the record and DEST's relay-state.json (#14), checked
+against what the code writes and what its parsers refuse, so the schemas and relay/manifest.py cannot drift."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from referencing import Registry, Resource
+
+from relay.manifest import DestState, Manifest, ManifestError, Record
+from relay.signing import generate_keypair
+from relay.store import open_store
+from relay.watcher import Watcher
+
+from conftest import publish_steps
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "docs" / "schema"
+
+
+def _schema(name: str) -> dict:
+    return json.loads((SCHEMAS / f"{name}.schema.json").read_text())
+
+
+_REGISTRY = Registry().with_resources(
+    (s["$id"], Resource.from_contents(s)) for s in (_schema(n) for n in ("manifest", "record", "relay-state")))
+
+
+def validator(name: str) -> jsonschema.Validator:
+    schema = _schema(name)
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, registry=_REGISTRY)
+
+
+@pytest.fixture
+def run_docs(file_run, trainer, tmp_path) -> dict:
+    """Every kind of document a real signed run has: its manifest, its records, a watcher's state file."""
+    key, pub, _ = generate_keypair(tmp_path / "k")
+    publish_steps(file_run.url, trainer, 5, signing_key=key)
+    store = open_store(file_run.url)
+    m = Manifest.parse(store.read_manifest().data)
+    with Watcher(file_run.url, tmp_path / "dest", trusted_keys=[pub]) as w:
+        w.sync(timeout=10)
+    return {"manifest": json.loads(store.read_manifest().data),
+            "records": [json.loads(store.get(s.record.key)) for s in m.steps],
+            "state": json.loads((tmp_path / "dest" / "relay-state.json").read_bytes())}
+
+
+def test_what_the_code_writes_follows_the_schemas(run_docs, file_run, trainer, tmp_path):
+    validator("manifest").validate(run_docs["manifest"])
+    assert run_docs["manifest"]["writer"] and run_docs["manifest"]["signatures"]
+    for rec in run_docs["records"]:
+        validator("record").validate(rec)
+    validator("relay-state").validate(run_docs["state"])
+    DestState.parse(json.dumps(run_docs["state"]).encode())
+    unsigned = f"file://{tmp_path}/unsigned"
+    publish_steps(unsigned, trainer, 2)
+    validator("manifest").validate(json.loads(open_store(unsigned).read_manifest().data))
+
+
+MANIFEST_MUTATIONS = [
+    lambda d: d.update(version=2), lambda d: d.update(format="x"), lambda d: d.update(extra=1),
+    lambda d: d.update(run="run1"), lambda d: d.update(writer="me"), lambda d: d.update(head=-1),
+    lambda d: d.update(head=1 << 63), lambda d: d.update(snapshots=[]), lambda d: d.update(steps=[]),
+    lambda d: d["steps"][1].update(parent=None), lambda d: d["steps"][1].update(parts=[]),
+    lambda d: d["steps"][1]["parts"][0].update(xxh3="xyz"), lambda d: d["steps"][1]["parts"][0].update(size="1"),
+    lambda d: d["steps"][1]["parts"][0].update(key="../etc/passwd"), lambda d: d["steps"][1]["parts"][0].pop("tensors"),
+    lambda d: d["steps"][1]["parts"][0].update(tensors=["caf\u00e9"]), lambda d: d["steps"][1]["record"].update(sha256="0"),
+    lambda d: d["steps"][1]["record"].update(key="deltas/1-0.drd"), lambda d: d["snapshots"][0]["files"][0].pop("xxh3"),
+    lambda d: d["signatures"][0].update(key_id="xyz"), lambda d: d.update(signatures=[]),
+    lambda d: d["signatures"][0].update(sig="!" * 88),
+]
+
+
+@pytest.mark.parametrize("mutate", MANIFEST_MUTATIONS, ids=range(len(MANIFEST_MUTATIONS)))
+def test_manifest_schema_refuses_what_the_parser_refuses(run_docs, mutate):
+    doc = json.loads(json.dumps(run_docs["manifest"]))
+    mutate(doc)
+    with pytest.raises(ManifestError):
+        Manifest.parse(json.dumps(doc).encode())
+    assert not validator("manifest").is_valid(doc)
+
+
+RECORD_MUTATIONS = [
+    lambda r: r.update(run="r"), lambda r: r.update(step=-1), lambda r: r.update(extra=1),
+    lambda r: next(iter(r["tensors"].values())).update(dtype="bfloat16"),
+    lambda r: next(iter(r["tensors"].values())).update(digest="xyz"),
+    lambda r: next(iter(r["tensors"].values())).update(shape=[-1]),
+    lambda r: r["weight_map"].update({next(iter(r["weight_map"])): "../x.safetensors"}),
+    lambda r: r["weight_map"].update({next(iter(r["weight_map"])): ".hidden.safetensors"}),
+    lambda r: r["weight_map"].update({next(iter(r["weight_map"])): "model.bin"}),
+]
+
+
+@pytest.mark.parametrize("mutate", RECORD_MUTATIONS, ids=range(len(RECORD_MUTATIONS)))
+def test_record_schema_refuses_what_the_parser_refuses(run_docs, mutate):
+    doc = json.loads(json.dumps(run_docs["records"][-1]))
+    mutate(doc)
+    with pytest.raises(ManifestError):
+        Record.parse(json.dumps(doc).encode())
+    assert not validator("record").is_valid(doc)
+
+
+@pytest.mark.parametrize("mutate", [lambda s: s.pop("url"), lambda s: s.update(step="3"), lambda s: s.update(run=1),
+                                    lambda s: next(iter(s["tensors"].values())).update(digest="0")])
+def test_state_schema_refuses_what_the_watcher_refuses(run_docs, mutate):
+    doc = json.loads(json.dumps(run_docs["state"]))
+    mutate(doc)
+    with pytest.raises(ManifestError):
+        DestState.parse(json.dumps(doc).encode())
+    assert not validator("relay-state").is_valid(doc)
+
+
+def test_cross_field_rules_are_the_parsers(run_docs):
+    """What JSON Schema cannot say (the schema's description lists it) is still refused by the parser."""
+    doc = json.loads(json.dumps(run_docs["manifest"]))
+    doc["head"] = doc["head"] + 1
+    assert validator("manifest").is_valid(doc)
+    with pytest.raises(ManifestError, match="is not the last step"):
+        Manifest.parse(json.dumps(doc).encode())
