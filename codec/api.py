@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Mapping, MutableMapping
@@ -423,21 +422,9 @@ def _decode_batched(base: Mapping[str, torch.Tensor], parsed: Payload, entries: 
     return done
 
 
-def _memory_refused(fn):
-    """Running out of memory on a payload is a refusal like any other (DeltaError), not a crash of the
-    caller: apply_ has restored every tensor by the time the error leaves it."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except MemoryError:
-            raise DeltaError("the payload needs more memory than is available to decode") from None
-
-    return wrapper
+_OUT_OF_MEMORY = "the payload needs more memory than is available to decode"
 
 
-@_memory_refused
 def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
            workers: int = 1) -> dict[str, torch.Tensor]:
     """The target checkpoint, every tensor verified against the trainer's digest.
@@ -445,6 +432,14 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     Raises DeltaError, producing nothing, if the payload is corrupt or made for another base.
     `workers` > 1 decodes tensors on that many threads (the compiled kernels release the GIL).
     """
+    try:
+        return _decode(base, payload, workers)
+    except MemoryError:  # running out of memory on a payload is a refusal like any other
+        raise DeltaError(_OUT_OF_MEMORY) from None
+
+
+def _decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview,
+            workers: int) -> dict[str, torch.Tensor]:
     parsed = _parse(base, payload)
     batched = [e for e in parsed.entries if e.method == conditional.ID and conditional.batchable(e)]
     by_name = {e.name: e for e in batched}
@@ -500,13 +495,19 @@ class _InPlace:
         self._put(index, old)
 
 
-@_memory_refused
 def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> None:
     """Apply a payload in place (a live model's state_dict) and verify every tensor.
 
     On any failure every tensor is restored to its exact previous bits and DeltaError is raised.
     Extra memory is an undo log of the changed elements, not a copy of the checkpoint.
     """
+    try:
+        _apply(tensors_, payload)
+    except MemoryError:  # apply_ has restored every tensor by the time the error leaves _apply
+        raise DeltaError(_OUT_OF_MEMORY) from None
+
+
+def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> None:
     parsed = _parse(tensors_, payload)
     views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
     for entry in parsed.entries:  # unchanged tensors are verified up front; changed ones after writing
