@@ -343,7 +343,9 @@ def test_corrupt_object_backs_off_then_repaired_object_is_used(file_run, tmp_pat
         with pytest.raises(SyncError, match="no verified path"):
             w.sync()
     assert time.monotonic() - t0 < 1.0, "premise: the polls ran within the first backoff"
-    assert w.bytes_downloaded - before == 2 * delta.size + rec.size  # fetched, refetched once, then backed off
+    # fetched, refetched once, then backed off; the record's fetch runs beside the delta's and is cancelled
+    # when the delta fails first (Executor.map), so it counts once or not at all
+    assert 2 * delta.size <= w.bytes_downloaded - before <= 2 * delta.size + rec.size
     first = w.reader._failures[delta]  # when the backoff ends, from the failure itself (not from t0: load varies)
     assert first.count == 1
     time.sleep(max(0.0, first.retry_at - time.monotonic() + 0.05))
@@ -352,12 +354,13 @@ def test_corrupt_object_backs_off_then_repaired_object_is_used(file_run, tmp_pat
         w.sync()  # the backoff ran out: one more try of the plan (no immediate refetch), then twice as long
     second = w.reader._failures[delta]
     assert second.count == 2 and 1.9 <= second.retry_at - time.monotonic() + 0.1
-    assert w.bytes_downloaded - before == delta.size + rec.size
+    assert delta.size <= w.bytes_downloaded - before <= delta.size + rec.size
     rewrite_object(file_run, delta.key, good)  # repaired, same reference
+    mid = w.bytes_downloaded
     for _ in range(5):
         with pytest.raises(SyncError):
             w.sync()
-    assert w.bytes_downloaded - before == delta.size + rec.size, "downloaded within the backoff"
+    assert w.bytes_downloaded == mid, "downloaded within the backoff"
     time.sleep(max(0.0, second.retry_at - time.monotonic() + 0.05))
     assert w.sync() == 2 and same_bits(w.tensors, s2)
 
