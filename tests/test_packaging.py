@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -47,8 +49,14 @@ def _run(cmd: list, cwd: Path, timeout: float, ok: bool = True) -> subprocess.Co
 def test_installed_wheel_runs_demo_and_bench_outside_the_checkout(tmp_path):
     wheels, venv, elsewhere = tmp_path / "wheels", tmp_path / "venv", tmp_path / "elsewhere"
     elsewhere.mkdir()
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, ROOT], tmp_path, 300)
+    # from a copy without build outputs: setuptools' build/lib keeps modules since moved or deleted
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info",
+                                                             "corpus", "out", "__pycache__", ".*cache", ".hypothesis"))
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, src], tmp_path, 300)
     (wheel,) = wheels.glob("deltarelay-*.whl")
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    assert shipped == {str(p.relative_to(ROOT)) for pkg in ("codec", "relay") for p in (ROOT / pkg).rglob("*.py")}
     _run([sys.executable, "-m", "venv", venv], tmp_path, 120)
     py, deltarelay = venv / "bin" / "python", venv / "bin" / "deltarelay"
     pip = [py, "-m", "pip", "install", "-q", "-c", ROOT / "constraints.txt"]
