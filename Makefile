@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-bench test demo bench bench-fanout corpora clean infra-check
+.PHONY: venv venv-demo venv-bench test demo bench bench-fanout corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,21 +15,23 @@ $(VENV)/.dev: pyproject.toml constraints.txt
 	$(PIP) -e '.[dev]'
 	touch $@
 
-$(VENV)/.bench: $(VENV)/.dev
-	$(PIP) -e '.[dev,bench]'
+# The lab (demo, bench, corpora) needs the demo extra on top of the runtime.
+$(VENV)/.demo: $(VENV)/.dev
+	$(PIP) -e '.[dev,demo]'
 	touch $@
 
 venv: $(VENV)/.dev
-venv-bench: $(VENV)/.bench
+venv-demo: $(VENV)/.demo
+venv-bench: venv-demo
 
 test: venv
 	$(PY) -m pytest -q
 
 # The main job: the whole pipeline on local S3 servers (origin + 3 regions), real pretrained model.
-demo: venv-bench
+demo: venv-demo
 	$(PY) -m relay.cli demo --chart out/demo.png
 
-corpora: venv-bench
+corpora: venv-demo
 	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 6 --out corpus/minilm-fp32-lr1e-6 --overwrite
 	$(PY) scripts/make_corpus.py --regime fp32-lr5e-6-wd --steps 6 --out corpus/minilm-fp32-lr5e-6-wd --overwrite
 	$(PY) scripts/make_corpus.py --regime bf16-lr3e-6 --steps 6 --out corpus/minilm-bf16-lr3e-6 --overwrite

@@ -5,14 +5,33 @@
     codec.apply_(model.state_dict(), payload) # in place, all-or-nothing
 
 The payload format is specified in docs/FORMAT.md.
+
+Public API: the names in `__all__`, and three building-block modules whose names without a
+leading underscore are public too: `codec.tensors` (the dtype table, zero-copy element views),
+`codec.compressors` (the bounded zstd / lz4 / brotli wrappers) and `codec.wire` (bounded LEB128
+readers and writers). Everything else (codec.api, codec.container, codec.methods, codec.hashing,
+codec.rans, codec.device) is internal and changes without notice. codec.lab (the bench's
+baselines and entropy bound) is not runtime: nothing outside it imports it, and it uses only
+this public API (tests/test_import_graph.py checks both).
 """
+
+from collections.abc import Mapping as _Mapping
 
 from ._kernel_cache import keyed_by_sources
 
 with keyed_by_sources():  # every compiled kernel is defined while these imports run
-    from .api import apply_, decode, encode
+    from .api import _check_structure, apply_, decode, encode
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
     from .inspect import describe
 
-__all__ = ["encode", "decode", "apply_", "describe", "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION"]
+
+def check_structure(base: _Mapping, target: _Mapping) -> None:
+    """Raise CheckpointMismatchError unless `base` and `target` hold the same tensor names, each
+    with the same dtype and shape: the first check `encode` makes. For delta formats built on the
+    codec's building blocks (codec.lab.baselines) that must refuse what `encode` refuses."""
+    _check_structure(base, target)
+
+
+__all__ = ["encode", "decode", "apply_", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
+           "FORMAT_VERSION"]

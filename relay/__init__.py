@@ -5,6 +5,12 @@
     relay.Watcher("s3://bucket/run", "/weights").run()   # each rollout host
 
 The store layout and protocol are specified in docs/PROTOCOL.md.
+
+Public API: the names in `__all__`, `relay.checkpoint` (safetensors checkpoints, single file or
+Hugging Face shards: load, save, Layout) and `relay.cli.main`. The rest is internal. relay.lab
+(demo, bench, corpus generator) is not runtime: nothing outside it imports it, it uses only this
+public API and codec's, and its commands reach `deltarelay` through the `deltarelay.commands`
+entry point group (tests/test_import_graph.py, tests/test_cli_commands.py).
 """
 
 from relay.manifest import Manifest, ManifestError, Record

@@ -1,4 +1,4 @@
-"""`deltarelay relay | demo`: the regional relay process, and the whole pipeline on local servers.
+"""`deltarelay relay`: the regional relay process.
 
     deltarelay relay --source s3://origin/runs/r --dest s3://eu/runs/r --dest s3://ap/runs/r
     deltarelay relay --config relay.toml [--once --timeout 600]
@@ -145,16 +145,6 @@ def _relay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from relay.demo import run_demo
-
-    summary = run_demo(store=args.store, steps=args.steps, regions=args.regions, watchers=args.watchers,
-                       chart=args.chart, tiny=args.tiny, baseline_every=args.baseline_every, workdir=args.workdir,
-                       json_path=args.json, log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(summary["text"])
-    return 0 if summary["ok"] else 1
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("relay", help="mirror a run from the origin store into regional stores")
     p.add_argument("--source", metavar="URL", help="the origin run prefix (where the trainer publishes)")
@@ -177,16 +167,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "such a switch is refused, since a replayed manifest of an older run looks the same; "
                         "without keys runs are always replaced)")
     p.set_defaults(func=_relay)
-
-    p = subparsers.add_parser("demo", help="the whole pipeline on local S3 servers: train, publish, relay, watch")
-    p.add_argument("--store", metavar="file://DIR", help="use local directories instead of S3 servers")
-    p.add_argument("--steps", type=int, default=30, help="training steps published after the first")
-    p.add_argument("--regions", type=int, default=3, help="rollout regions (1-5)")
-    p.add_argument("--watchers", type=int, default=2, help="watcher processes per region")
-    p.add_argument("--chart", metavar="PNG", default="out/demo.png", help="where to write the chart")
-    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON")
-    p.add_argument("--tiny", action="store_true", help="a small model instead of all-MiniLM-L6-v2 (tests)")
-    p.add_argument("--baseline-every", type=int, default=None, metavar="K",
-                   help="encode the baselines on every K-th step (default: 5; 1 with --tiny)")
-    p.add_argument("--workdir", metavar="DIR", help="keep stores, watcher directories and logs here")
-    p.set_defaults(func=_demo)

@@ -6,7 +6,7 @@ snapshot, and the publisher's cost per step.
     python scripts/bench_catchup.py --make corpus/minilm-bf16-lr3e-6-long --regime bf16-lr3e-6 --steps 24
     python scripts/bench_catchup.py ... --s3        # through a moto S3 server on loopback (HTTP costs)
 
-A corpus is a directory of step_NNNN.safetensors (scripts/make_corpus.py writes them). The run is
+A corpus is a directory of step_NNNN.safetensors (relay.lab.corpus writes them). The run is
 published with snapshots only at the first step (so a catch-up is a pure delta chain); a watcher is
 synced at head-k for each k, then brought to the head, and the bytes it fetched are counted.
 """
@@ -14,7 +14,6 @@ synced at head-k for each k, then brought to the head, and the bytes it fetched 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -41,10 +40,9 @@ def load_corpus(path: Path) -> list[dict]:
 
 
 def make(out: Path, regime: str, steps: int, tiny: bool) -> None:
-    spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "scripts" / "make_corpus.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.make_corpus(out, regime=regime, steps=steps, tiny=tiny, log=print)
+    from relay.lab.corpus import make_corpus
+
+    make_corpus(out, regime=regime, steps=steps, tiny=tiny, log=print)
 
 
 def moto_options() -> tuple[dict, object]:
@@ -109,7 +107,7 @@ def run(states: list[dict], url: str, options: dict | None, ks: list[int], work:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", type=Path, help="directory of step_*.safetensors")
-    p.add_argument("--make", type=Path, help="build a corpus here first (scripts/make_corpus.py)")
+    p.add_argument("--make", type=Path, help="build a corpus here first (relay.lab.corpus)")
     p.add_argument("--regime", default="bf16-lr3e-6")
     p.add_argument("--steps", type=int, default=22, help="steps to build with --make (k=20 needs 20+)")
     p.add_argument("--tiny", action="store_true", help="with --make: the small test model")

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import relay
-from relay.demo import S3Server
+from relay.lab.demo import S3Server
 from relay.fanout import Destination, Fanout
 from relay.manifest import Manifest
 from relay.store import open_store

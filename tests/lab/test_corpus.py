@@ -1,4 +1,4 @@
-"""scripts/make_corpus.py in tiny mode: valid consecutive BF16 snapshots that look like RL steps."""
+"""relay.lab.corpus (scripts/make_corpus.py wraps it) in tiny mode: valid consecutive BF16 snapshots that look like RL steps."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from relay.bench import load_corpus_script
-
-mc = load_corpus_script()
+from relay.lab import corpus as mc
 
 
 @pytest.fixture(scope="module")

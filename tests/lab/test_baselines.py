@@ -12,9 +12,9 @@ import torch
 import zstandard
 
 from codec import CheckpointMismatchError, tensors
-from codec.baselines import (BASELINES, GAP_ESCAPE, SLOW_BASELINES, coo_deltas, coo_index, gaps_decode, gaps_encode,
+from codec.lab.baselines import (BASELINES, GAP_ESCAPE, SLOW_BASELINES, coo_deltas, coo_index, gaps_decode, gaps_encode,
                              pulse_decode, pulse_encode, arcv3_decode, arcv3_encode)
-from codec.bound import conditional_entropy_bound, ordered
+from codec.lab.bound import conditional_entropy_bound, ordered
 from codec.wire import Reader
 
 ALL = dict(BASELINES, **SLOW_BASELINES)

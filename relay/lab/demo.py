@@ -2,7 +2,7 @@
 
 An origin and N rollout regions, each a moto S3 server in its own process on loopback (or plain
 directories with `--store file://DIR`); a trainer fine-tuning the real all-MiniLM-L6-v2 with the
-RL-style step of scripts/make_corpus.py and publishing every step in BF16; one `deltarelay relay`
+RL-style step of relay.lab.corpus and publishing every step in BF16; one `deltarelay relay`
 process and K `deltarelay watch` processes per region. After each step the demo waits until every
 watcher holds that step and compares its files bit for bit with the trainer's weights, then prints
 what crossed each region boundary against the naive designs, the bytes per step against a full
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import socket
 import statistics
 import subprocess
@@ -29,7 +30,13 @@ from typing import Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+import relay
+from codec.lab.baselines import BASELINES
+from relay import checkpoint, lab
+from relay.lab import corpus as mc
+
+# The directory that holds the `relay` package: a checkout's root, or site-packages when installed.
+PACKAGE_ROOT = Path(relay.__file__).resolve().parents[1]
 ORIGIN_REGION = "us-east-1"
 REGION_NAMES = ("us-west-2", "eu-west-1", "ap-northeast-1", "us-east-2", "eu-central-1")
 NAME_PREFIX = "deltarelay"
@@ -147,14 +154,19 @@ class Host:
 
 
 def _python_env() -> dict:
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, **CREDENTIALS, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)}
+    """This process's environment, with the `relay` we run first on PYTHONPATH when it is not installed
+    (a checkout run as `python -m relay.cli`), so relays and watchers run the same code."""
+    env = {**os.environ, **CREDENTIALS}
+    if str(PACKAGE_ROOT) not in site.getsitepackages() + [site.getusersitepackages()]:
+        path = env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = f"{PACKAGE_ROOT}{os.pathsep}{path}" if path else str(PACKAGE_ROOT)
+    return env
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         return subprocess.Popen([sys.executable, "-m", "relay.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=ROOT, env=_python_env())
+                                env=_python_env())
 
 
 def _tail(path: Path, lines: int = 5) -> str:
@@ -184,12 +196,9 @@ def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 class _Trainer:
-    """scripts/make_corpus.py's model and RL-style step (imported, not copied), publishing BF16 snapshots."""
+    """relay.lab.corpus's model and RL-style step (imported, not copied), publishing BF16 snapshots."""
 
     def __init__(self, tiny: bool, seed: int = 0, warmup: int = 2) -> None:
-        from relay.bench import load_corpus_script
-
-        mc = load_corpus_script()
         settings = mc.REGIMES[mc.DEFAULT_REGIME]
         torch.manual_seed(seed)
         self.gen = torch.Generator().manual_seed(seed)
@@ -197,9 +206,9 @@ class _Trainer:
         if tiny:
             self.model = mc.TinyPolicy(max_len=self.seq_len)
             self.source = self.model.state_dict
-            self.name = "tiny policy (scripts/make_corpus.py --tiny)"
+            self.name = "tiny policy (relay.lab.corpus --tiny)"
         else:
-            self.model = mc._BertPolicy(mc.load_minilm())
+            self.model = mc.BertPolicy(mc.load_minilm())
             self.source = self.model.snapshot_source
             self.name = mc.MODEL_NAME
         self.model.train()
@@ -207,15 +216,14 @@ class _Trainer:
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=settings["lr"],
                                      weight_decay=settings["weight_decay"])
         self.regime = mc.DEFAULT_REGIME
-        self._mc = mc
         for _ in range(warmup):  # settle AdamW's moments, as the corpus does
             self.step()
 
     def step(self) -> None:
-        self._mc._policy_gradient_step(self.model, self.opt, self.gen, self.vocab, self.batch, self.seq_len)
+        mc.policy_gradient_step(self.model, self.opt, self.gen, self.vocab, self.batch, self.seq_len)
 
     def state(self) -> dict[str, torch.Tensor]:
-        return self._mc.bf16_snapshot(self.source())
+        return mc.bf16_snapshot(self.source())
 
 
 def _sites(store: str | None, regions: list[str], work: Path, run: str, log: Callable[[str], None]):
@@ -226,6 +234,7 @@ def _sites(store: str | None, regions: list[str], work: Path, run: str, log: Cal
         root.mkdir(parents=True, exist_ok=True)
         origin = Site(ORIGIN_REGION, f"file://{root}/origin/{RUN_PREFIX}{run}", None)
         return origin, [Site(r, f"file://{root}/{r}/{RUN_PREFIX}{run}", None) for r in regions], []
+    lab.require("the demo on S3 servers", "moto", "flask", "flask_cors", otherwise="; or pass --store file://DIR")
     servers = [S3Server(r, log_path=work / "logs" / f"moto-{r}.log") for r in (ORIGIN_REGION, *regions)]
     for s in servers:
         s.launch()
@@ -252,18 +261,13 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
              workdir: str | os.PathLike | None = None, json_path: str | os.PathLike | None = None,
              step_timeout: float = 180.0, log: Callable[[str], None] = print) -> dict:
     """Run the pipeline; returns the summary (`text`, `ok` and the numbers behind them)."""
-    import relay
-    from codec.baselines import BASELINES
-    from relay import checkpoint
-    from relay.manifest import Manifest
-    from relay.store import open_store
-
+    Manifest, open_store = relay.Manifest, relay.open_store
     if not 1 <= regions <= len(REGION_NAMES):
         raise ValueError(f"--regions must be 1..{len(REGION_NAMES)}")
     if steps < 1 or watchers < 1:
         raise ValueError("--steps and --watchers must be at least 1")
     baseline_every = baseline_every or (1 if tiny else 5)
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="deltarelay-demo-"))
+    work = Path(workdir).resolve() if workdir else Path(tempfile.mkdtemp(prefix="deltarelay-demo-"))
     (work / "logs").mkdir(parents=True, exist_ok=True)
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     names = list(REGION_NAMES[:regions])
@@ -412,8 +416,8 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         try:
             summary["chart"] = str(save_chart(summary, chart))
             summary["text"] += f"\nchart: {summary['chart']}"
-        except ImportError:  # matplotlib comes with the bench extra
-            summary["text"] += "\nchart skipped: matplotlib is not installed (pip install -e '.[bench]')"
+        except ImportError:  # matplotlib comes with the demo extra
+            summary["text"] += "\nchart skipped: matplotlib is not installed (pip install 'deltarelay[demo]')"
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps({k: v for k, v in summary.items() if k != "text"}, indent=1,

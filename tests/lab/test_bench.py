@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
-from codec.baselines import BASELINES
+from codec.lab.baselines import BASELINES
 from relay import cli
-from relay.bench import format_table, load_corpus_script, run_bench, save_chart
+from relay.lab.bench import CLOCKS, format_table, run_bench, save_chart
+from relay.lab.commands import BENCH_CLOCKS
+from relay.lab.corpus import make_corpus
 
 OURS = ("deltarelay-v1", "deltarelay-v2")
 
@@ -18,7 +20,7 @@ OURS = ("deltarelay-v1", "deltarelay-v2")
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "tiny"
-    load_corpus_script().make_corpus(out, regime="fp32-lr1e-6", steps=2, tiny=True)
+    make_corpus(out, regime="fp32-lr1e-6", steps=2, tiny=True)
     return out
 
 
@@ -91,7 +93,7 @@ def test_cli_json(corpus, capsys):
 
 
 def test_chart_is_a_png(results, tmp_path):
-    pytest.importorskip("matplotlib")  # the bench extra
+    pytest.importorskip("matplotlib")  # the demo extra
     chart = save_chart(results, tmp_path / "out" / "bench.png")
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -99,3 +101,7 @@ def test_chart_is_a_png(results, tmp_path):
 def test_cli_refuses_a_directory_without_a_corpus(tmp_path, capsys):
     assert cli.main(["bench", str(tmp_path)]) == 1
     assert "at least two step_*.safetensors" in capsys.readouterr().err
+
+
+def test_the_parser_offers_the_clocks_the_bench_has():
+    assert BENCH_CLOCKS == tuple(sorted(CLOCKS))

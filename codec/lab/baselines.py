@@ -32,14 +32,13 @@ import torch
 import xxhash
 import zstandard
 
-from . import compressors, tensors
-from .api import _check_structure
-from .methods.sparse import HIGH_BITS
-from .wire import Reader, Writer
+from codec import check_structure, compressors, tensors
+from codec.wire import Reader, Writer
 
 OTHER_SUFFIX = ".xor_zstd"
 _ZSTD1 = zstandard.ZstdCompressor(level=1)
 GAP_ESCAPE = 0xFFFF
+HIGH_BITS = np.uint16(0xFF80)  # BF16 sign + exponent: ARCv3 packs changes there separately
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class _Changed:
 
 def _changes(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> Iterator[_Changed]:
     """Tensors of `target` that differ from `base`, in target order."""
-    _check_structure(base, target)
+    check_structure(base, target)
     for name, t_tensor in target.items():
         dt = tensors.dtype_of(t_tensor, name)
         b = tensors.element_view(base[name])
@@ -425,7 +424,7 @@ def arcv3_decode(base: Mapping[str, torch.Tensor], payload: bytes) -> dict[str, 
 # zstd-1 of the full target checkpoint: what shipping the whole file costs.
 
 def zstd1_full_encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> bytes:
-    _check_structure(base, target)
+    check_structure(base, target)
     return _ZSTD1.compress(safetensors.torch.save({k: v.contiguous() for k, v in target.items()}))
 
 

@@ -1,7 +1,7 @@
 """`deltarelay bench`: our codec against the anchors' formats on consecutive checkpoints, in one run.
 
-For every consecutive pair of every corpus (scripts/make_corpus.py writes them) it encodes and
-decodes with deltarelay v1 and v2 and every baseline in codec.baselines, checks each
+For every consecutive pair of every corpus (relay.lab.corpus writes them) it encodes and
+decodes with deltarelay v1 and v2 and every baseline in codec.lab.baselines, checks each
 reconstruction bit for bit, and reports medians over pairs and repeats: payload size (percent
 of the BF16 checkpoint, bytes per changed element, ratio to ARCv3-style and to the conditional
 entropy bound) and single-core encode / decode speed (checkpoint MB per second). zstd-1 on the
@@ -13,12 +13,8 @@ over seconds; timings seconds apart would compare different machines.)
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -30,22 +26,12 @@ from safetensors.torch import load_file
 
 import codec
 from codec import tensors
-from codec.baselines import BASELINES, SLOW_BASELINES
-from codec.bound import conditional_entropy_bound
+from codec.lab.baselines import BASELINES, SLOW_BASELINES
+from codec.lab.bound import conditional_entropy_bound
+from relay.lab import corpus
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_corpus.py"
 REFERENCE = "arcv3"
 Tensors = Mapping[str, torch.Tensor]
-
-
-def load_corpus_script():
-    """scripts/make_corpus.py as a module (it is a script first; this checkout ships it beside us)."""
-    if not SCRIPT.exists():
-        raise FileNotFoundError(f"{SCRIPT}: corpus generator not found (run from a source checkout)")
-    spec = importlib.util.spec_from_file_location("deltarelay_make_corpus", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def corpus_files(directory: str | Path) -> list[Path]:
@@ -376,43 +362,9 @@ def save_chart(results: dict, path: str | Path) -> Path:
     return out
 
 
-def _generate(tmp: Path, tiny: bool, steps: int, log: Callable[[str], None]) -> Path:
-    out = tmp / ("tiny-fp32-lr1e-6" if tiny else "minilm-fp32-lr1e-6")
+def generate_corpus(parent: Path, tiny: bool, steps: int, log: Callable[[str], None]) -> Path:
+    """The corpus `deltarelay bench` makes when given none: fp32-lr1e-6, in a new directory under `parent`."""
+    out = parent / ("tiny-fp32-lr1e-6" if tiny else "minilm-fp32-lr1e-6")
     log(f"no corpus given: generating {'a tiny-model' if tiny else 'a MiniLM'} corpus ({steps} steps) in {out}")
-    load_corpus_script().make_corpus(out, regime="fp32-lr1e-6", steps=steps, tiny=tiny, log=log)
+    corpus.make_corpus(out, regime="fp32-lr1e-6", steps=steps, tiny=tiny, log=log)
     return out
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    log = (lambda msg: print(msg, file=sys.stderr)) if not args.json else (lambda msg: None)
-    with tempfile.TemporaryDirectory(prefix="deltarelay-bench-") as tmp:
-        dirs = list(args.corpus) or [_generate(Path(tmp), args.tiny, args.pairs or 3, log)]
-        results = run_bench(dirs, repeat=args.repeat, pairs=args.pairs, slow=args.slow, log=log, clock=args.clock,
-                            workers=args.workers)
-    if args.chart:
-        results["chart"] = str(save_chart(results, args.chart))
-    if args.json:
-        print(json.dumps(results, indent=1))
-    else:
-        print(format_table(results), end="")
-        if args.chart:
-            print(f"chart: {results['chart']}")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("bench", help="compare the codec with the anchors' formats on checkpoint corpora",
-                              description=__doc__.splitlines()[0])
-    p.add_argument("corpus", nargs="*", metavar="CORPUS_DIR",
-                   help="directories of step_*.safetensors (default: generate a small MiniLM corpus first)")
-    p.add_argument("--json", action="store_true", help="print machine-readable results instead of the table")
-    p.add_argument("--chart", metavar="PNG", help="save a bar chart of size and speed per method")
-    p.add_argument("--repeat", type=int, default=3, help="timed repeats per pair (default 3)")
-    p.add_argument("--pairs", type=int, help="consecutive pairs per corpus (default: all)")
-    p.add_argument("--slow", action="store_true", help="also run slow reference baselines (ARCv3 max race)")
-    p.add_argument("--tiny", action="store_true", help="with no CORPUS_DIR, generate a tiny-model corpus (smoke test)")
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                   help="time one-core runs in process CPU time (default; robust on a shared machine) or wall time")
-    p.add_argument("--workers", type=int, default=0, metavar="N",
-                   help="also time v2 with N threads across tensors (wall clock), reported separately")
-    p.set_defaults(func=_cmd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from relay import cli
-from relay.demo import run_demo
+from relay.lab.demo import run_demo
 
 
 def test_demo_on_s3_servers_checks_every_watcher_at_every_step(tmp_path):
@@ -26,7 +26,7 @@ def test_demo_on_s3_servers_checks_every_watcher_at_every_step(tmp_path):
                    "every host pulls full checkpoints", "every host pulls deltas", "staleness"):
         assert needle in text
     try:
-        import matplotlib  # noqa: F401 - the bench extra; CI's dev install runs the demo without it
+        import matplotlib  # noqa: F401 - the demo extra; CI's dev install runs the demo without it
     except ImportError:
         assert "chart skipped" in text and not chart.exists()
     else:

@@ -1,0 +1,8 @@
+"""The codec's lab: measuring instruments for `deltarelay bench`, not part of the runtime.
+
+- `codec.lab.baselines`: reimplementations of the published checkpoint-delta formats (the anchors).
+- `codec.lab.bound`: the conditional entropy bound of a BF16 delta.
+
+Nothing under codec/ outside this package imports it (tests/test_import_graph.py checks), and it
+uses only the codec's public API (see `codec`'s docstring).
+"""
