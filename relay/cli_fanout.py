@@ -18,13 +18,14 @@ A config file names each store with its own fsspec options (regions sit behind d
 from __future__ import annotations
 
 import argparse
+import tomllib
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from relay.cli_relay import _options, add_trusted_key
+from relay.cli_options import add_trusted_key, storage_options
 from relay.fanout import Destination, Fanout
 
 
@@ -49,10 +50,6 @@ def _table_options(value: object, where: str) -> dict | None:
 
 def load_config(path: str | os.PathLike) -> tuple[str, dict | None, list[Destination]]:
     """(source url, source options, destinations) from a TOML file; errors name the file and the field."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        raise RuntimeError("--config needs Python 3.11+ (tomllib); pass --source/--dest instead") from None
     try:
         doc = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -97,7 +94,7 @@ def _from_args(args: argparse.Namespace) -> tuple[str, dict | None, list[Destina
     if len(given) > 1 and len(given) != len(urls):
         raise ValueError(f"{len(given)} --storage-options for {len(urls)} URLs (source first, then each --dest): "
                          f"give one for all, or one per URL")
-    opts = [_options(given[i] if len(given) > 1 else (given[0] if given else None)) for i in range(len(urls))]
+    opts = [storage_options(given[i] if len(given) > 1 else (given[0] if given else None)) for i in range(len(urls))]
     used: set[str] = set()
     dests = [Destination(_dest_name(u, used), u, o) for u, o in zip(args.dest, opts[1:])]
     return args.source, opts[0], dests

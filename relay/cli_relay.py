@@ -10,33 +10,15 @@ import argparse
 import json
 
 from relay import checkpoint, ops
+from relay.cli_options import (add_signing_key, add_storage_options, add_trusted_key, add_writer_trust,
+                               storage_options)
 from relay.publisher import Publisher
 from relay.watcher import SyncError, Watcher
 
 
-def _options(text: str | None) -> dict | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--storage-options is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--storage-options must be a JSON object")
-    return value
-
-
-def _add_options(p: argparse.ArgumentParser, many: bool = False) -> None:
-    if many:
-        p.add_argument("--storage-options", action="append", metavar="JSON",
-                       help="fsspec options as JSON: once for every URL, or once per URL in order")
-    else:
-        p.add_argument("--storage-options", metavar="JSON", help="fsspec options for the URL, as a JSON object")
-
-
 def _publish(args: argparse.Namespace) -> int:
     tensors, _ = checkpoint.load(args.checkpoint)
-    with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=_options(args.storage_options),
+    with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=storage_options(args.storage_options),
                    resume=args.resume, background=False, signing_key=args.signing_key,
                    trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned) as pub:
         pub.publish(tensors, args.step)
@@ -46,7 +28,7 @@ def _publish(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
-    with Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=_options(args.storage_options),
+    with Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=storage_options(args.storage_options),
                  trusted_keys=args.trusted_key) as w:
         try:
             if args.once:
@@ -61,14 +43,14 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _rebase(args: argparse.Namespace) -> int:
-    step = ops.rebase(args.url, _options(args.storage_options), signing_key=args.signing_key,
+    step = ops.rebase(args.url, storage_options(args.storage_options), signing_key=args.signing_key,
                       trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
     print(f"{args.url}: base is now step {step}")
     return 0
 
 
 def _gc(args: argparse.Namespace) -> int:
-    out = ops.gc(args.url, args.keep_snapshots, _options(args.storage_options), signing_key=args.signing_key,
+    out = ops.gc(args.url, args.keep_snapshots, storage_options(args.storage_options), signing_key=args.signing_key,
                  trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
     print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects ({out['freed_bytes']} bytes)")
     return 0
@@ -80,7 +62,7 @@ def _status(args: argparse.Namespace) -> int:
         raise ValueError(f"{len(given)} --storage-options for {len(args.urls)} URLs: give one, or one per URL")
     rows, failed = [], 0
     for i, url in enumerate(args.urls):
-        opts = _options(given[i] if len(given) > 1 else (given[0] if given else None))
+        opts = storage_options(given[i] if len(given) > 1 else (given[0] if given else None))
         try:
             rows.append(ops.status(url, opts))
         except Exception as exc:  # one bad store must not hide the others
@@ -99,28 +81,6 @@ def _status(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def add_signing_key(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--signing-key", action="append", metavar="PATH",
-                   help="sign the manifest with this Ed25519 private key (PEM, deltarelay keygen); repeat during a "
-                        "key rotation; required to change a signed run")
-
-
-def add_writer_trust(p: argparse.ArgumentParser) -> None:
-    """What a signing writer accepts on the manifest it changes (relay.commit)."""
-    p.add_argument("--trusted-key", action="append", metavar="PATH",
-                   help="also accept a manifest signed by this public key before re-signing it (a key rotation); "
-                        "the signing keys' own public keys are always accepted")
-    p.add_argument("--adopt-unsigned", action="store_true",
-                   help="sign an UNSIGNED run from now on (refused otherwise: whoever can write the bucket can strip "
-                        "signatures); check it first with deltarelay verify --deep")
-
-
-def add_trusted_key(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trusted-key", action="append", metavar="PATH",
-                   help="act only on manifests signed by this Ed25519 public key (PEM); repeat to trust several "
-                        "(key rotation)")
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("publish", help="publish a safetensors checkpoint as a step of a run")
     p.add_argument("url", help="run prefix: s3://bucket/run, file:///path, memory://run")
@@ -130,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--snapshot-every", type=int, default=25)
     add_signing_key(p)
     add_writer_trust(p)
-    _add_options(p)
+    add_storage_options(p)
     p.set_defaults(func=_publish)
 
     p = subparsers.add_parser("watch", help="keep a directory on a run's head")
@@ -141,14 +101,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="give up a sync after S seconds (exit non-zero, DIR stays on its last good step)")
     add_trusted_key(p)
-    _add_options(p)
+    add_storage_options(p)
     p.set_defaults(func=_watch)
 
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
     p.add_argument("url")
     add_signing_key(p)
     add_writer_trust(p)
-    _add_options(p)
+    add_storage_options(p)
     p.set_defaults(func=_rebase)
 
     p = subparsers.add_parser("gc", help="delete objects the last K snapshots no longer need")
@@ -156,11 +116,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
     add_signing_key(p)
     add_writer_trust(p)
-    _add_options(p)
+    add_storage_options(p)
     p.set_defaults(func=_gc)
 
     p = subparsers.add_parser("status", help="head, base, chain length and bytes per run")
     p.add_argument("urls", nargs="+", metavar="URL")
     p.add_argument("--json", action="store_true")
-    _add_options(p, many=True)
+    add_storage_options(p, many=True)
     p.set_defaults(func=_status)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from relay.cli_relay import _options, add_trusted_key
+from relay.cli_options import add_trusted_key, storage_options
 from relay.signing import generate_keypair
 
 
@@ -22,7 +22,7 @@ def _keygen(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from relay.verify import verify
 
-    report = verify(args.url, _options(args.storage_options), deep=args.deep, trusted_keys=args.trusted_key,
+    report = verify(args.url, storage_options(args.storage_options), deep=args.deep, trusted_keys=args.trusted_key,
                     workers=args.workers)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.text())
     return 0 if report.ok else 1

@@ -1,0 +1,54 @@
+"""The options several `deltarelay` commands share: store options and keys, spelled and checked once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+_TRUSTED_HELP = {
+    "reader": "act only on manifests signed by this Ed25519 public key (PEM); repeat to trust several (key rotation)",
+    "writer": "also accept a manifest signed by this public key before re-signing it (a key rotation); the signing "
+              "keys' own public keys are always accepted",
+}
+
+
+def storage_options(text: str | None) -> dict | None:
+    """The value of --storage-options: a JSON object handed to fsspec as is (None when not given)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--storage-options is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    return value
+
+
+def add_storage_options(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """--storage-options JSON: once, or (`many`) once for every URL or once per URL in order."""
+    if many:
+        p.add_argument("--storage-options", action="append", metavar="JSON",
+                       help="fsspec options as JSON: once for every URL, or once per URL in order")
+    else:
+        p.add_argument("--storage-options", metavar="JSON", help="fsspec options for the URL, as a JSON object")
+
+
+def add_signing_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--signing-key", action="append", metavar="PATH",
+                   help="sign the manifest with this Ed25519 private key (PEM, deltarelay keygen); repeat during a "
+                        "key rotation; required to change a signed run")
+
+
+def add_trusted_key(p: argparse.ArgumentParser, role: str = "reader") -> None:
+    """--trusted-key PATH (repeatable): for a reader, the keys it acts on; for a writer, the other keys whose
+    signatures it accepts on what it re-signs (relay.commit)."""
+    p.add_argument("--trusted-key", action="append", metavar="PATH", help=_TRUSTED_HELP[role])
+
+
+def add_writer_trust(p: argparse.ArgumentParser) -> None:
+    """What a signing writer accepts on the manifest it changes (relay.commit): --trusted-key, --adopt-unsigned."""
+    add_trusted_key(p, "writer")
+    p.add_argument("--adopt-unsigned", action="store_true",
+                   help="sign an UNSIGNED run from now on (refused otherwise: whoever can write the bucket can strip "
+                        "signatures); check it first with deltarelay verify --deep")
