@@ -18,8 +18,8 @@ RAW, ZSTD, LZ4, BROTLI = 0, 1, 2, 3
 NAMES = {RAW: "raw", ZSTD: "zstd", LZ4: "lz4", BROTLI: "brotli"}
 
 # (codec, level) candidates by effort. "fast" keeps encode near memory speed. Brotli races at
-# "max" only: on a v1 payload of MiniLM it saved 0.8% and cost ~25 ms per 45 MB checkpoint,
-# mostly its per-call setup on ~300 small streams.
+# "max" only: it saves little on these streams, and its per-call setup on hundreds of small
+# streams costs more than the rest of the encode (`deltarelay bench` measures both).
 EFFORT = {
     "fast": ((ZSTD, 1),),
     "default": ((ZSTD, 3), (LZ4, 0)),

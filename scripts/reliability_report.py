@@ -3,9 +3,9 @@
 Why a script: the table in RELIABILITY.md must be what the tests did on this tree, not prose that
 drifts. A small pytest plugin collects, per test, its docstring (what the scenario asserts), the
 `injected` / `observed` properties the test recorded with `record_property`, the outcome and the
-time; the rows replace the marked sections of the document. The security tests of the other half
-of issue 6 (tests/test_signing.py, test_verify.py, test_hostile_store.py) are included when they
-exist, in their own marked section.
+time; the rows replace the marked sections of the document. The security tests (signing, verify,
+hostile input, and the adversarial-review hardening tests) are included when they exist, in their
+own marked section.
 
     .venv/bin/python scripts/reliability_report.py            # run everything, rewrite the tables
     .venv/bin/python scripts/reliability_report.py -- -k flip # extra pytest arguments after --

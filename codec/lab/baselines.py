@@ -1,7 +1,7 @@
 """Faithful reimplementations of the published checkpoint-delta formats, for the benchmark.
 
 Each baseline turns (base, target) mappings of tensors into bytes and back, losslessly, the way
-the system it is named after does (see shared reference anchors.md), so `deltarelay bench` can
+the system it is named after does (from its published design), so `deltarelay bench` can
 compare sizes and speeds on the same data in one run:
 
 - `trl-sparse`: Hugging Face TRL delta sync, a safetensors file of int32 flat indices + BF16 values.
@@ -330,9 +330,9 @@ def pulse_decode(base: Mapping[str, torch.Tensor], payload: bytes) -> dict[str, 
 # ARCv3: change bitmask, kind bits, 7-bit mantissa XORs, sign/exponent XORs; per tensor codec race.
 
 ARC_MAGIC = b"ARC3"
-# Levels a per-step production encoder can afford (brotli-9 runs at ~6 MB/s on the masks). On
-# MiniLM this lands at ~0.65x PULSESync, as anchors.md measured. ARC_RACE_MAX adds zstd-19 and
-# brotli-11 (~0.3 MB/s), which reaches the published 0.54x; `arcv3-max` runs it when asked.
+# Levels a per-step production encoder can afford (brotli-9 is already slow on the masks).
+# ARC_RACE_MAX adds zstd-19 and brotli-11 (an order of magnitude slower again), which reaches the
+# published ARCv3 ratio; `arcv3-max` runs it when asked.
 ARC_RACE = ((compressors.ZSTD, 3), (compressors.LZ4, 0), (compressors.BROTLI, 9))
 ARC_RACE_MAX = compressors.EFFORT["max"]
 

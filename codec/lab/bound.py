@@ -1,4 +1,4 @@
-"""The conditional entropy bound of a BF16 delta: the benchmark's yardstick (see anchors.md).
+"""The conditional entropy bound of a BF16 delta: the benchmark's yardstick.
 
 Bits an ideal order-0 coder needs when the receiver already holds the base: the change mask
 coded with one probability per base exponent (an update is visible roughly when |dw| > |w|/256,

@@ -164,8 +164,9 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
     `regime` picks lr / weight decay / master precision from REGIMES; explicit arguments override
     it. `warmup` optimiser steps run before the first snapshot: AdamW's first steps move every
     weight by about lr, and the changed fraction then decays as its moments settle (over tens of
-    steps). The default of 4 puts MiniLM's per-step changed fraction where anchors.md measured
-    it (fp32-lr1e-6 ~0.9 -> 0.64% over six steps; fp32-lr5e-6-wd ~3.4 -> 2.5%; bf16-lr3e-6 ~0.75 -> 0.5%).
+    steps). The default of 4 puts MiniLM's per-step changed fraction where published RL-step
+    measurements put it (fp32-lr1e-6 ~0.9 -> 0.64% over six steps; fp32-lr5e-6-wd ~3.4 -> 2.5%;
+    bf16-lr3e-6 ~0.75 -> 0.5%).
     `overwrite` replaces an earlier corpus in `out_dir` (its snapshots and corpus.json) instead of refusing.
     """
     if regime is not None and regime not in REGIMES:
