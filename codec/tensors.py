@@ -6,6 +6,7 @@ integers of its item size, so NaN payloads, -0.0 and subnormals survive untouche
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,3 +116,18 @@ def tensor_from_elements(elems: np.ndarray, dt: DType, shape: tuple[int, ...], *
     raw = np.ascontiguousarray(elems).view(np.uint8)
     raw = torch.from_numpy(raw.copy() if copy else raw)
     return raw.view(dt.torch).reshape(shape)
+
+
+def same_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    """Bit-exact equality of two checkpoints: the same names, dtypes, shapes and bytes (NaN payloads and
+    -0.0 included, where == on floats would differ); for checking a reconstruction by hand."""
+    if set(a) != set(b):
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not torch.equal(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+                           y.detach().cpu().contiguous().reshape(-1).view(torch.uint8)):
+            return False
+    return True

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from codec import tensors as codec_tensors
+
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -135,17 +137,7 @@ def trainer() -> Callable[..., Trainer]:
     return Trainer
 
 
-def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Bit-exact equality of two checkpoints (NaN payloads and -0.0 included)."""
-    if set(a) != set(b):
-        return False
-    for k in a:
-        x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        if not torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)):
-            return False
-    return True
+same_bits = codec_tensors.same_bits  # tests import it from here
 
 
 def publish_steps(url: str, trainer: Callable[..., Trainer], steps: int, options: dict | None = None, seed: int = 3,

@@ -32,6 +32,7 @@ import torch
 
 import relay
 from codec.lab.baselines import BASELINES
+from codec.tensors import same_bits
 from relay import checkpoint, lab
 from relay.lab import corpus as mc
 
@@ -183,18 +184,6 @@ def _held_step(dest: Path) -> int | None:
         return None
 
 
-def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    if set(a) != set(b):
-        return False
-    for k, x in a.items():
-        y = b[k]
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        if not torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)):
-            return False
-    return True
-
-
 class _Trainer:
     """relay.lab.corpus's model and RL-style step (imported, not copied), publishing BF16 snapshots."""
 
@@ -333,7 +322,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
                     continue
                 held, _ = checkpoint.load(h.dest)
                 checks += 1
-                if _held_step(h.dest) != step or not _bits_equal(held, state):
+                if _held_step(h.dest) != step or not same_bits(held, state):
                     failures += 1
                     problems.append(f"step {step}: {h.dest.name} holds weights that differ from the trainer's")
             if step and step % baseline_every == 0:
