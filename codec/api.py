@@ -469,8 +469,8 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
     parsed = _parse(base, payload)
     batched: dict[Method, dict[str, Entry]] = {}  # per method, the records it decodes together
     for e in parsed.entries:
-        method = methods.REGISTRY.get(e.method)
-        if method is not None and method.batch_decodable(e):
+        method = methods.REGISTRY.get(e.method)  # (one outside its versions is refused alone)
+        if method is not None and method.exists_in(parsed.version) and method.batch_decodable(e):
             batched.setdefault(method, {})[e.name] = e
     jobs = [(method, names) for method, by_name in batched.items()
             for names in _groups(list(by_name), by_name, workers, lambda e: e.numel)]

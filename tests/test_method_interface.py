@@ -70,7 +70,10 @@ def test_registry_is_consistent():
         assert [m for m in inv if m.identity], f"v{version} has no method for unchanged tensors"
         assert [m.preference for m in inv] == sorted(m.preference for m in inv)
         for dt in codec.tensors.DTYPES:  # every dtype has a method to code its changes
-            assert any(m.applicable(dt) and not m.identity for m in inv), (version, dt.name)
+            coders = [m for m in inv if m.applicable(dt) and not m.identity]
+            assert coders, (version, dt.name)
+            for m in coders[1:]:  # a batching method codes its batches' tensors first (encode_batch)
+                assert not _overrides(m, "batch_encodable"), (version, dt.name, m.name)
 
 
 def _forge_method(payload: bytes, name: str, method_id: int) -> bytes:
@@ -141,3 +144,17 @@ def test_a_new_method_slots_in(version):
     with pytest.raises(codec.DeltaError) as err:
         codec.decode(base, payload)
     assert err.value.tensor == "ints"
+
+
+def test_a_record_outside_its_methods_versions_is_refused_by_every_path():
+    """A v1 payload holding `conditional` records (a v2 method; forged, checksum recomputed) is
+    refused naming the tensor by decode as by apply_: the batched decoder asks the method's
+    versions too, instead of decoding such records together."""
+    base, target = model_pair(seed=9)
+    parsed = container.unpack(codec.encode(base, target, format_version=2))
+    name = next(e.name for e in parsed.entries if e.method == methods.conditional.ID)
+    forged = container.pack(dataclasses.replace(parsed, version=1))
+    for run in (lambda: codec.decode(base, forged), lambda: codec.apply_(clone_all(base), forged)):
+        with pytest.raises(codec.DeltaError) as err:
+            run()
+        assert err.value.tensor == name and "needs format version 2" in str(err.value)

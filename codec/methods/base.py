@@ -214,7 +214,9 @@ class Method(abc.ABC):
         raise NotImplementedError(f"method {self.name!r} does not batch")
 
     def encode_batch(self, batch: Batch, which: np.ndarray, model: Any) -> list[tuple[bytes, list[Stream]]]:
-        """`encode` of the batch's tensors `which` (all changed), in one go where it can."""
+        """`encode` of the batch's tensors `which` (changed, not raced), in one go where it can;
+        None for one it leaves to `encode`. The encoder calls it for tensors this method would
+        code first, so a batching method must come first (`preference`) among their coders."""
         raise NotImplementedError(f"method {self.name!r} does not batch")
 
     def fit(self, version: int, batches: list[Batch], analyses: list[Any]) -> Any:
