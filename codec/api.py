@@ -1,4 +1,9 @@
-"""encode / decode / apply_: the codec's public entry points over mappings of tensors."""
+"""encode / decode / apply_: the codec's public entry points over mappings of tensors.
+
+Methods are reached only through their interface (codec/methods/base.py, `Method`): which
+analyse, batch, code and decode which tensors, and which shared blocks they write, is theirs to
+say; here is what every payload does with them (threads, buffers, digests, racing, verification).
+"""
 
 from __future__ import annotations
 
@@ -11,15 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import container, device, hashing, methods, tensors
+from . import container, hashing, methods, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
-from .hashing import Running, digest_bytes, digest_elements, header_bytes, running
-from .methods import conditional, exponent_classes, same, sparse, xor_planes
-from .methods.base import Patch
+from .hashing import Running, digest_elements, header_bytes, running
+from .methods.base import Batch, Job, Method, Patch, changed_positions
 
 EFFORTS = ("fast", "default", "max")
-DENSE_FRACTION = 0.25  # above this changed fraction, also try the dense XOR path
+DENSE_FRACTION = 0.25  # above this changed fraction, every applicable method races (the dense XOR path can win)
 
 
 def _check_structure(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
@@ -50,113 +54,130 @@ class _Candidate:
         return len(self.params) + sum(len(s.stored) for s in self.streams)
 
 
-def _encode_tensor(b: np.ndarray, t: np.ndarray, dt: tensors.DType, changes: int, index: np.ndarray | None,
-                   effort: str, analysis: conditional.Analysis | None,
-                   model: conditional.ValueModel | None, four_from: int = conditional.NEVER) -> _Candidate:
-    """Per tensor, the smallest of the methods worth trying at this effort.
+class _Plan:
+    """What one encode call knows about the methods: the format version's methods in the order
+    they are tried, each dtype's analysing method, the effort, and (once fitted) each analysing
+    method's payload-wide model."""
 
-    BF16 tensors try the conditional method alone unless their changes are dense (where the XOR
-    planes can win) or effort is "max": racing general-purpose compressors on ~100 small tensors
-    costs more encode time than the bytes it might save. `index` (the changed positions) may be
-    None: the sparse method then finds them itself.
-    """
-    cands: list[_Candidate] = []
-    dense = changes > DENSE_FRACTION * b.size
-    if analysis is not None and model is not None:
-        cands.append(_Candidate(conditional.ID, *conditional.encode(analysis, model, four_from)))
-    if dt is tensors.BF16 and (analysis is None or dense or effort == "max"):
-        cands.append(_Candidate(sparse.ID, *sparse.encode(b, t, effort, index)))
-    if dt is not tensors.BF16 or dense or effort == "max":
-        cands.append(_Candidate(xor_planes.ID, *xor_planes.encode(b, t, effort)))
-    return min(cands, key=lambda c: c.size)
+    def __init__(self, format_version: int, effort: str) -> None:
+        self.version = format_version
+        self.effort = effort
+        self.methods = methods.in_version(format_version)
+        self.unchanged = next(m for m in self.methods if m.identity)
+        self.models: dict[int, object] = {}
+        self._coders: dict[tensors.DType, list[Method]] = {}
+        self._analysers: dict[tensors.DType, Method | None] = {}
 
+    def coders(self, dt: tensors.DType) -> list[Method]:
+        """The methods that may code a changed tensor of this dtype, in the order tried."""
+        found = self._coders.get(dt)
+        if found is None:
+            found = self._coders[dt] = [m for m in self.methods if not m.identity and m.applicable(dt)]
+        return found
 
-def _batchable(base: torch.Tensor, target: torch.Tensor) -> bool:
-    return target.dtype == torch.bfloat16 and target.is_cpu and base.is_cpu
+    def analyser(self, dt: tensors.DType) -> Method | None:
+        """The method that analyses tensors of this dtype before they are coded, if any."""
+        if dt not in self._analysers:
+            self._analysers[dt] = next((m for m in self.methods if m.analyses and m.applicable(dt)), None)
+        return self._analysers[dt]
 
+    def batcher(self, base: torch.Tensor, target: torch.Tensor) -> Method | None:
+        """The analysing method that takes this pair into its batches, if any."""
+        for m in self.methods:
+            if m.analyses and m.batch_encodable(base, target):
+                return m
+        return None
 
-def _elements_at(t: torch.Tensor, keep: list) -> int:
-    """Address of a CPU tensor's elements, readable in whole blocks of 64 elements: its own
-    memory where it is contiguous and whole blocks, else a padded copy, which `keep` holds."""
-    if t.is_contiguous() and t.numel() % exponent_classes.BLOCK == 0:
-        keep.append(t)
-        return t.data_ptr()
-    copy = exponent_classes.blocks(np.ascontiguousarray(tensors.element_view(t)))
-    keep.append(copy)
-    return copy.ctypes.data
+    def encode(self, job: Job) -> _Candidate:
+        """Per tensor, the first method that codes it or, where its changes are dense or effort is
+        "max", the smallest record of all that do: racing general-purpose compressors on ~100
+        small tensors costs more encode time than the bytes it might save."""
+        race = job.changes > DENSE_FRACTION * job.base.size or job.effort == "max"
+        best = None
+        for m in self.coders(job.dtype):
+            coded = m.encode(job, self.models.get(m.id))
+            if coded is None:
+                continue
+            c = _Candidate(m.id, *coded)
+            if best is None or c.size < best.size:
+                best = c
+            if not race:
+                break
+        if best is None:
+            raise AssertionError(f"no method codes tensor {job.name!r} ({job.dtype.name})")
+        return best
 
 
 class _Batched:
-    """BF16 CPU tensors analysed together: one compiled call scans (and, where the kernels can,
-    digests) them all, with no Python per tensor (`conditional.analyze_at`)."""
+    """Tensors one method analyses together: a few compiled calls scan (and, where the kernels can,
+    digest) them all, with no Python per tensor (`Method.analyse_batch`)."""
 
-    def __init__(self, names: list[str], base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
-                 buffers: exponent_classes.ScanBuffers) -> None:
+    def __init__(self, method: Method, names: list[str], base: Mapping[str, torch.Tensor],
+                 target: Mapping[str, torch.Tensor], scratch: object) -> None:
+        self.method = method
         self.names = names
+        self.dtypes = [tensors.dtype_of(target[name], name) for name in names]
         self.shapes = [tuple(target[name].shape) for name in names]
         self.sizes = np.array([target[name].numel() for name in names], np.int64)
-        keep: list = []
-        where = np.array([(_elements_at(base[name], keep), _elements_at(target[name], keep)) for name in names],
-                         np.uintp).reshape(-1, 2)
-        headers = [header_bytes(tensors.BF16.name, shape) for shape in self.shapes] if hashing.KERNEL_DIGESTS else None
-        self.batch = conditional.analyze_at(where, self.sizes, headers, buffers)
-        del keep  # the scan is done with the tensors' memory
-        if self.batch.digests is not None:
-            blob = digest_bytes(self.batch.digests)
-            self.digests = [(blob[32 * i: 32 * i + 16], blob[32 * i + 16: 32 * i + 32]) for i in range(len(names))]
-        else:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python, a second read
-            self.digests = [tuple(digest_elements(tensors.BF16.name, shape, tensors.element_view(m[name]))
-                                  for m in (base, target)) for name, shape in zip(names, self.shapes)]
+        self.batch: Batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], scratch)
+        digests = self.batch.digest_pairs()
+        if digests is None:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python, a second read
+            digests = [tuple(digest_elements(dt.name, shape, tensors.element_view(m[name])) for m in (base, target))
+                       for name, dt, shape in zip(names, self.dtypes, self.shapes)]
+        self.digests = digests
 
-    def entries(self, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], effort: str,
-                model: conditional.ValueModel | None, four_from: int) -> list[Entry]:
-        """The batch's records: sparse tensors coded together where the batch holds their changes
-        (one compiled call); dense ones, and every one at "max" effort, race methods one by one."""
+    def entries(self, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: _Plan) -> list[Entry]:
+        """The batch's records: those its method alone would code (sparse changes, effort not
+        "max") coded together (`Method.encode_batch`); the others race methods one by one."""
         changes = self.batch.changes()
         sparse_ = (changes > 0) & (changes <= DENSE_FRACTION * self.sizes)
-        together = np.flatnonzero(sparse_) if effort != "max" else np.zeros(0, np.int64)
+        together = np.flatnonzero(sparse_) if plan.effort != "max" else np.zeros(0, np.int64)
         coded = {}
-        if together.size and model is not None:
-            coded = dict(zip(together.tolist(), conditional.encode_batch(self.batch, together, model, four_from)))
+        if together.size:
+            coded = dict(zip(together.tolist(),
+                             self.method.encode_batch(self.batch, together, plan.models.get(self.method.id))))
         out = []
-        for i, (name, shape, (bd, td)) in enumerate(zip(self.names, self.shapes, self.digests)):
+        for i, (name, dt, shape, (bd, td)) in enumerate(zip(self.names, self.dtypes, self.shapes, self.digests)):
             k = int(changes[i])
             if not k:
-                out.append(Entry(name, tensors.BF16, shape, same.ID, 0, bd, bd))
+                out.append(Entry(name, dt, shape, plan.unchanged.id, 0, bd, bd))
                 continue
-            if i in coded:
-                c = _Candidate(conditional.ID, *coded[i])
+            record = coded.get(i)
+            if record is not None:
+                c = _Candidate(self.method.id, *record)
             else:
                 b, t = tensors.element_view(base[name]), tensors.element_view(target[name])
-                c = _encode_tensor(b, t, tensors.BF16, k, None, effort, self.batch.analysis(i), model, four_from)
-            out.append(Entry(name, tensors.BF16, shape, c.method, k, bd, td, c.params, c.streams))
+                c = plan.encode(Job(name, dt, b, t, k, plan.effort, None, self.batch.analysis(i)))
+            out.append(Entry(name, dt, shape, c.method, k, bd, td, c.params, c.streams))
         return out
-
-    def value_symbols(self) -> np.ndarray:
-        return self.batch.value_symbols
 
 
 class _BufferPool:
-    """Scan buffers lent to the batches of encode calls and taken back when the payload is packed
-    (`exponent_classes.ScanBuffers`: reused memory takes no page faults). Holds a few sets, of
-    at most KEEP bytes each; larger ones go back to the allocator."""
+    """Scratch memory (`Method.scratch`) lent to the batches of encode calls and taken back when
+    the payload is packed (a batch's analysis may live in it until then; reused memory takes no
+    page faults). Holds a few sets per method, of at most KEEP bytes each; larger ones go back
+    to the allocator."""
 
     KEEP = 256 << 20
     SETS = 4
 
     def __init__(self) -> None:
-        self._free: list[exponent_classes.ScanBuffers] = []
+        self._free: dict[int, list] = {}
         self._lock = threading.Lock()
 
-    def take(self) -> exponent_classes.ScanBuffers:
+    def take(self, method: Method) -> object:
         with self._lock:
-            return self._free.pop() if self._free else exponent_classes.ScanBuffers()
+            free = self._free.get(method.id)
+            if free:
+                return free.pop()
+        return method.scratch()
 
-    def give(self, buffers: exponent_classes.ScanBuffers) -> None:
-        if buffers.nbytes <= self.KEEP:
+    def give(self, method: Method, scratch: object) -> None:
+        if scratch is not None and scratch.nbytes <= self.KEEP:
             with self._lock:
-                if len(self._free) < self.SETS:
-                    self._free.append(buffers)
+                free = self._free.setdefault(method.id, [])
+                if len(free) < self.SETS:
+                    free.append(scratch)
 
 
 _BUFFERS = _BufferPool()
@@ -180,23 +201,20 @@ class _Pending:
     """A tensor outside the batches (another dtype, a device tensor, a v1 payload) on its way
     into the payload; host copies of device tensors are made on demand."""
 
-    def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, use_conditional: bool) -> None:
+    def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, plan: _Plan) -> None:
         self.name = name
         self.dt = tensors.dtype_of(target, name)
         self.shape = tuple(target.shape)
         self._tensors = (base, target)
         self._host: tuple[np.ndarray, np.ndarray] | None = None
-        self.analysis: conditional.Analysis | None = None
-        on_device = target.device.type != "cpu" and base.device == target.device
+        self.analyser = plan.analyser(self.dt)
+        self.analysis = None
         self.index: np.ndarray | None = None
-        if use_conditional and self.dt is tensors.BF16 and on_device:
-            self.analysis = device.analyze_on_device(base, target)
+        if self.analyser is not None:
+            self.analysis = self.analyser.analyse(base, target, lambda: self.host)
             self.index = self.analysis.index
-        elif use_conditional and self.dt is tensors.BF16:  # on two devices: analysed from host copies
-            self.analysis = conditional.analyze(*self.host)
         else:
-            b, t = self.host
-            self.index = exponent_classes.differences(b, t) if b.dtype == np.uint16 else np.flatnonzero(b != t)
+            self.index = changed_positions(*self.host)
         self.changes = self.analysis.changes if self.index is None else int(self.index.size)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
@@ -206,11 +224,11 @@ class _Pending:
             self._host = (tensors.element_view(self._tensors[0]), tensors.element_view(self._tensors[1]))
         return self._host
 
-    def entry(self, effort: str, model: conditional.ValueModel | None, four_from: int) -> Entry:
+    def entry(self, plan: _Plan) -> Entry:
         if not self.changes:
-            return Entry(self.name, self.dt, self.shape, same.ID, 0, self.base_digest, self.base_digest)
+            return Entry(self.name, self.dt, self.shape, plan.unchanged.id, 0, self.base_digest, self.base_digest)
         b, t = self.host
-        c = _encode_tensor(b, t, self.dt, self.changes, self.index, effort, self.analysis, model, four_from)
+        c = plan.encode(Job(self.name, self.dt, b, t, self.changes, plan.effort, self.index, self.analysis))
         td = digest_elements(self.dt.name, self.shape, t)
         return Entry(self.name, self.dt, self.shape, c.method, self.changes, self.base_digest, td, c.params, c.streams)
 
@@ -229,15 +247,18 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     if format_version not in container.SUPPORTED_VERSIONS:
         raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
-    use_conditional = format_version >= conditional.MIN_VERSION
-    batched = [name for name, t in target.items() if use_conditional and _batchable(base[name], t)]
-    groups = _groups(batched, target, workers)
-    lent = [_BUFFERS.take() for _ in groups]
+    plan = _Plan(format_version, effort)
+    batched: dict[Method, list[str]] = {}
+    for name, t in target.items():
+        m = plan.batcher(base[name], t)
+        if m is not None:
+            batched.setdefault(m, []).append(name)
+    jobs = [(m, group, _BUFFERS.take(m)) for m, names in batched.items() for group in _groups(names, target, workers)]
     try:
-        return _encode(base, target, effort, format_version, workers, list(zip(groups, lent)))
+        return _encode(base, target, plan, workers, jobs)
     finally:
-        for buffers in lent:
-            _BUFFERS.give(buffers)
+        for m, _, scratch in jobs:
+            _BUFFERS.give(m, scratch)
 
 
 _POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
@@ -263,29 +284,26 @@ def _map(workers: int, fn, items: list) -> list:
     return list(_pool(workers).map(fn, items))
 
 
-def _encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], effort: str, format_version: int,
-            workers: int, jobs: list[tuple[list[str], exponent_classes.ScanBuffers]]) -> bytes:
-    """`encode` of the batches `jobs` (names, lent buffers) and of the tensors outside them."""
-    use_conditional = format_version >= conditional.MIN_VERSION
-    batches = _map(workers, lambda job: _Batched(job[0], base, target, job[1]), jobs)
-    in_batches = {name for names, _ in jobs for name in names}
+def _encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: _Plan, workers: int,
+            jobs: list[tuple[Method, list[str], object]]) -> bytes:
+    """`encode` of the batches `jobs` (method, names, lent scratch) and of the tensors outside them."""
+    batches = _map(workers, lambda job: _Batched(job[0], job[1], base, target, job[2]), jobs)
+    in_batches = {name for _, names, _ in jobs for name in names}
     rest = [name for name in target if name not in in_batches]
-    pending = _map(workers, lambda name: _Pending(name, base[name], target[name], use_conditional), rest)
-    symbols = [b.value_symbols() for b in batches]
-    symbols += [p.analysis.value_symbols for p in pending if p.analysis is not None and p.changes]
-    model = conditional.ValueModel.fit_symbols(symbols) if any(s.size for s in symbols) else None
-    # v3: records with many changes use four interleaved rANS states (the payload states the rule)
-    four_from = conditional.FOUR_STATES_FROM if format_version >= 3 else conditional.NEVER
-    coded = {e.name: e for group in _map(workers, lambda b: b.entries(base, target, effort, model, four_from), batches)
-             for e in group}
-    coded.update((e.name, e) for e in _map(workers, lambda p: p.entry(effort, model, four_from), pending))
+    pending = _map(workers, lambda name: _Pending(name, base[name], target[name], plan), rest)
+    for m in plan.methods:  # each analysing method's payload-wide model, from all its analyses
+        if m.analyses:
+            plan.models[m.id] = m.fit(plan.version, [b.batch for b in batches if b.method is m],
+                                      [p.analysis for p in pending if p.analyser is m and p.changes])
+    coded = {e.name: e for group in _map(workers, lambda b: b.entries(base, target, plan), batches) for e in group}
+    coded.update((e.name, e) for e in _map(workers, lambda p: p.entry(plan), pending))
     entries = [coded[name] for name in target]
+    used = {e.method for e in entries}
     shared = {}
-    if model is not None and any(e.method == conditional.ID for e in entries):
-        shared[conditional.SHARED_VALUE_TABLES] = model.pack()
-        if four_from < conditional.NEVER:
-            shared[conditional.SHARED_INTERLEAVE] = conditional.interleave_rule(four_from)
-    return container.pack(Payload(format_version, entries, shared))
+    for m in plan.methods:
+        if m.id in used:
+            shared.update(m.shared_blocks(plan.models.get(m.id)))
+    return container.pack(Payload(plan.version, entries, shared))
 
 
 def _base_view(entry: Entry, tensor: torch.Tensor | None) -> np.ndarray:
@@ -318,8 +336,8 @@ def _explain(entry: Entry, elems: np.ndarray, exc: DeltaError) -> DeltaError:
 
 def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> Payload:
     parsed = container.unpack(payload)
-    if parsed.version < 3 and conditional.SHARED_INTERLEAVE in parsed.shared:
-        raise DeltaError(f"a v{parsed.version} payload carries an interleave rule (a v3 field)")
+    for method in methods.REGISTRY.values():  # each method checks the shared blocks it owns
+        method.check_shared(parsed.shared, parsed.version)
     names = {e.name for e in parsed.entries}
     extra = [k for k in base if k not in names]
     if extra:
@@ -330,17 +348,16 @@ def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
 def _decoded(entry: Entry, elems: np.ndarray, parsed: Payload, with_target: bool,
              digest: Running | None = None) -> tuple[int, Patch | None, np.ndarray | None]:
     """(changes, patch, target) of one entry, every failure a DeltaError naming the tensor. With
-    with_target, methods that build the target while decoding (`decode_target`) do so (no copy of
-    the base beforehand, no scatter, no patch; they feed `digest` the target as they finish it),
-    the others' patch is applied to a copy."""
-    module = methods.lookup(entry, parsed.version)
-    build = getattr(module, "decode_target", None) if with_target else None
+    with_target, methods that build the target while decoding (`Method.builds_target`) do so (no
+    copy of the base beforehand, no scatter, no patch; they feed `digest` the target as they
+    finish it), the others' patch is applied to a copy."""
+    method = methods.lookup(entry, parsed.version)
     patch = new = None
     try:
-        if build is not None:
-            count, new = build(entry, elems, parsed.shared, digest)
+        if with_target and method.builds_target:
+            count, new = method.decode_target(entry, elems, parsed.shared, digest)
         else:
-            patch = module.decode(entry, elems, parsed.shared)
+            patch = method.decode(entry, elems, parsed.shared)
             count = patch.count
     except DeltaError:
         raise
@@ -369,9 +386,15 @@ def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np
     return new, digest_elements(entry.dtype.name, entry.shape, new)
 
 
+def _unchanged(entry: Entry) -> bool:
+    """Whether the record is of a method whose records change nothing (`Method.identity`)."""
+    method = methods.REGISTRY.get(entry.method)
+    return method is not None and method.identity
+
+
 def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payload) -> torch.Tensor:
     elems = _base_view(entry, base.get(entry.name))
-    if entry.method == same.ID:
+    if _unchanged(entry):
         if not _base_matches(entry, elems):
             raise DeltaError(_WRONG_BASE, tensor=entry.name)
         _patch(entry, elems, parsed)  # validates the record
@@ -386,35 +409,33 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
     return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
 
 
-def _decode_batched(base: Mapping[str, torch.Tensor], parsed: Payload, entries: list[Entry]) -> dict[str, torch.Tensor]:
-    """The verified targets of conditional records over CPU BF16 bases, decoded in one compiled
-    call straight into new tensors (`conditional.decode_at`). One that fails is left out:
-    `_decode_entry` then decodes it alone and says why."""
-    keep: list = []
-    chosen, where, outs = [], [], []
+def _decode_batched(method: Method, base: Mapping[str, torch.Tensor], parsed: Payload,
+                    entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """The verified targets of `method`'s records over CPU bases, decoded together straight into
+    new tensors (`Method.decode_batch`). One that fails is left out: `_decode_entry` then
+    decodes it alone and says why."""
+    chosen, bases, outs = [], [], []
     for entry in entries:
         tensor = base.get(entry.name)
-        if tensor is None or not tensor.is_cpu or tensor.dtype != torch.bfloat16 or tuple(tensor.shape) != entry.shape:
+        if (tensor is None or not tensor.is_cpu or tensor.dtype != entry.dtype.torch
+                or tuple(tensor.shape) != entry.shape):
             continue
-        out = torch.empty(entry.shape, dtype=torch.bfloat16)
         chosen.append(entry)
-        outs.append(out)
-        where.append((_elements_at(tensor, keep), out.data_ptr()))
+        bases.append(tensor)
+        outs.append(torch.empty(entry.shape, dtype=entry.dtype.torch))
     if not chosen:
         return {}
     headers = [header_bytes(e.dtype.name, e.shape) for e in chosen] if hashing.KERNEL_DIGESTS else None
-    result = conditional.decode_at(chosen, np.array(where, np.uintp).reshape(-1, 2), parsed.shared, headers)
-    del keep
+    result = method.decode_batch(chosen, bases, outs, parsed.shared, headers)
     if result is None:
         return {}
-    decoded, status, halves = result
-    blob = digest_bytes(halves) if halves is not None else None
+    decoded, status, digests = result
     done = {}
     for i, (entry, out) in enumerate(zip(chosen, outs)):
         if status[i] or decoded[i] != entry.changes:
             continue
-        if blob is not None:
-            digest = blob[16 * i: 16 * i + 16]
+        if digests is not None:
+            digest = digests[i]
         else:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python
             digest = digest_elements(entry.dtype.name, entry.shape, tensors.element_view(out))
         if digest == entry.target_digest:
@@ -441,11 +462,16 @@ def decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memory
 def _decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview,
             workers: int) -> dict[str, torch.Tensor]:
     parsed = _parse(base, payload)
-    batched = [e for e in parsed.entries if e.method == conditional.ID and conditional.batchable(e)]
-    by_name = {e.name: e for e in batched}
+    batched: dict[Method, dict[str, Entry]] = {}  # per method, the records it decodes together
+    for e in parsed.entries:
+        method = methods.REGISTRY.get(e.method)  # (one outside its versions is refused alone)
+        if method is not None and method.exists_in(parsed.version) and method.batch_decodable(e):
+            batched.setdefault(method, {})[e.name] = e
+    jobs = [(method, names) for method, by_name in batched.items()
+            for names in _groups(list(by_name), by_name, workers, lambda e: e.numel)]
     done: dict[str, torch.Tensor] = {}
-    for part in _map(workers, lambda names: _decode_batched(base, parsed, [by_name[n] for n in names]),
-                     _groups(list(by_name), by_name, workers, lambda e: e.numel)):
+    for part in _map(workers, lambda job: _decode_batched(job[0], base, parsed, [batched[job[0]][n] for n in job[1]]),
+                     jobs):
         done.update(part)
     rest = [entry for entry in parsed.entries if entry.name not in done]
     # largest first, so one big tensor does not start last
@@ -511,7 +537,7 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     parsed = _parse(tensors_, payload)
     views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
     for entry in parsed.entries:  # unchanged tensors are verified up front; changed ones after writing
-        if entry.method == same.ID:
+        if _unchanged(entry):
             if not _base_matches(entry, views[entry.name]):
                 raise DeltaError(_WRONG_BASE, tensor=entry.name)
             _patch(entry, views[entry.name], parsed)  # validates the record (no data, equal digests)
@@ -519,7 +545,7 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     # not see each other's writes, and a bad stream is refused with nothing touched.
     patches = []
     for entry in parsed.entries:
-        if entry.method == same.ID:
+        if _unchanged(entry):
             continue
         try:
             patches.append((entry, _patch(entry, views[entry.name], parsed)))

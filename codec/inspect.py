@@ -7,14 +7,14 @@ from collections.abc import Mapping
 import torch
 
 from . import container, methods, tensors
-from .methods import conditional
 
 
 def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.Tensor] | None = None) -> dict:
     """Per tensor: dtype, shape, changed fraction, method, bytes per stream; and totals.
 
-    With the `base` it was made for, the payload is decoded (and verified) too, and conditional
-    tensors report how many bits per change go to the mask and to the values.
+    With the `base` it was made for, the payload is decoded (and verified) too, and methods say
+    more (`Method.describe`: conditional tensors report how many bits per change go to the mask
+    and to the values).
     """
     parsed = container.unpack(payload)
     target = None
@@ -24,19 +24,19 @@ def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.T
         target = decode(base, payload)
     rows = []
     for e in parsed.entries:
-        module = methods.lookup(e, parsed.version)
-        names = module.stream_names(e)
+        method = methods.lookup(e, parsed.version)
+        names = method.stream_names(e)
         streams = {names[i] if i < len(names) else f"stream{i}": len(s.stored) for i, s in enumerate(e.streams)}
         row = {
-            "name": e.name, "dtype": e.dtype.name, "shape": list(e.shape), "method": module.NAME,
+            "name": e.name, "dtype": e.dtype.name, "shape": list(e.shape), "method": method.name,
             "changed": e.changes, "changed_fraction": e.changes / e.numel if e.numel else 0.0,
             "bytes": len(e.params) + sum(streams.values()), "streams": streams,
         }
-        if module is conditional:
-            analysis = None
-            if target is not None:
-                analysis = conditional.analyze(tensors.element_view(base[e.name]), tensors.element_view(target[e.name]))
-            row.update(conditional.describe_bits(e, parsed.shared, analysis))
+        if target is not None:
+            row.update(method.describe(e, parsed.shared, tensors.element_view(base[e.name]),
+                                       tensors.element_view(target[e.name])))
+        else:
+            row.update(method.describe(e, parsed.shared, None, None))
         rows.append(row)
     total = len(bytes(payload)) if not isinstance(payload, memoryview) else payload.nbytes
     return {

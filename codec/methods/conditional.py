@@ -22,6 +22,9 @@ only on the exponent. So every element gets a context: its base exponent (the ke
 Measured on MiniLM corpora (see the closing notes): the base's top mantissa bit adds nothing to
 the mask (ulp is constant within a binade); per-tensor mask levels win ~2-9%; the key cuts the
 value stream from ~1.8 to ~1.35 bits per change; the base's sign adds < 0.01 bit.
+
+`Conditional` (at the end) is this method behind the codec's `Method` interface (base.py): the
+batched scans, the payload's value tables and interleave rule, the batched decode.
 """
 
 from __future__ import annotations
@@ -32,18 +35,20 @@ import numba as nb
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from .. import hashing, rans
+import torch
+
+from .. import hashing, rans, tensors
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
-from ..hashing import Running, hash_digest, hash_reset, hash_update
+from ..hashing import Running, digest_bytes, hash_digest, hash_reset, hash_update, header_bytes
 from ..wire import _decode_uvarints, put_uvarint, read_uvarints, uvarints
 from . import exponent_classes as ec
-from .base import Patch
+from .base import Job, Method, Patch, SharedBlock, parsed_block
 
 ID = 3
 NAME = "conditional"
-MIN_VERSION = 2
+VERSIONS = (2, 3)
 SHARED_VALUE_TABLES = 1  # key in Payload.shared
 SHARED_INTERLEAVE = 2  # key in Payload.shared (v3): from how many changes a record uses four states
 
@@ -637,6 +642,13 @@ class Batch:
                 _value_symbols_into(self.pairs, self._symbols)
         return self._symbols
 
+    def digest_pairs(self) -> list[tuple[bytes, bytes]] | None:
+        """(base, target) digest of each tensor, where the scan made them (`analyze_at` with headers)."""
+        if self.digests is None:
+            return None
+        blob = digest_bytes(self.digests)
+        return [(blob[32 * i: 32 * i + 16], blob[32 * i + 16: 32 * i + 32]) for i in range(len(self))]
+
     def analysis(self, i: int) -> Analysis:
         """Tensor i's analysis (views into the batch's arrays)."""
         a, b, nthr = int(self.first[i]), int(self.first[i + 1]), int(self.nthr[i])
@@ -1095,22 +1107,6 @@ def _params_error(entry: Entry, status: int, nclass: int, n: int) -> str:
     return f"class counts add up to {total} changes, index says {entry.changes}"
 
 
-# One parsed shared block per kind, for the payload whose shared dict was read last: every
-# record of a payload reads the same blocks (keyed by the dict's id, checked by the block's
-# identity, so a new payload in a recycled dict is parsed afresh).
-_SHARED_CACHE: dict[int, tuple[int, bytes | None, object]] = {}
-
-
-def _parsed_once(shared: dict, kind: int, parse):
-    data = shared.get(kind)
-    cached = _SHARED_CACHE.get(kind)
-    if cached is not None and cached[0] == id(shared) and cached[1] is data:
-        return cached[2]
-    value = parse(shared)
-    _SHARED_CACHE[kind] = (id(shared), data, value)
-    return value
-
-
 def _parse_model(shared: dict) -> ValueModel:
     data = shared.get(SHARED_VALUE_TABLES)
     if data is None:
@@ -1120,12 +1116,12 @@ def _parse_model(shared: dict) -> ValueModel:
 
 def _model(shared: dict) -> ValueModel:
     """The payload's value tables, parsed once per payload (its records all share them)."""
-    return _parsed_once(shared, SHARED_VALUE_TABLES, _parse_model)
+    return parsed_block(shared, SHARED_VALUE_TABLES, _parse_model)
 
 
 def _rule(shared: dict) -> int:
     """`_four_from`, parsed once per payload."""
-    return _parsed_once(shared, SHARED_INTERLEAVE, _four_from)
+    return parsed_block(shared, SHARED_INTERLEAVE, _four_from)
 
 
 def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
@@ -1344,3 +1340,133 @@ def describe_bits(entry: Entry, shared: dict, analysis: Analysis | None = None) 
         out["mask_bits_per_change"] = mask / n
         out["value_bits_per_change"] = value / n
     return out
+
+
+# ---------------------------------------------------------------- the method
+
+def elements_at(t: torch.Tensor, keep: list) -> int:
+    """Address of a CPU tensor's elements, readable in whole blocks of 64 elements: its own
+    memory where it is contiguous and whole blocks, else a padded copy, which `keep` holds."""
+    if t.is_contiguous() and t.numel() % ec.BLOCK == 0:
+        keep.append(t)
+        return t.data_ptr()
+    copy = ec.blocks(np.ascontiguousarray(tensors.element_view(t)))
+    keep.append(copy)
+    return copy.ctypes.data
+
+
+VALUE_TABLES = SharedBlock(SHARED_VALUE_TABLES, VERSIONS, "value tables",
+                           refused_elsewhere=False)  # a v1 payload carrying it has always decoded, the block unread
+INTERLEAVE = SharedBlock(SHARED_INTERLEAVE, (3,), "an interleave rule")
+
+
+@dataclass
+class Tables:
+    """What a payload's records are coded with (`Conditional.fit`): the value tables, and from
+    how many changes a record uses four states (NEVER where the payload's version has no rule)."""
+
+    values: ValueModel
+    four_from: int
+
+
+class Conditional(Method):
+    """BF16 in v2 and v3: analyses every BF16 tensor (CPU pairs in batches: one compiled scan, and
+    one compiled coding call for the sparse ones; device pairs where they live, `device.py`),
+    fits the payload's value tables from all of them, and decodes CPU records in one call."""
+
+    id, name, versions = ID, NAME, VERSIONS
+    preference = 10
+    shared_kinds = (VALUE_TABLES, INTERLEAVE)
+    analyses = True
+    builds_target = True
+
+    def applicable(self, dtype: tensors.DType) -> bool:
+        return dtype is tensors.BF16
+
+    # ---- encoder
+
+    def analyse(self, base: torch.Tensor, target: torch.Tensor, host) -> Analysis:
+        if target.device.type != "cpu" and base.device == target.device:
+            from ..device import analyze_on_device  # (device.py builds on this module)
+
+            return analyze_on_device(base, target)
+        return analyze(*host())  # on the CPU, or on two devices: from host copies
+
+    def batch_encodable(self, base: torch.Tensor, target: torch.Tensor) -> bool:
+        return target.dtype == torch.bfloat16 and target.is_cpu and base.is_cpu
+
+    def scratch(self) -> ec.ScanBuffers:
+        return ec.ScanBuffers()
+
+    def analyse_batch(self, bases, targets, scratch: ec.ScanBuffers | None) -> Batch:
+        """One compiled scan of all the pairs (digesting them too where the kernels can)."""
+        sizes = np.array([t.numel() for t in targets], np.int64)
+        keep: list = []
+        where = np.array([(elements_at(b, keep), elements_at(t, keep)) for b, t in zip(bases, targets)],
+                         np.uintp).reshape(-1, 2)
+        headers = [header_bytes(tensors.BF16.name, tuple(t.shape)) for t in targets] if hashing.KERNEL_DIGESTS else None
+        batch = analyze_at(where, sizes, headers, scratch)
+        del keep  # the scan is done with the tensors' memory
+        return batch
+
+    def fit(self, version: int, batches: list[Batch], analyses: list[Analysis]) -> Tables | None:
+        symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]
+        if not any(s.size for s in symbols):
+            return None
+        # v3: records with many changes use four interleaved rANS states (the payload states the rule)
+        return Tables(ValueModel.fit_symbols(symbols), FOUR_STATES_FROM if version in INTERLEAVE.versions else NEVER)
+
+    def encode(self, job: Job, model: Tables | None) -> tuple[bytes, list[Stream]] | None:
+        if job.analysis is None or model is None:
+            return None
+        return encode(job.analysis, model.values, model.four_from)
+
+    def encode_batch(self, batch: Batch, which: np.ndarray, model: Tables | None
+                     ) -> list[tuple[bytes, list[Stream]] | None]:
+        if model is None:
+            return [None] * len(which)
+        return encode_batch(batch, which, model.values, model.four_from)
+
+    def shared_blocks(self, model: Tables | None) -> dict[int, bytes]:
+        if model is None:
+            return {}
+        blocks = {SHARED_VALUE_TABLES: model.values.pack()}
+        if model.four_from < NEVER:
+            blocks[SHARED_INTERLEAVE] = interleave_rule(model.four_from)
+        return blocks
+
+    # ---- decoder
+
+    def decode(self, entry: Entry, base: np.ndarray, shared: dict) -> Patch:
+        return decode(entry, base, shared)
+
+    def decode_target(self, entry: Entry, base: np.ndarray, shared: dict, digest: Running | None = None
+                      ) -> tuple[int, np.ndarray]:
+        return decode_target(entry, base, shared, digest)
+
+    def batch_decodable(self, entry: Entry) -> bool:
+        return batchable(entry)
+
+    def decode_batch(self, entries, bases, outs, shared, headers):
+        keep: list = []
+        where = np.array([(elements_at(b, keep), o.data_ptr()) for b, o in zip(bases, outs)], np.uintp).reshape(-1, 2)
+        result = decode_at(entries, where, shared, headers)
+        del keep
+        if result is None:
+            return None
+        decoded, status, halves = result
+        if halves is None:
+            return decoded, status, None
+        blob = digest_bytes(halves)
+        return decoded, status, [blob[16 * i: 16 * i + 16] for i in range(len(entries))]
+
+    def stream_names(self, entry: Entry) -> list[str]:
+        return stream_names(entry)
+
+    def describe(self, entry: Entry, shared: dict, base: np.ndarray | None, target: np.ndarray | None) -> dict:
+        """Bits per change; split into mask and values given the elements."""
+        analysis = analyze(base, target) if base is not None and target is not None else None
+        return describe_bits(entry, shared, analysis)
+
+
+METHOD = Conditional()

@@ -12,15 +12,16 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .. import tensors
 from ..container import Entry, Stream
 from ..errors import DeltaError
 from ..wire import Reader, Writer, uvarints
 from . import exponent_classes as ec
-from .base import Patch, check_index, expect_streams, pack_stream, read_stream
+from .base import Job, Method, Patch, check_index, expect_streams, pack_stream, read_stream
 
 ID = 2
 NAME = "sparse-split"
-MIN_VERSION = 1
+VERSIONS = (1, 2, 3)
 
 POS_GAPS, POS_BITMASK = 0, 1
 HIGH_BITS = np.uint16(0xFF80)  # BF16 sign + exponent
@@ -139,3 +140,26 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
 
 def stream_names(entry: Entry) -> list[str]:
     return ["positions", "kinds", "mantissa", "sign/exponent"]
+
+
+class SparseSplit(Method):
+    """BF16 only: the v1 coder of sparse changes; in v2 and v3 raced where changes are dense or
+    effort is "max" (the conditional method codes the rest)."""
+
+    id, name, versions = ID, NAME, VERSIONS
+    preference = 20
+
+    def applicable(self, dtype: tensors.DType) -> bool:
+        return dtype is tensors.BF16
+
+    def encode(self, job: Job, model: object) -> tuple[bytes, list[Stream]]:
+        return encode(job.base, job.target, job.effort, job.index)
+
+    def decode(self, entry: Entry, base: np.ndarray, shared: dict) -> Patch:
+        return decode(entry, base, shared)
+
+    def stream_names(self, entry: Entry) -> list[str]:
+        return stream_names(entry)
+
+
+METHOD = SparseSplit()

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import tensors
 from ..container import Entry, Stream
 from ..errors import DeltaError
-from .base import Patch, check_index, expect_streams, pack_stream, read_stream
+from .base import Job, Method, Patch, check_index, expect_streams, pack_stream, read_stream
 
 ID = 1
 NAME = "xor-planes"
-MIN_VERSION = 1
+VERSIONS = (1, 2, 3)
 
 
 def encode(base: np.ndarray, target: np.ndarray, effort: str) -> tuple[bytes, list[Stream]]:
@@ -40,3 +41,25 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
 
 def stream_names(entry: Entry) -> list[str]:
     return [f"plane{k}" for k in range(len(entry.streams))]
+
+
+class XorPlanes(Method):
+    """Any dtype: the encoders' last resort, raced where changes are dense or effort is "max"."""
+
+    id, name, versions = ID, NAME, VERSIONS
+    preference = 30
+
+    def applicable(self, dtype: tensors.DType) -> bool:
+        return True
+
+    def encode(self, job: Job, model: object) -> tuple[bytes, list[Stream]]:
+        return encode(job.base, job.target, job.effort)
+
+    def decode(self, entry: Entry, base: np.ndarray, shared: dict) -> Patch:
+        return decode(entry, base, shared)
+
+    def stream_names(self, entry: Entry) -> list[str]:
+        return stream_names(entry)
+
+
+METHOD = XorPlanes()
