@@ -17,8 +17,9 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Set
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 MANIFEST_FORMAT = "deltarelay.manifest"
 RECORD_FORMAT = "deltarelay.record"
@@ -56,7 +57,7 @@ def snapshot_prefix(step: int) -> str:
     return f"snapshots/{step}/"
 
 
-def safe_file_name(name: object) -> bool:
+def safe_file_name(name: object) -> TypeGuard[str]:
     """True for a name that can be written as one file inside a directory and nowhere else."""
     return isinstance(name, str) and _SAFE_NAME_RE.fullmatch(name) is not None
 
@@ -168,7 +169,7 @@ class ObjRef:
         return None
 
     @classmethod
-    def parse(cls, obj: Any, where: str, extra: set[str] = frozenset()) -> "ObjRef":
+    def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset()) -> "ObjRef":
         _only(obj, {"key", "size", "xxh3", "sha256"} | set(extra), where)
         key = _need(obj, "key", str, where)
         if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
@@ -236,6 +237,13 @@ class Step:
     record: ObjRef
     parent: int | None = None
     parts: tuple[Part, ...] | None = None
+
+    @property
+    def delta_parts(self) -> tuple[Part, ...]:
+        """The parts of a step that has a delta (every step of a chain: Manifest.chain() checks)."""
+        if self.parts is None:
+            raise ManifestError(f"step {self.step}: snapshot only, it has no delta")
+        return self.parts
 
     @property
     def delta_bytes(self) -> int:
@@ -325,6 +333,13 @@ class Manifest:
             if s.step == n:
                 return s
         return None
+
+    def step_of_snapshot(self, snap: Snapshot) -> Step:
+        """The step entry (the record) of one of this manifest's snapshots; validate() makes sure there is one."""
+        s = self.step(snap.step)
+        if s is None:
+            raise ManifestError(f"manifest: snapshot {snap.step} has no step entry (record)")
+        return s
 
     def snapshot(self, n: int) -> Snapshot | None:
         for s in self.snapshots:

@@ -134,7 +134,7 @@ class Publisher:
         self.prev: dict[str, torch.Tensor] | None = None
         self.step: int | None = None  # last step published (committed) by this publisher
         self._head: int | None = None  # the head of our last commit (what every later commit builds on)
-        self._last_snapshot_step: int | None = None
+        self._last_snapshot_step = 0  # meaningful once self.prev is set: both are set together
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
         self.run = uuid.uuid4().hex

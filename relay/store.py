@@ -18,6 +18,7 @@ Three backends, chosen by protocol:
 from __future__ import annotations
 
 import abc
+import enum
 import errno
 import fcntl
 import logging
@@ -25,7 +26,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal, overload
 
 import fsspec
 import xxhash
@@ -58,7 +59,16 @@ class ObjectExists(FileExistsError):
     """A create-only write found the key already present."""
 
 
-NOT_MODIFIED = object()  # read_manifest's answer when the caller's ETag is still current
+class NotModified(enum.Enum):
+    """The type of NOT_MODIFIED: a one-member enum, so that a type checker narrows `got is NOT_MODIFIED`."""
+
+    NOT_MODIFIED = "NOT_MODIFIED"
+
+    def __repr__(self) -> str:
+        return "NOT_MODIFIED"
+
+
+NOT_MODIFIED: Final = NotModified.NOT_MODIFIED  # read_manifest's answer when the caller's ETag is still current
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,14 @@ class Store(abc.ABC):
             out.update(self.list(prefix))
         return out
 
-    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | object:
+    # Without an ETag to match, the answer is never NOT_MODIFIED.
+    @overload
+    def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]: ...
+
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]:
         """The manifest and its ETag; None if the run has none; NOT_MODIFIED if `if_none_match` is
         still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
         try:
@@ -260,16 +277,16 @@ class FsspecStore(Store):
 
 def _client_error(exc: BaseException) -> tuple[str, int]:
     """(error code, HTTP status) of the botocore ClientError behind an s3fs exception, if any."""
-    cause = exc
+    cause: BaseException | None = exc
     for _ in range(3):
+        if cause is None:
+            break
         response = getattr(cause, "response", None)
         if isinstance(response, dict):
             err = response.get("Error", {})
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             return str(err.get("Code", "")), int(status or 0)
         cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            break
     return "", 0
 
 
@@ -392,7 +409,13 @@ class S3Store(Store):
         return {p[len(self.root) + 1:]: int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file"}
 
-    def read_manifest(self, if_none_match: str | None = None):
+    @overload
+    def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]: ...
+
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]:
         kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
         try:
             resp, body = self._get_with_body(MANIFEST_KEY, **kw)
