@@ -293,7 +293,7 @@ _DTYPE_OK = np.array([code in tensors.BY_CODE for code in range(256)], np.bool_)
 def _uvarint(raw, pos, limit):
     """(value, next position, ok) of the varint at raw[pos], ok only if it is complete, at most
     63 bits and <= limit (the Reader's checks)."""
-    value = 0
+    value = np.int64(0)  # int64 as numba infers it for 0 too; written out for the type checker
     shift = 0
     while pos < raw.size:
         byte = np.int64(raw[pos])

@@ -34,7 +34,7 @@ def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.T
         }
         if module is conditional:
             analysis = None
-            if target is not None:
+            if base is not None and target is not None:  # target: decoded from base
                 analysis = conditional.analyze(tensors.element_view(base[e.name]), tensors.element_view(target[e.name]))
             row.update(conditional.describe_bits(e, parsed.shared, analysis))
         rows.append(row)
