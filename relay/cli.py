@@ -69,7 +69,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         try:
             register = ep.load()
             register(sub)
-        except Exception as exc:  # a broken plugin must not take the runtime commands with it
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the runtime commands with it
             failed.append(f"{ep.name} ({type(exc).__name__}: {exc})")
             continue
         loaded.append(ep.name)

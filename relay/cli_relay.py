@@ -65,7 +65,7 @@ def _status(args: argparse.Namespace) -> int:
         opts = storage_options(given[i] if len(given) > 1 else (given[0] if given else None))
         try:
             rows.append(ops.status(url, opts))
-        except Exception as exc:  # one bad store must not hide the others
+        except Exception as exc:  # noqa: BLE001 - one bad store must not hide the others
             failed += 1
             rows.append({"url": url, "error": str(exc)})
     if args.json:

@@ -224,7 +224,7 @@ class Reader:
             for f in snap.files:
                 try:
                     tensors.update(st_load(got[f.key]))
-                except Exception as exc:  # safetensors raises its own types on bad bytes
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
                     raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
             bad = mismatches(tensors, rec.tensors)
             if bad:

@@ -141,7 +141,7 @@ def test_forged_entropy_stream_is_refused(rl_pair):
         if entry.method != conditional.ID:
             continue
         original = bytes(entry.streams[0].stored)
-        for trial in range(20):
+        for _trial in range(20):
             junk = bytearray(original)
             junk[rng.integers(0, len(junk))] ^= 1 << int(rng.integers(0, 8))
             entry.streams[0] = container.Stream(0, len(junk), bytes(junk))
@@ -271,7 +271,7 @@ def test_batch_analyses_are_those_of_one_tensor_at_a_time():
     for buffers in (None, ec.ScanBuffers()):
         batch = conditional.analyze_at(where, sizes, buffers=buffers)
         assert list(batch.changes()) == [int((b != t).sum()) for b, t in zip(bs, ts)]
-        batch.value_symbols  # computed for the whole batch first: each analysis then holds a view
+        _ = batch.value_symbols  # computed for the whole batch first: each analysis then holds a view
         for i, (b, t) in enumerate(zip(bs, ts)):
             got, want = batch.analysis(i), conditional.analyze(b, t)
             for field in ("thresholds", "class_sizes", "pairs", "classes", "ranks", "value_symbols"):

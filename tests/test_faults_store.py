@@ -547,7 +547,7 @@ def test_two_publishers_race_under_faults(origin, trainer, tmp_path, logs, recor
         gate = threading.Barrier(2)
         outcome: dict[int, object] = {}
 
-        def go(i: int) -> None:
+        def go(i: int, gate=gate, pubs=pubs, states=states, step=step, outcome=outcome) -> None:  # this step's
             gate.wait()
             try:
                 pubs[i].publish(states[i], step)

@@ -152,12 +152,12 @@ def expand(directory: Path = ROOT_DIR, env: dict | None = None, prefix: str = ""
     for kind in ("resource", "data"):
         for addr, body in mod[kind].items():
             n = count_of(body, env)
-            for i in range(n):
+            for _i in range(n):
                 out[prefix + addr + ("[0]" if "count" in body else "")] = (kind, body, env)
     for name, body in mod["module"].items():
         child_dir = (directory / body["source"]).resolve()
         child_vars = load_module(child_dir)["variable"]
-        for i in range(count_of(body, env)):
+        for _i in range(count_of(body, env)):
             child_env = {k: v.get("default") for k, v in child_vars.items()}
             for arg in child_vars:
                 if arg in body:

@@ -139,8 +139,8 @@ def _multicore(base: Tensors, target: Tensors, workers: int, repeat: int) -> dic
     times: dict[int, tuple[list[float], list[float]]] = {1: ([], []), workers: ([], [])}
     for _ in range(repeat):
         for w, (enc, dec) in times.items():
-            payload, es = _timed(lambda: codec.encode(base, target, workers=w), clock=time.perf_counter)
-            out, ds = _timed(lambda: codec.decode(base, payload, workers=w), clock=time.perf_counter)
+            payload, es = _timed(lambda w=w: codec.encode(base, target, workers=w), clock=time.perf_counter)
+            out, ds = _timed(lambda w=w, payload=payload: codec.decode(base, payload, workers=w), clock=time.perf_counter)
             if not identical(out, target):
                 raise RuntimeError(f"deltarelay v2 with {w} workers is not bit-exact")
             enc.append(es)
@@ -172,7 +172,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         bound = conditional_entropy_bound(base, target)
         bounds.append(bound)
         if i == 0:  # warm up every codec once (numba JIT, allocator) before anything is timed
-            for key, _, enc, dec in methods:
+            for _key, _, enc, dec in methods:
                 dec(base, enc(base, target))
         e, d, size = _raw_zstd(target, repeat)
         raw_enc += e

@@ -445,7 +445,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"  on the {len(sampled)} sampled steps {sampled if len(sampled) <= 8 else ''}".rstrip())
         lines.append(f"    deltarelay                              {_fmt_bytes(ours):>12}    "
                      f"{s['full_bytes'] / ours:,.0f}")
-        for key, b in s["baselines"].items():
+        for b in s["baselines"].values():
             mean = statistics.fmean(b["sizes"].values())
             lines.append(f"    {b['label'][:38]:38}  {_fmt_bytes(mean):>12}    {s['full_bytes'] / mean:,.0f}"
                          f"   ({mean / ours:.2f}x deltarelay)")
@@ -494,7 +494,7 @@ def save_chart(s: dict, path: str | os.PathLike) -> Path:
     steps = sorted(s["delta_bytes"])
     ax1.plot(steps, [s["delta_bytes"][k] for k in steps], "o-", color="C0", label="deltarelay delta", zorder=3)
     ax1.axhline(s["full_bytes"], color="k", ls="--", label="full checkpoint (BF16)")
-    for i, (key, b) in enumerate(s["baselines"].items()):
+    for i, b in enumerate(s["baselines"].values()):
         pts = sorted(b["sizes"].items())
         if pts:
             ax1.plot([p[0] for p in pts], [p[1] for p in pts], "s:", color=f"C{i + 1}", label=b["label"], ms=4)

@@ -264,7 +264,9 @@ def test_bound_counts_ulp_steps_across_sign_and_pools_exponents():
     target = bf16([0x8000, 0x0000, 0x3F82, 0x3F82, 0x3F82, 0x3F80])
     r = conditional_entropy_bound({"x": base}, {"x": target})
     # exponent 0: 2 of 2 changed (0 bits); exponent 127: 3 of 4 changed.
-    h = lambda p: -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+    def h(p: float) -> float:
+        return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+
     assert r["mask_bits"] == pytest.approx(4 * h(0.75))
     # steps: -1, +1, +2, +2, +2 -> counts {-1: 1, +1: 1, +2: 3}
     assert r["value_bits"] == pytest.approx(-(2 * (1 / 5) * math.log2(1 / 5) + (3 / 5) * math.log2(3 / 5)) * 5)
