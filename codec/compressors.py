@@ -39,7 +39,8 @@ def compress(codec: int, data: bytes, level: int = 3) -> bytes:
     raise ValueError(f"unknown codec {codec}")
 
 
-def compress_best(data: bytes, effort: str = "default", candidates: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]:
+def compress_best(data: bytes, effort: str = "default",
+                  candidates: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]:
     """Try each candidate codec and keep the smallest output (raw if nothing helps)."""
     data = bytes(data)
     best_codec, best = RAW, data

@@ -69,6 +69,7 @@ class NotModified(enum.Enum):
 
 
 NOT_MODIFIED: Final = NotModified.NOT_MODIFIED  # read_manifest's answer when the caller's ETag is still current
+Unchanged = Literal[NotModified.NOT_MODIFIED]  # its type
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,9 @@ class Store(abc.ABC):
     def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
 
     @overload
-    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]: ...
+    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
 
-    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]:
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         """The manifest and its ETag; None if the run has none; NOT_MODIFIED if `if_none_match` is
         still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
         try:
@@ -413,9 +414,9 @@ class S3Store(Store):
     def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
 
     @overload
-    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]: ...
+    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
 
-    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Literal[NotModified.NOT_MODIFIED]:
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
         try:
             resp, body = self._get_with_body(MANIFEST_KEY, **kw)
@@ -437,8 +438,9 @@ class S3Store(Store):
             code, status = _client_error(exc)
             if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
                     "PreconditionFailed", "ConditionalRequestConflict"):
+                cond_text = f"If-Match {expected_etag}" if expected_etag else "If-None-Match *"
                 raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
-                                    f"({code or status} on {'If-Match ' + expected_etag if expected_etag else 'If-None-Match *'})") from None
+                                    f"({code or status} on {cond_text})") from None
             if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted manifest
                 raise ConflictError(f"{self.url}/{MANIFEST_KEY}: removed by another writer") from None
             raise
@@ -460,5 +462,5 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
     return FsspecStore(url, fs, root)
 
 
-__all__ = ["Store", "open_store", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
-           "MANIFEST_KEY", "content_tag"]
+__all__ = ["Store", "open_store", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError", "ObjectMissing",
+           "ObjectExists", "ManifestRead", "NOT_MODIFIED", "NotModified", "MANIFEST_KEY", "content_tag"]

@@ -214,7 +214,8 @@ class Reader:
             raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
-    def _execute(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], Record]:
+    def _execute(self, m: Manifest, plan: Plan,
+                 held: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], Record]:
         got = self._fetch(plan.keys(m))
         if plan.snapshot is not None:
             snap = plan.snapshot
@@ -248,7 +249,8 @@ class Reader:
                 covered.update(target)
             if covered != set(tensors):
                 raise _VerifyError([p.ref for p in s.delta_parts],
-                                   f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
+                                   f"step {s.step}: parts leave tensors unverified "
+                                   f"{sorted(set(tensors) - covered)[:5]}")
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
@@ -580,7 +582,8 @@ class Watcher:
     def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor]) -> None:
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
         if bad or set(rec.weight_map) != set(tensors):  # Record.parse refuses these; never write outside DEST
-            raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} in {self.dest}")
+            raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} "
+                            f"in {self.dest}")
         versions = self._versions_dir()
         name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
         try:

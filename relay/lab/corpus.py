@@ -248,7 +248,8 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="output directory (created; must not hold snapshots unless --overwrite)")
+    p.add_argument("--out", required=True,
+                   help="output directory (created; must not hold snapshots unless --overwrite)")
     p.add_argument("--regime", choices=sorted(REGIMES), help=f"preset (default {DEFAULT_REGIME})")
     p.add_argument("--lr", type=float, help="learning rate (overrides the regime)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (overrides the regime)")
