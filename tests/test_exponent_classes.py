@@ -62,7 +62,8 @@ def _deposits(xs, ms, use_pdep):
     not ec.HAVE_BMI2, reason="this CPU has no BMI2"))])
 def test_deposit_places_the_low_bits_at_the_mask_bits(use_pdep):
     masks = np.concatenate([_random_words(2000), np.array([(1 << 64) - 1], np.uint64)])
-    xs = np.random.default_rng(5).integers(0, 1 << 63, masks.size, dtype=np.uint64) * np.uint64(3)  # bits above the mask's count too
+    # bits above the mask's count too
+    xs = np.random.default_rng(5).integers(0, 1 << 63, masks.size, dtype=np.uint64) * np.uint64(3)
     got = _deposits(xs, masks, use_pdep)
     for x, m, g in zip(xs, masks, got):
         want, i = 0, 0
