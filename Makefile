@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-demo venv-bench test demo bench bench-fanout corpora clean infra-check
+.PHONY: venv venv-demo venv-bench test lint demo bench bench-fanout corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ venv-bench: venv-demo
 
 test: venv
 	$(PY) -m pytest -q
+
+# Static checks of the Python: ruff (lint) on everything, mypy on the packages (config in pyproject.toml).
+lint: venv
+	$(PY) -m ruff check codec relay scripts tests
+	$(PY) -m mypy
 
 # The main job: the whole pipeline on local S3 servers (origin + 3 regions), real pretrained model.
 demo: venv-demo

@@ -19,6 +19,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numba
 import xxhash
@@ -62,11 +63,12 @@ def keyed_by_sources() -> Iterator[None]:
     if os.environ.get("NUMBA_CACHE_DIR"):
         yield
         return
-    previous = numba.config.CACHE_DIR
+    config: Any = numba.config  # its settings are module globals set at run time from the environment
+    previous = config.CACHE_DIR
     current = cache_dir()
     prune(current)
-    numba.config.CACHE_DIR = str(current)
+    config.CACHE_DIR = str(current)
     try:
         yield
     finally:
-        numba.config.CACHE_DIR = previous
+        config.CACHE_DIR = previous

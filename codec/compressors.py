@@ -39,7 +39,8 @@ def compress(codec: int, data: bytes, level: int = 3) -> bytes:
     raise ValueError(f"unknown codec {codec}")
 
 
-def compress_best(data: bytes, effort: str = "default", candidates: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]:
+def compress_best(data: bytes, effort: str = "default",
+                  candidates: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]:
     """Try each candidate codec and keep the smallest output (raw if nothing helps)."""
     data = bytes(data)
     best_codec, best = RAW, data
@@ -79,7 +80,7 @@ def decompress(codec: int, data: bytes | memoryview, raw_len: int, what: str) ->
             raise DeltaError(f"{what}: unknown compressor code {codec}")
     except DeltaError:
         raise
-    except Exception as exc:  # zstd/lz4/brotli raise their own types on corrupt input
+    except Exception as exc:  # noqa: BLE001 - zstd/lz4/brotli raise their own types on corrupt input
         raise DeltaError(f"{what}: {NAMES.get(codec, codec)} stream is corrupt ({exc})") from None
     if len(out) != raw_len:
         raise DeltaError(f"{what}: stream decompressed to {len(out)} bytes, index says {raw_len}")

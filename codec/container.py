@@ -112,7 +112,8 @@ def _index_bytes(payload: Payload) -> bytes:
     cols = np.array([(len(nm), e.dtype.code, len(e.shape), e.method, e.changes, len(e.params), len(e.streams))
                      for nm, e in zip(names, entries)], np.int64).reshape(-1, 7)
     dims = np.array([d for e in entries for d in e.shape], np.int64)
-    streams = np.array([(s.codec, s.raw_len, len(s.stored)) for e in entries for s in e.streams], np.int64).reshape(-1, 3)
+    streams = np.array([(s.codec, s.raw_len, len(s.stored)) for e in entries for s in e.streams],
+                       np.int64).reshape(-1, 3)
     kinds = sorted(payload.shared)
     shared = b"".join(payload.shared[k] for k in kinds)
     shared_cols = np.array([(k, len(payload.shared[k])) for k in kinds], np.int64).reshape(-1, 2)
@@ -293,7 +294,7 @@ _DTYPE_OK = np.array([code in tensors.BY_CODE for code in range(256)], np.bool_)
 def _uvarint(raw, pos, limit):
     """(value, next position, ok) of the varint at raw[pos], ok only if it is complete, at most
     63 bits and <= limit (the Reader's checks)."""
-    value = 0
+    value = np.int64(0)  # int64 as numba infers it for 0 too; written out for the type checker
     shift = 0
     while pos < raw.size:
         byte = np.int64(raw[pos])
@@ -470,7 +471,8 @@ def _entries_checked(raw_index: bytes, rest: memoryview, index_len: int) -> tupl
                     raise DeltaError("stream runs past the end of the payload", tensor=name)
                 streams.append(Stream(codec, raw_len, rest[body_pos : body_pos + stored_len]))
                 body_pos += stored_len
-            entries.append(Entry(name, tensors.BY_CODE[code], shape, method, changes, base_digest, target_digest, params, streams))
+            entries.append(Entry(name, tensors.BY_CODE[code], shape, method, changes, base_digest, target_digest,
+                                 params, streams))
         except DeltaError as exc:
             if exc.tensor is not None:
                 raise

@@ -20,6 +20,7 @@ ABI returns that in two registers (`KERNEL_DIGESTS`, checked at import like the 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import platform
 
 import numba as nb
@@ -46,7 +47,7 @@ def digester(dtype_name: str, shape: tuple[int, ...]) -> xxhash.xxh3_128:
 
 
 def feed(h: xxhash.xxh3_128, elems: np.ndarray) -> None:
-    h.update(memoryview(np.ascontiguousarray(elems)).cast("B"))
+    h.update(np.ascontiguousarray(elems).data.cast("B"))  # .data: the array's memoryview
 
 
 def digest_elements(dtype_name: str, shape: tuple[int, ...], elems: np.ndarray) -> bytes:
@@ -83,7 +84,10 @@ class _Native:
         self.digest = lib.XXH3_128bits_digest
         self.digest.argtypes = [ctypes.c_void_p]
         self.digest.restype = _Hash128
-        self.update_address = ctypes.cast(self.update, ctypes.c_void_p).value
+        address = ctypes.cast(self.update, ctypes.c_void_p).value
+        if not address:  # _load_native falls back to the binding
+            raise OSError(f"{path}: XXH3_128bits_update has no address")
+        self.update_address: int = address
 
     def functions(self) -> np.ndarray:
         """(reset, update, digest) addresses for `hash_reset`, `hash_update` and `hash_digest`."""
@@ -202,7 +206,7 @@ def digest_bytes(halves: np.ndarray) -> bytes:
 @nb.njit(cache=True, nogil=True)
 def _whole_digest(functions, state, header, arr):
     """A digest made entirely inside a kernel (the self-test of `hash_reset` and `hash_digest`)."""
-    hash_reset(functions[0], state)
+    hash_reset(functions[0], state)  # type: ignore[call-arg]  # an @intrinsic's typingctx is numba's, not ours
     hash_update(functions[1], state, header, 0, header.size)
     hash_update(functions[1], state, arr, 0, arr.size)
     return hash_digest(functions[2], state)
@@ -212,15 +216,16 @@ def _whole_digest(functions, state, header, arr):
 def _feed_parts(function, state, arr, part):
     """arr fed in parts of `part` elements (the self-test's split)."""
     for s in range(0, arr.size, part):
-        hash_update(function, state, arr, s, min(s + part, arr.size))
+        hash_update(function, state, arr, s, min(s + part, arr.size))  # type: ignore[call-arg]  # as above
 
 
 def _load_native() -> _Native | None:
     """The C API if the xxhash wheel exports it and it agrees with the binding (else None)."""
     try:
-        from xxhash import _xxhash
-
-        native = _Native(_xxhash.__file__)
+        path = importlib.import_module("xxhash._xxhash").__file__  # the binding's C extension
+        if path is None:  # not loaded from a file: no library to open
+            return None
+        native = _Native(path)
     except (ImportError, OSError, AttributeError, TypeError):
         return None
     rng = np.random.default_rng(0)
@@ -274,7 +279,7 @@ class KernelDigests:
         self.offsets = np.zeros(count + 1, np.int64)
         if headers is None:
             return
-        if not KERNEL_DIGESTS:
+        if not KERNEL_DIGESTS or NATIVE is None:  # KERNEL_DIGESTS implies NATIVE
             raise ValueError("kernels cannot finish digests on this platform (hashing.KERNEL_DIGESTS)")
         self._scratch = Scratch(NATIVE)
         self.functions, self.states = NATIVE.functions(), self._scratch.states

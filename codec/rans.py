@@ -78,10 +78,10 @@ def reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             m[f] = -(-(1 << (63 + bits)) // f)
             s[f] = bits - 1
         _RECIPROCALS = (m, s)
-    f = np.asarray(freq, np.int64)
-    if f.size and (f.min() < 0 or f.max() >= 1 << 15):
+    freqs = np.asarray(freq, np.int64)
+    if freqs.size and (freqs.min() < 0 or freqs.max() >= 1 << 15):
         raise ValueError("reciprocals cover frequencies below 2**15")
-    return _RECIPROCALS[0][f], _RECIPROCALS[1][f]
+    return _RECIPROCALS[0][freqs], _RECIPROCALS[1][freqs]
 
 
 @nb.njit(inline="always", cache=True)

@@ -114,8 +114,8 @@ def tensor_from_elements(elems: np.ndarray, dt: DType, shape: tuple[int, ...], *
         arr = np.ascontiguousarray(elems).reshape(shape).view(_SIGNED_NP[dt.itemsize])
         return torch.from_numpy(arr.copy() if copy else arr).view(dt.torch)
     raw = np.ascontiguousarray(elems).view(np.uint8)
-    raw = torch.from_numpy(raw.copy() if copy else raw)
-    return raw.view(dt.torch).reshape(shape)
+    t = torch.from_numpy(raw.copy() if copy else raw)
+    return t.view(dt.torch).reshape(shape)
 
 
 def same_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:

@@ -77,7 +77,7 @@ def _decode_uvarints(buf):
     """All LEB128 varints of buf; count -1 if one is truncated or longer than 63 bits."""
     out = np.empty(buf.size, np.int64)
     n = 0
-    v = 0
+    v = np.int64(0)  # int64 as numba infers it for 0 too; written out for the type checker
     shift = 0
     for b in buf:
         v |= np.int64(b & 0x7F) << shift
@@ -88,7 +88,7 @@ def _decode_uvarints(buf):
         else:
             out[n] = v
             n += 1
-            v = 0
+            v = np.int64(0)
             shift = 0
     if shift:
         return out, -1

@@ -122,8 +122,8 @@ def write_dir(tensors: dict[str, torch.Tensor], directory: Path, layout: Layout)
     """Write tensors into an existing empty directory in `layout`."""
     tensors = _contiguous(tensors)
     if layout.sharded:
-        weight_map = {k: layout.weight_map.get(k) for k in tensors}
-        if any(v is None for v in weight_map.values()):
+        weight_map = {k: layout.weight_map[k] for k in tensors if k in layout.weight_map}
+        if len(weight_map) != len(tensors):  # the layout does not place every tensor
             weight_map = shard_plan(tensors, DEFAULT_SHARD_BYTES)
         for shard in sorted(set(weight_map.values())):
             part = {k: tensors[k] for k, s in weight_map.items() if s == shard}

@@ -47,7 +47,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser. With `command` a runtime command, the entry point commands are not loaded."""
     parser = _Parser(
         prog="deltarelay",
-        description="Lossless BF16 checkpoint deltas, and an object-store relay that keeps rollout hosts on the trainer's weights.")
+        description="Lossless BF16 checkpoint deltas, and an object-store relay that keeps rollout hosts on the "
+                    "trainer's weights.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -69,7 +70,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         try:
             register = ep.load()
             register(sub)
-        except Exception as exc:  # a broken plugin must not take the runtime commands with it
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not take the runtime commands with it
             failed.append(f"{ep.name} ({type(exc).__name__}: {exc})")
             continue
         loaded.append(ep.name)

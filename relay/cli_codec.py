@@ -94,7 +94,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{args.delta}: format v{info['format_version']}, {len(info['tensors'])} tensors, "
           f"{info['changed']:,} of {info['elements']:,} elements changed")
     print(_table(rows))
-    print(f"total {info['total_bytes']:,} bytes = body {info['body_bytes']:,} + index/header {info['overhead_bytes']:,}")
+    print(f"total {info['total_bytes']:,} bytes = body {info['body_bytes']:,} "
+          f"+ index/header {info['overhead_bytes']:,}")
     return 0
 
 
@@ -112,7 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("decode", help="rebuild TARGET from BASE and a delta, verified, in BASE's layout")
     p.add_argument("base", metavar="BASE", help=".safetensors file or shard directory")
     p.add_argument("delta", metavar="DELTA", help="delta file written by encode")
-    p.add_argument("-o", "--out", required=True, metavar="OUT", help="checkpoint to write (file or directory, like BASE)")
+    p.add_argument("-o", "--out", required=True, metavar="OUT",
+                   help="checkpoint to write (file or directory, like BASE)")
     p.set_defaults(func=_decode)
 
     p = subparsers.add_parser("inspect", help="per tensor: dtype, shape, changed fraction, method, bytes per stream")

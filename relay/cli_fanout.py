@@ -63,7 +63,8 @@ def load_config(path: str | os.PathLike) -> tuple[str, dict | None, list[Destina
     dests = doc.get("dest")
     if not isinstance(dests, list) or not dests:
         raise ValueError(f"{path}: at least one [[dest]] table with a url is required")
-    out, used = [], set()
+    out: list[Destination] = []
+    used: set[str] = set()
     for i, d in enumerate(dests):
         where = f"{path}: dest[{i}]"
         if not isinstance(d, dict) or not isinstance(d.get("url"), str):

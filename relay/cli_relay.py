@@ -28,7 +28,8 @@ def _publish(args: argparse.Namespace) -> int:
 
 def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
-    with Watcher(args.url, args.dest, poll_interval=args.poll_interval, storage_options=storage_options(args.storage_options),
+    with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
+                 storage_options=storage_options(args.storage_options),
                  trusted_keys=args.trusted_key) as w:
         try:
             if args.once:
@@ -52,7 +53,8 @@ def _rebase(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     out = ops.gc(args.url, args.keep_snapshots, storage_options(args.storage_options), signing_key=args.signing_key,
                  trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
-    print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects ({out['freed_bytes']} bytes)")
+    print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects "
+          f"({out['freed_bytes']} bytes)")
     return 0
 
 
@@ -65,7 +67,7 @@ def _status(args: argparse.Namespace) -> int:
         opts = storage_options(given[i] if len(given) > 1 else (given[0] if given else None))
         try:
             rows.append(ops.status(url, opts))
-        except Exception as exc:  # one bad store must not hide the others
+        except Exception as exc:  # noqa: BLE001 - one bad store must not hide the others
             failed += 1
             rows.append({"url": url, "error": str(exc)})
     if args.json:

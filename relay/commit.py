@@ -16,7 +16,7 @@ signed run trustworthy hold for all of them (docs/SECURITY.md, "Writers"):
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, overload
 
 from relay.manifest import Manifest
 from relay.signing import Signer, SignatureError, TrustedKeys, strengthen
@@ -31,6 +31,14 @@ Change = Callable[[Manifest | None, bool], Manifest | None]
 
 class UnsignedWriteError(ValueError):
     """A writer without a signing key was asked to change a signed run."""
+
+
+@overload
+def writer_keys(signer: Signer, trusted: TrustedKeys | None) -> TrustedKeys: ...
+
+
+@overload
+def writer_keys(signer: Signer | None, trusted: TrustedKeys | None) -> TrustedKeys | None: ...
 
 
 def writer_keys(signer: Signer | None, trusted: TrustedKeys | None) -> TrustedKeys | None:

@@ -42,6 +42,7 @@ import statistics
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +96,7 @@ def snapshot_refs(snap: Snapshot) -> list[ObjRef]:
     return [snap.index, *snap.files]
 
 
-def _manifest_refs(m: Manifest, without: set[int] = frozenset()) -> list[ObjRef]:
+def _manifest_refs(m: Manifest, without: Set[int] = frozenset()) -> list[ObjRef]:
     refs: dict[str, ObjRef] = {}
     for s in m.steps:
         refs[s.record.key] = s.record
@@ -543,8 +544,10 @@ class Fanout:
                 log.error("%s: no manifest at the origin", self.source.url)
                 return False
             time.sleep(self.poll_interval)
-        target = self._origin.head
-        run = self._origin.run
+        origin = self._origin
+        if origin is None:  # the loop ends when poll_source() took a manifest in
+            raise AssertionError("unreachable: no origin manifest after poll_source()")
+        target, run = origin.head, origin.run
         self._start()
         try:
             while True:

@@ -17,8 +17,9 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Set
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 MANIFEST_FORMAT = "deltarelay.manifest"
 RECORD_FORMAT = "deltarelay.record"
@@ -37,7 +38,8 @@ _SAFE_NAME_RE = re.compile(_SAFE_NAME)
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _PRINTABLE = re.compile(r"[\x20-\x7e]*")  # the only characters a manifest string may hold (canonical JSON)
 MAX_INT = (1 << 63) - 1  # steps and sizes: signed 64-bit, so every implementation holds them exactly
-_KEY_STEP = re.compile(r"^(?:deltas/(\d{1,20})-\d{1,9}\.drd|records/(\d{1,20})\.json|snapshots/(\d{1,20})/" + _SAFE_NAME + ")$")
+_KEY_STEP = re.compile(r"^(?:deltas/(\d{1,20})-\d{1,9}\.drd|records/(\d{1,20})\.json|snapshots/(\d{1,20})/"
+                       + _SAFE_NAME + ")$")
 
 
 class ManifestError(ValueError):
@@ -56,7 +58,7 @@ def snapshot_prefix(step: int) -> str:
     return f"snapshots/{step}/"
 
 
-def safe_file_name(name: object) -> bool:
+def safe_file_name(name: object) -> TypeGuard[str]:
     """True for a name that can be written as one file inside a directory and nowhere else."""
     return isinstance(name, str) and _SAFE_NAME_RE.fullmatch(name) is not None
 
@@ -168,7 +170,7 @@ class ObjRef:
         return None
 
     @classmethod
-    def parse(cls, obj: Any, where: str, extra: set[str] = frozenset()) -> "ObjRef":
+    def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset()) -> "ObjRef":
         _only(obj, {"key", "size", "xxh3", "sha256"} | set(extra), where)
         key = _need(obj, "key", str, where)
         if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
@@ -236,6 +238,13 @@ class Step:
     record: ObjRef
     parent: int | None = None
     parts: tuple[Part, ...] | None = None
+
+    @property
+    def delta_parts(self) -> tuple[Part, ...]:
+        """The parts of a step that has a delta (every step of a chain: Manifest.chain() checks)."""
+        if self.parts is None:
+            raise ManifestError(f"step {self.step}: snapshot only, it has no delta")
+        return self.parts
 
     @property
     def delta_bytes(self) -> int:
@@ -326,6 +335,13 @@ class Manifest:
                 return s
         return None
 
+    def step_of_snapshot(self, snap: Snapshot) -> Step:
+        """The step entry (the record) of one of this manifest's snapshots; validate() makes sure there is one."""
+        s = self.step(snap.step)
+        if s is None:
+            raise ManifestError(f"manifest: snapshot {snap.step} has no step entry (record)")
+        return s
+
     def snapshot(self, n: int) -> Snapshot | None:
         for s in self.snapshots:
             if s.step == n:
@@ -409,7 +425,8 @@ class Manifest:
             if snap.step not in have:
                 raise ManifestError(f"{where}: snapshot {snap.step} has no step entry (record)")
         if self.steps[0].step < self.snapshots[0].step:
-            raise ManifestError(f"{where}: step {self.steps[0].step} precedes the oldest snapshot {self.snapshots[0].step}")
+            raise ManifestError(f"{where}: step {self.steps[0].step} precedes the oldest snapshot "
+                                f"{self.snapshots[0].step}")
         for s in self.steps:
             if s.parent is not None and s.parent not in have:
                 raise ManifestError(f"{where}: step {s.step} names parent {s.parent}, which is not listed")
@@ -456,7 +473,8 @@ class Manifest:
                                                           "a writer id")
         head = _step_int(_need(doc, "head", int, where), f"{where}.head")
         base = _step_int(_need(doc, "base", int, where), f"{where}.base")
-        snaps = [Snapshot.parse(s, f"{where}.snapshots[{i}]") for i, s in enumerate(_need(doc, "snapshots", list, where))]
+        snaps = [Snapshot.parse(s, f"{where}.snapshots[{i}]")
+                 for i, s in enumerate(_need(doc, "snapshots", list, where))]
         steps = [Step.parse(s, f"{where}.steps[{i}]") for i, s in enumerate(_need(doc, "steps", list, where))]
         sigs: tuple[Signature, ...] = ()
         if "signatures" in doc:
@@ -505,7 +523,8 @@ class Record:
         bad = [v for v in weight_map.values() if not safe_shard_name(v)]
         if bad:  # a watcher creates these files in DEST: one plain component, nothing else
             raise ManifestError(f"{where}.weight_map: {str(bad[0])[:300]!r} is not a safe shard file name "
-                                f"(one path component of [A-Za-z0-9._+-], not starting with '.', ending in .safetensors)")
+                                f"(one path component of [A-Za-z0-9._+-], not starting with '.', "
+                                f"ending in .safetensors)")
         return cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
                    _step_int(_need(doc, "step", int, where), f"{where}.step"), tensors, dict(weight_map))
 

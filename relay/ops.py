@@ -37,8 +37,11 @@ def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None],
             raise FileNotFoundError(f"{store.url}/manifest.json: no run here")
         return change(cur)
 
-    return commit.update_manifest(store, step, signer=signer, trusted=TrustedKeys.from_option(trusted),
-                                  adopt_unsigned=adopt_unsigned)
+    out = commit.update_manifest(store, step, signer=signer, trusted=TrustedKeys.from_option(trusted),
+                                 adopt_unsigned=adopt_unsigned)
+    if out is None:  # None only when there is no manifest, and then step() raised
+        raise AssertionError("unreachable: update_manifest without a manifest")
+    return out
 
 
 def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: int | None = None,

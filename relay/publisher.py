@@ -61,7 +61,8 @@ def snapshot_objects(step: int, tensors: dict[str, torch.Tensor], weight_map: di
 
 
 def upload_snapshot(store: Store, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str],
-                    workers: int = 4, strong: bool = False, put: Callable[[str, bytes], None] | None = None) -> Snapshot:
+                    workers: int = 4, strong: bool = False,
+                    put: Callable[[str, bytes], None] | None = None) -> Snapshot:
     """Write every snapshot file (in parallel, with `put`, default store.put_immutable), then return its
     manifest entry (with SHA-256s when `strong`)."""
     objects = snapshot_objects(step, tensors, weight_map)
@@ -134,7 +135,7 @@ class Publisher:
         self.prev: dict[str, torch.Tensor] | None = None
         self.step: int | None = None  # last step published (committed) by this publisher
         self._head: int | None = None  # the head of our last commit (what every later commit builds on)
-        self._last_snapshot_step: int | None = None
+        self._last_snapshot_step = 0  # meaningful once self.prev is set: both are set together
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
         self.run = uuid.uuid4().hex
@@ -215,8 +216,8 @@ class Publisher:
             self._commit(entry, None)
             if due:
                 if self._pool is None:
-                    self._commit(None, upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers,
-                                                       strong, put=self._put))
+                    self._commit(None, upload_snapshot(self.store, step, tensors, record.weight_map,
+                                                       self.upload_workers, strong, put=self._put))
                 else:
                     self._pending.append(self._pool.submit(self._background_snapshot, step, tensors, record.weight_map))
         if due:

@@ -18,6 +18,7 @@ Three backends, chosen by protocol:
 from __future__ import annotations
 
 import abc
+import enum
 import errno
 import fcntl
 import logging
@@ -25,7 +26,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal, overload
 
 import fsspec
 import xxhash
@@ -58,7 +59,17 @@ class ObjectExists(FileExistsError):
     """A create-only write found the key already present."""
 
 
-NOT_MODIFIED = object()  # read_manifest's answer when the caller's ETag is still current
+class NotModified(enum.Enum):
+    """The type of NOT_MODIFIED: a one-member enum, so that a type checker narrows `got is NOT_MODIFIED`."""
+
+    NOT_MODIFIED = "NOT_MODIFIED"
+
+    def __repr__(self) -> str:
+        return "NOT_MODIFIED"
+
+
+NOT_MODIFIED: Final = NotModified.NOT_MODIFIED  # read_manifest's answer when the caller's ETag is still current
+Unchanged = Literal[NotModified.NOT_MODIFIED]  # its type
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,14 @@ class Store(abc.ABC):
             out.update(self.list(prefix))
         return out
 
-    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | object:
+    # Without an ETag to match, the answer is never NOT_MODIFIED.
+    @overload
+    def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
+
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         """The manifest and its ETag; None if the run has none; NOT_MODIFIED if `if_none_match` is
         still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
         try:
@@ -260,16 +278,16 @@ class FsspecStore(Store):
 
 def _client_error(exc: BaseException) -> tuple[str, int]:
     """(error code, HTTP status) of the botocore ClientError behind an s3fs exception, if any."""
-    cause = exc
+    cause: BaseException | None = exc
     for _ in range(3):
+        if cause is None:
+            break
         response = getattr(cause, "response", None)
         if isinstance(response, dict):
             err = response.get("Error", {})
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             return str(err.get("Code", "")), int(status or 0)
         cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            break
     return "", 0
 
 
@@ -392,7 +410,13 @@ class S3Store(Store):
         return {p[len(self.root) + 1:]: int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file"}
 
-    def read_manifest(self, if_none_match: str | None = None):
+    @overload
+    def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
+
+    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
         try:
             resp, body = self._get_with_body(MANIFEST_KEY, **kw)
@@ -414,8 +438,9 @@ class S3Store(Store):
             code, status = _client_error(exc)
             if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
                     "PreconditionFailed", "ConditionalRequestConflict"):
+                cond_text = f"If-Match {expected_etag}" if expected_etag else "If-None-Match *"
                 raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
-                                    f"({code or status} on {'If-Match ' + expected_etag if expected_etag else 'If-None-Match *'})") from None
+                                    f"({code or status} on {cond_text})") from None
             if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted manifest
                 raise ConflictError(f"{self.url}/{MANIFEST_KEY}: removed by another writer") from None
             raise
@@ -437,5 +462,5 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
     return FsspecStore(url, fs, root)
 
 
-__all__ = ["Store", "open_store", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError", "ObjectMissing", "ObjectExists", "ManifestRead", "NOT_MODIFIED",
-           "MANIFEST_KEY", "content_tag"]
+__all__ = ["Store", "open_store", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError", "ObjectMissing",
+           "ObjectExists", "ManifestRead", "NOT_MODIFIED", "NotModified", "MANIFEST_KEY", "content_tag"]

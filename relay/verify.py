@@ -140,7 +140,10 @@ class _Checker:
             self._check_index(ref, data)
 
     def _check_index(self, ref: ObjRef, data: bytes) -> None:
-        snap = self.m.snapshot(step_of_key(ref.key))
+        step = step_of_key(ref.key)
+        snap = None if step is None else self.m.snapshot(step)
+        if snap is None:  # an index key in m.refs() is its snapshot's (Snapshot.parse checks the prefix)
+            raise AssertionError(f"unreachable: {ref.key} is no snapshot's index")
         try:
             index = json.loads(data)
             weight_map = index["weight_map"]
@@ -169,6 +172,8 @@ class _Checker:
     # -- deep: rebuild every step -------------------------------------------------------------------
     def _snapshot_state(self, step: int) -> dict[str, torch.Tensor] | None:
         snap = self.m.snapshot(step)
+        if snap is None:  # the callers ask only for steps that have a snapshot
+            raise AssertionError(f"unreachable: step {step} has no snapshot")
         if any(r.key in self.bad for r in (snap.index, *snap.files)):
             return None
         tensors: dict[str, torch.Tensor] = {}

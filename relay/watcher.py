@@ -18,10 +18,11 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import torch
 from safetensors import SafetensorError
@@ -83,15 +84,15 @@ class Plan:
     def keys(self, m: Manifest) -> list[ObjRef]:
         refs: list[ObjRef] = []
         if self.snapshot is not None:
-            refs += [self.snapshot.index, *self.snapshot.files, m.step(self.snapshot.step).record]
+            refs += [self.snapshot.index, *self.snapshot.files, m.step_of_snapshot(self.snapshot).record]
         for s in self.steps:
-            refs += [p.ref for p in s.parts]
+            refs += [p.ref for p in s.delta_parts]  # steps of a chain: each has a delta
         if self.steps:  # intermediate steps are checked by the payloads' own target digests
             refs.append(self.steps[-1].record)
         return refs
 
 
-def plan_path(m: Manifest, held: int | None, excluded: set[str] = frozenset()) -> Plan | None:
+def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -> Plan | None:
     """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
 
     Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
@@ -213,17 +214,18 @@ class Reader:
             raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
-    def _execute(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None) -> tuple[dict, Record]:
+    def _execute(self, m: Manifest, plan: Plan,
+                 held: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], Record]:
         got = self._fetch(plan.keys(m))
         if plan.snapshot is not None:
             snap = plan.snapshot
-            rec_ref = m.step(snap.step).record
+            rec_ref = m.step_of_snapshot(snap).record
             rec = self._record(got[rec_ref.key], rec_ref, m.run, snap.step)
             tensors: dict[str, torch.Tensor] = {}
             for f in snap.files:
                 try:
                     tensors.update(st_load(got[f.key]))
-                except Exception as exc:  # safetensors raises its own types on bad bytes
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
                     raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
             bad = mismatches(tensors, rec.tensors)
             if bad:
@@ -238,7 +240,7 @@ class Reader:
             rec = None
         for s in plan.steps:
             covered: set[str] = set()
-            for part in s.parts:
+            for part in s.delta_parts:
                 target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
                 try:
                     codec.apply_(target, got[part.ref.key])  # verifies every tensor it covers, or changes nothing
@@ -246,15 +248,18 @@ class Reader:
                     raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
                 covered.update(target)
             if covered != set(tensors):
-                raise _VerifyError([p.ref for p in s.parts],
-                                   f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
+                raise _VerifyError([p.ref for p in s.delta_parts],
+                                   f"step {s.step}: parts leave tensors unverified "
+                                   f"{sorted(set(tensors) - covered)[:5]}")
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
             bad = mismatches(tensors, rec.tensors)
             if bad:
-                raise _VerifyError([p.ref for s in plan.steps for p in s.parts] + [last.record],
+                raise _VerifyError([p.ref for s in plan.steps for p in s.delta_parts] + [last.record],
                                    f"step {last.step} does not match its record (tensors {bad[:5]})")
+        if rec is None:  # plan_path never plans nothing: held is below the head, so a chain plan has steps
+            raise SyncError("internal: chain plan without steps")
         return tensors, rec
 
     def _backed_off(self, m: Manifest, now: float) -> set[str]:
@@ -274,6 +279,15 @@ class Reader:
             self._failures[ref] = _Failure(count, now + backoff)
             longest = max(longest, backoff)
         return longest
+
+    # With nothing held the head is always new: the tensors and their record come back.
+    @overload
+    def reach(self, held_step: None, held: None, *, run: str | None = None,
+              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
+
+    @overload
+    def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
+              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
@@ -568,7 +582,8 @@ class Watcher:
     def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor]) -> None:
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
         if bad or set(rec.weight_map) != set(tensors):  # Record.parse refuses these; never write outside DEST
-            raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} in {self.dest}")
+            raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} "
+                            f"in {self.dest}")
         versions = self._versions_dir()
         name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
         try:
@@ -621,6 +636,8 @@ class Watcher:
             raise SyncError(f"{self.dest}: this watcher is closed (it no longer holds {self.dest / LOCK_NAME})")
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout)
         if tensors is not None:
+            if rec is None:  # reach() returns the tensors with their record, or neither
+                raise SyncError("internal: tensors without a record")
             if self.step is not None and (rec.step <= self.step or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
@@ -628,6 +645,8 @@ class Watcher:
             self.step, self.run_id, self.tensors = rec.step, m.run, tensors
             log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
         self._deliver()
+        if self.step is None:  # reach() returns nothing only when a step is held, and else the tensors we took
+            raise SyncError("internal: no step held after a sync")
         return self.step
 
     def _deliver(self) -> None:
@@ -639,7 +658,9 @@ class Watcher:
             except HotLoadError as exc:
                 log.error("%s", exc)
                 failure = exc
-        if self.on_update is not None and self.step is not None and self.delivered_step != self.step:
+        # self.tensors is set with self.step; tested too so that on_update never gets None
+        if (self.on_update is not None and self.step is not None and self.tensors is not None
+                and self.delivered_step != self.step):
             try:
                 self.on_update(self.step, self.tensors)
                 self.delivered_step = self.step
@@ -656,6 +677,8 @@ class Watcher:
         tensors are copied; if a copy fails anyway, those already copied are restored from the tensors the
         module held (when the watcher loaded them), so the module never mixes two steps.
         """
+        if self.module is None or self.tensors is None:  # _deliver calls this with a module and a held step
+            raise SyncError("internal: hot-load without a module or a held step")
         live = self.module.state_dict()
         new = self.tensors
         problems = [f"missing {sorted(set(live) - set(new))[:5]}"] if set(live) - set(new) else []

@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relay.fanout import Destination, Fanout  # noqa: E402
-from relay.publisher import Publisher  # noqa: E402
-from relay.store import ManifestRead, Store, open_store  # noqa: E402
-from relay.watcher import Reader  # noqa: E402
+from relay.fanout import Destination, Fanout
+from relay.publisher import Publisher
+from relay.store import ManifestRead, Store, open_store
+from relay.watcher import Reader
 
 REGION_NAMES = ("us-west-2", "eu-west-1", "ap-northeast-1", "us-east-2", "eu-central-1")
 

@@ -233,7 +233,8 @@ def _library_versions() -> dict:
     import zstandard
 
     return {"zstandard": zstandard.__version__, "zstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
-            "lz4": lz4.library_version_string(), "brotli": brotli.version if hasattr(brotli, "version") else brotli.__version__}
+            "lz4": lz4.library_version_string(),
+            "brotli": brotli.version if hasattr(brotli, "version") else brotli.__version__}
 
 
 def _describe(payload: bytes) -> dict:

@@ -84,7 +84,8 @@ def _cell(text: str, limit: int = 600) -> str:
 
 
 def fault_table(rows: list[Row]) -> str:
-    groups = {"tests/test_faults_store.py": "Store and network faults", "tests/test_faults_crash.py": "Crashes and disk",
+    groups = {"tests/test_faults_store.py": "Store and network faults",
+              "tests/test_faults_crash.py": "Crashes and disk",
               "tests/test_faults_load.py": "Load"}
     out = ["| # | scenario | what it asserts | injected | observed | outcome | s |", "|---|---|---|---|---|---|---|"]
     n = 0

@@ -412,7 +412,7 @@ class Oracle:
         from relay import checkpoint
 
         path = os.fspath(path)
-        for attempt in range(20):
+        for _attempt in range(20):
             # A live watcher removes superseded versions right after its swap, so a version resolved
             # here may vanish mid-read; a reader then resolves again (docs/PROTOCOL.md, section 6).
             found = self._read_dest(path, os, json, checkpoint)

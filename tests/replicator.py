@@ -89,7 +89,7 @@ class Replicator:
                     self._stop.wait(self.poll)
                 else:
                     self._idle.clear()
-        except BaseException as exc:  # surfaced by stop()/drain() in the test thread
+        except BaseException as exc:  # noqa: BLE001 - surfaced by stop()/drain() in the test thread
             self.error = exc
             self._idle.set()
 

@@ -150,7 +150,8 @@ def test_refused_decode_leaves_no_out(capsys, tmp_path, how, layout):
     suffix = "" if layout == "sharded" else ".safetensors"
     for name, tensors in (("base", base), ("target", target), ("other", other)):
         checkpoint.save(tensors, tmp_path / f"{name}{suffix}", lay)
-    assert run(capsys, "encode", tmp_path / f"base{suffix}", tmp_path / f"target{suffix}", "-o", tmp_path / "delta.bin")[0] == 0
+    assert run(capsys, "encode", tmp_path / f"base{suffix}", tmp_path / f"target{suffix}",
+               "-o", tmp_path / "delta.bin")[0] == 0
     delta = (tmp_path / "delta.bin").read_bytes()
     if how == "wrong-base":
         use_base = tmp_path / f"other{suffix}"
@@ -176,9 +177,11 @@ def test_encode_failures_leave_no_out(capsys, tmp_path):
     grown = dict(target, extra=target["layers.0.weight"].clone())
     checkpoint.save(grown, tmp_path / "grown.safetensors")
 
-    rc, _, err = run(capsys, "encode", tmp_path / "base.safetensors", tmp_path / "grown.safetensors", "-o", tmp_path / "d.bin")
+    rc, _, err = run(capsys, "encode", tmp_path / "base.safetensors", tmp_path / "grown.safetensors",
+                     "-o", tmp_path / "d.bin")
     assert rc != 0 and "extra" in err and len(err.strip().splitlines()) == 1
-    rc, _, err = run(capsys, "encode", tmp_path / "base.safetensors", tmp_path / "missing.safetensors", "-o", tmp_path / "d.bin")
+    rc, _, err = run(capsys, "encode", tmp_path / "base.safetensors", tmp_path / "missing.safetensors",
+                     "-o", tmp_path / "d.bin")
     assert rc != 0 and "missing.safetensors" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "d.bin").exists()
     assert leftovers(tmp_path) == []
@@ -214,7 +217,8 @@ def test_console_entry_in_a_subprocess(capsys, tmp_path):
     base, target = model_pair(n_tensors=3, shape=(32, 32), fraction=0.05, seed=9)
     checkpoint.save(base, tmp_path / "b.safetensors")
     checkpoint.save(target, tmp_path / "t.safetensors")
-    assert run(capsys, "encode", tmp_path / "b.safetensors", tmp_path / "t.safetensors", "-o", tmp_path / "d.bin")[0] == 0
+    assert run(capsys, "encode", tmp_path / "b.safetensors", tmp_path / "t.safetensors",
+               "-o", tmp_path / "d.bin")[0] == 0
     (tmp_path / "bad.bin").write_bytes((tmp_path / "d.bin").read_bytes()[:-1])
 
     bad = subprocess.run([sys.executable, "-m", "relay.cli", "decode", str(tmp_path / "b.safetensors"),

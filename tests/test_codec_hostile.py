@@ -184,7 +184,8 @@ def _other_dtype(e):
 
 FORGERIES = {
     "target-digest": lambda e: dataclasses.replace(e, target_digest=_flip(e.target_digest)),
-    "both-digests": lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest), target_digest=_flip(e.target_digest)),
+    "both-digests": lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest),
+                                                  target_digest=_flip(e.target_digest)),
     "shape-grown": lambda e: dataclasses.replace(e, shape=(e.shape[0] * 2 + 1, *e.shape[1:]) if e.shape else (2,)),
     "shape-huge": lambda e: dataclasses.replace(e, shape=(1 << 40, 1 << 7)),
     "shape-rank": lambda e: dataclasses.replace(e, shape=(*e.shape, 1)),
@@ -199,16 +200,20 @@ FORGERIES = {
     "stream-dropped": lambda e: dataclasses.replace(e, streams=e.streams[:-1]) if e.streams else
     dataclasses.replace(e, streams=[container.Stream(0, 1, b"\x01")]),
     "stream-added": lambda e: dataclasses.replace(e, streams=[*e.streams, container.Stream(0, 1, b"\x01")]),
-    "raw-len-huge": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, raw_len=1 << 60) for s in e.streams])
+    "raw-len-huge": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, raw_len=1 << 60)
+                                                              for s in e.streams])
     if e.streams else dataclasses.replace(e, streams=[container.Stream(1, 1 << 60, b"\x28\xb5\x2f\xfd")]),
-    "raw-len-plus": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, raw_len=s.raw_len + 1) for s in e.streams])
+    "raw-len-plus": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, raw_len=s.raw_len + 1)
+                                                              for s in e.streams])
     if e.streams else dataclasses.replace(e, params=b"\x00"),
-    "codec-swap": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, codec=(s.codec + 1) % 4) for s in e.streams])
+    "codec-swap": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, codec=(s.codec + 1) % 4)
+                                                            for s in e.streams])
     if e.streams else dataclasses.replace(e, params=b"\x00"),
     "codec-unknown": lambda e: dataclasses.replace(e, streams=[dataclasses.replace(s, codec=99) for s in e.streams])
     if e.streams else dataclasses.replace(e, streams=[container.Stream(99, 0, b"")]),
     "params-junk": lambda e: dataclasses.replace(e, params=e.params + b"\x00"),
-    "params-empty": lambda e: dataclasses.replace(e, params=b"") if e.params else dataclasses.replace(e, params=b"\x07\x01"),
+    "params-empty": lambda e: (dataclasses.replace(e, params=b"") if e.params
+                               else dataclasses.replace(e, params=b"\x07\x01")),
 }
 
 
@@ -226,7 +231,8 @@ def test_forged_base_digest_alone_is_refused_or_exact(case, victim):
     """A decoder may check the base digest only on failure (the target digest proves success):
     then a payload whose base digest alone was altered still yields exactly the target."""
     base, target, payload = case
-    err = refused_or_exact(base, _forge(payload, victim, lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest))), target)
+    forged = _forge(payload, victim, lambda e: dataclasses.replace(e, base_digest=_flip(e.base_digest)))
+    err = refused_or_exact(base, forged, target)
     assert err is None or victim in str(err)
 
 
@@ -524,7 +530,8 @@ def _same(fast, checked) -> None:
     assert shared == checked[1]
     assert len(entries) == len(checked[0])
     for a, b in zip(entries, checked[0]):
-        assert dataclasses.astuple(dataclasses.replace(a, streams=[])) == dataclasses.astuple(dataclasses.replace(b, streams=[]))
+        assert (dataclasses.astuple(dataclasses.replace(a, streams=[]))
+                == dataclasses.astuple(dataclasses.replace(b, streams=[])))
         assert [(s.codec, s.raw_len, bytes(s.stored)) for s in a.streams] == \
                [(s.codec, s.raw_len, bytes(s.stored)) for s in b.streams]
 

@@ -47,7 +47,8 @@ def test_special_bf16_every_transition(version):
 
 
 @pytest.mark.parametrize("version", FORMAT_VERSIONS)
-@pytest.mark.parametrize("transform", ["permutation", "sign-flip", "exponent-change", "mantissa-only", "to-nan", "to-zero"])
+@pytest.mark.parametrize("transform",
+                         ["permutation", "sign-flip", "exponent-change", "mantissa-only", "to-nan", "to-zero"])
 def test_all_65536_bf16_patterns(version, transform):
     """The base holds every BF16 pattern once; the target moves each of them in one way."""
     rng = np.random.default_rng(7)
@@ -243,7 +244,8 @@ def test_element_views_and_tensors_from_elements_round_trip_every_dtype(unsigned
     for dt in tensors.DTYPES:
         for shape in [(3, 5), (), (0, 4), (7,)]:
             raw = rng.integers(0, 256, int(np.prod(shape, dtype=np.int64)) * dt.itemsize, dtype=np.uint8)
-            t = torch.from_numpy(raw.copy()).view(dt.torch).reshape(shape) if raw.size else torch.empty(shape, dtype=dt.torch)
+            t = (torch.from_numpy(raw.copy()).view(dt.torch).reshape(shape) if raw.size
+                 else torch.empty(shape, dtype=dt.torch))
             if dt.torch.is_floating_point and t.numel():
                 t.requires_grad_(True)
             elems = tensors.element_view(t)
@@ -251,5 +253,6 @@ def test_element_views_and_tensors_from_elements_round_trip_every_dtype(unsigned
             back = tensors.tensor_from_elements(elems, dt, tuple(shape))
             assert back.dtype == dt.torch and tuple(back.shape) == tuple(shape)
             assert tensors.element_view(back).tobytes() == raw.tobytes()
-        strided = torch.from_numpy(rng.integers(0, 256, 8 * 6 * dt.itemsize, dtype=np.uint8)).view(dt.torch).reshape(8, 6)
+        raw6 = rng.integers(0, 256, 8 * 6 * dt.itemsize, dtype=np.uint8)
+        strided = torch.from_numpy(raw6).view(dt.torch).reshape(8, 6)
         assert tensors.element_view(strided.t()).tobytes() == tensors.element_view(strided.t().contiguous()).tobytes()

@@ -141,7 +141,7 @@ def test_forged_entropy_stream_is_refused(rl_pair):
         if entry.method != conditional.ID:
             continue
         original = bytes(entry.streams[0].stored)
-        for trial in range(20):
+        for _trial in range(20):
             junk = bytearray(original)
             junk[rng.integers(0, len(junk))] ^= 1 << int(rng.integers(0, 8))
             entry.streams[0] = container.Stream(0, len(junk), bytes(junk))
@@ -172,7 +172,8 @@ def test_entropy_kernels_round_trip(changes, four):
     # order-preserving map is bits ^ 0x8000
     steps = np.where(zig % 2 == 0, (zig + 2) // 2, -((zig + 1) // 2))
     pairs = (np.uint32(0x3F80) << np.uint32(16)) | (((0x3F80 ^ 0x8000) + steps) ^ 0x8000).astype(np.uint32)
-    assert np.array_equal(conditional.Analysis(np.zeros(0, np.int64), np.zeros(8, np.int64), pairs, cls, ranks).zig, zig)
+    analysis = conditional.Analysis(np.zeros(0, np.int64), np.zeros(8, np.int64), pairs, cls, ranks)
+    assert np.array_equal(analysis.zig, zig)
     hist = np.ones(conditional.VALUE_TOKENS)
     model = conditional.ValueModel(rans.normalize(hist, conditional.VALUE_SCALE, floor_all=True)[None, :],
                                    np.array([0x7F]))
@@ -271,7 +272,7 @@ def test_batch_analyses_are_those_of_one_tensor_at_a_time():
     for buffers in (None, ec.ScanBuffers()):
         batch = conditional.analyze_at(where, sizes, buffers=buffers)
         assert list(batch.changes()) == [int((b != t).sum()) for b, t in zip(bs, ts)]
-        batch.value_symbols  # computed for the whole batch first: each analysis then holds a view
+        _ = batch.value_symbols  # computed for the whole batch first: each analysis then holds a view
         for i, (b, t) in enumerate(zip(bs, ts)):
             got, want = batch.analysis(i), conditional.analyze(b, t)
             for field in ("thresholds", "class_sizes", "pairs", "classes", "ranks", "value_symbols"):
@@ -305,7 +306,8 @@ def test_decode_builds_the_target_in_place_for_every_size():
     """The decoder writes the target during its scan when the base is whole 64-element blocks,
     and copies first otherwise; both must equal the target bit for bit, and the base stays put."""
     g = torch.Generator().manual_seed(7)
-    base = {f"t{n}": (0.05 * torch.randn(n, generator=g)).to(torch.bfloat16) for n in (1, 63, 64, 65, 1000, 4096, 70_000)}
+    base = {f"t{n}": (0.05 * torch.randn(n, generator=g)).to(torch.bfloat16)
+            for n in (1, 63, 64, 65, 1000, 4096, 70_000)}
     target = {k: rl_step(v, 3e-3, i) for i, (k, v) in enumerate(base.items())}
     before = {k: bits_of(v).copy() for k, v in base.items()}
     payload = codec.encode(base, target)
@@ -322,7 +324,8 @@ def test_value_tables_normalise_all_rows_like_one_row():
     rng = np.random.default_rng(11)
     for _ in range(200):
         rows, cols = int(rng.integers(1, 30)), conditional.VALUE_TOKENS
-        counts = (rng.random((rows, cols)) < rng.random()) * rng.integers(0, 10 ** int(rng.integers(1, 7)), (rows, cols))
+        top = 10 ** int(rng.integers(1, 7))
+        counts = (rng.random((rows, cols)) < rng.random()) * rng.integers(0, top, (rows, cols))
         counts[counts.sum(axis=1) == 0, int(rng.integers(0, cols))] = 1  # every row has a count
         bulk = rans.normalize_rows(counts, conditional.VALUE_SCALE)
         one = np.stack([rans.normalize(row, conditional.VALUE_SCALE, floor_all=False) for row in counts])
@@ -432,7 +435,8 @@ def test_value_tables_block_round_trips_in_the_documented_layout(keys, data):
     """ValueModel.pack writes docs/FORMAT.md's kind-1 block (checked field by field here) and
     unpack reads it back exactly."""
     hist = np.array([[data.draw(st.integers(0, 1000)) if data.draw(st.booleans()) else 0
-                      for _ in range(conditional.VALUE_TOKENS)] for _ in keys], np.int64).reshape(-1, conditional.VALUE_TOKENS)
+                      for _ in range(conditional.VALUE_TOKENS)] for _ in keys],
+                    np.int64).reshape(-1, conditional.VALUE_TOKENS)
     if keys:
         hist[:, 0] += 1
     freq = rans.normalize_rows(hist, conditional.VALUE_SCALE) if keys else np.zeros((0, conditional.VALUE_TOKENS))

@@ -62,7 +62,8 @@ def _deposits(xs, ms, use_pdep):
     not ec.HAVE_BMI2, reason="this CPU has no BMI2"))])
 def test_deposit_places_the_low_bits_at_the_mask_bits(use_pdep):
     masks = np.concatenate([_random_words(2000), np.array([(1 << 64) - 1], np.uint64)])
-    xs = np.random.default_rng(5).integers(0, 1 << 63, masks.size, dtype=np.uint64) * np.uint64(3)  # bits above the mask's count too
+    # bits above the mask's count too
+    xs = np.random.default_rng(5).integers(0, 1 << 63, masks.size, dtype=np.uint64) * np.uint64(3)
     got = _deposits(xs, masks, use_pdep)
     for x, m, g in zip(xs, masks, got):
         want, i = 0, 0
@@ -132,7 +133,7 @@ def _interval_cost(n: float, k: float) -> float:
 def test_class_choice_is_the_cheapest_partition():
     """The DP against brute force over every partition of the occurring exponents."""
     rng = np.random.default_rng(3)
-    for trial in range(40):
+    for _trial in range(40):
         exps = np.sort(rng.choice(256, size=int(rng.integers(2, 7)), replace=False))
         n_e = np.zeros(256, np.int64)
         k_e = np.zeros(256, np.int64)
@@ -142,7 +143,7 @@ def test_class_choice_is_the_cheapest_partition():
         got = ec.choose_classes(n_e, k_e, max_classes)
         assert got.size < max_classes and np.all(np.diff(got) > 0) and set(got) <= set(exps[1:])
 
-        def cost(cuts) -> float:
+        def cost(cuts, exps=exps, n_e=n_e, k_e=k_e) -> float:  # this trial's arrays
             bounds = [0, *[int(np.searchsorted(exps, c)) for c in cuts], exps.size]
             return sum(_interval_cost(n_e[exps[a:b]].sum(), k_e[exps[a:b]].sum()) for a, b in zip(bounds, bounds[1:]))
 
@@ -193,7 +194,7 @@ def test_positions_refuse_ranks_beyond_a_class():
         bits, start, lim, status = ec.rank_bitmaps(np.array(ranks, np.int64), np.array(first, np.int64), words.size)
         return status if status else ec.positions(n, words, T, bits, start, lim, expected, _NO_COPY)[1]
 
-    at, status = ec.positions(n, words, T, *ec.rank_bitmaps(np.array([0, 99], np.int64), first, words.size)[:3], 2, _NO_COPY)
+    at, status = ec.positions(n, words, T, *ec.rank_bitmaps(ok, first, words.size)[:3], 2, _NO_COPY)
     assert status == 0 and list(at) == [0, 99]
     for bad in ([0, 100], [5, 127], [5, 1000], [5, 1 << 40]):
         assert run(bad, first, 2) == 2, bad

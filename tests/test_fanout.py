@@ -114,7 +114,7 @@ def test_mirrors_into_s3_and_file_regions_seeded_from_the_newest_snapshot(moto_r
     before = {k: v["bytes_copied"] for k, v in st["regions"].items()}
     assert fan.sync_once(timeout=30)
     st = fan.status()
-    for name, r in st["regions"].items():
+    for r in st["regions"].values():
         assert r["head"] == 10
         assert r["delays"] and all(d >= 0 for _, d in r["delays"])
     m = assert_complete(open_store(s3_dest, west.options))

@@ -77,7 +77,8 @@ def assert_store_complete(store) -> Manifest:
     refs += [r for snap in m.snapshots for r in (snap.index, *snap.files)]
     for ref in refs:
         data = store.get(ref.key)
-        assert (len(data), content_tag(data)) == (ref.size, ref.xxh3), f"manifest names {ref.key}, store holds other bytes"
+        assert (len(data), content_tag(data)) == (ref.size, ref.xxh3), \
+            f"manifest names {ref.key}, store holds other bytes"
     return m
 
 
@@ -547,7 +548,7 @@ def test_two_publishers_race_under_faults(origin, trainer, tmp_path, logs, recor
         gate = threading.Barrier(2)
         outcome: dict[int, object] = {}
 
-        def go(i: int) -> None:
+        def go(i: int, gate=gate, pubs=pubs, states=states, step=step, outcome=outcome) -> None:  # this step's
             gate.wait()
             try:
                 pubs[i].publish(states[i], step)
@@ -595,7 +596,8 @@ def test_regional_relay_under_faults(origin, moto_regions, trainer, tmp_path, lo
     slow.add("delay", seconds=0.05, probability=0.5)
     slow.add("error", methods=("PUT",), status=503, code="SlowDown", probability=0.15)
     ap_opts = slow.options(ap.options, **CFG)
-    dests = [Destination("eu", f"s3://{eu_bucket}/run", eu.options), Destination("ap", f"s3://{ap_bucket}/run", ap_opts)]
+    dests = [Destination("eu", f"s3://{eu_bucket}/run", eu.options),
+             Destination("ap", f"s3://{ap_bucket}/run", ap_opts)]
     fan = Fanout(origin.url, dests, source_options=src_opts, poll_interval=0.02, retry_initial=0.02, retry_max=0.2)
     oracle, t = Oracle(), trainer(seed=26)
     followers = [Follower(d.url, tmp_path / d.name, r.options, oracle) for d, r in zip(dests, (eu, ap))]

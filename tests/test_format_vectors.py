@@ -171,7 +171,7 @@ def test_flipped_byte_is_refused(name):
     """Any flipped byte of the index or of a stream (or of the prefix) is caught by the checksum."""
     base, target, payload = _load(name)
     seed = zlib.crc32(name.encode())
-    for region, (r, _) in _regions(payload).items():
+    for r, _ in _regions(payload).values():
         for pos in _sample(r, 24, seed):
             for mask in (0x01, 0x80):
                 bad = bytearray(payload)

@@ -152,12 +152,12 @@ def expand(directory: Path = ROOT_DIR, env: dict | None = None, prefix: str = ""
     for kind in ("resource", "data"):
         for addr, body in mod[kind].items():
             n = count_of(body, env)
-            for i in range(n):
+            for _i in range(n):
                 out[prefix + addr + ("[0]" if "count" in body else "")] = (kind, body, env)
     for name, body in mod["module"].items():
         child_dir = (directory / body["source"]).resolve()
         child_vars = load_module(child_dir)["variable"]
-        for i in range(count_of(body, env)):
+        for _i in range(count_of(body, env)):
             child_env = {k: v.get("default") for k, v in child_vars.items()}
             for arg in child_vars:
                 if arg in body:
@@ -392,10 +392,12 @@ def test_lifecycle_rules_follow_the_relay_layout():
     assert attrs(stale["filter"])["prefix"] == "${var.run_prefix}"
     assert attrs(stale["expiration"])["days"] == "${var.run_expiration_days}"
     noncurrent = rules["clean-noncurrent-versions"]
-    assert attrs(noncurrent["noncurrent_version_expiration"])["noncurrent_days"] == "${var.noncurrent_version_expiration_days}"
+    assert (attrs(noncurrent["noncurrent_version_expiration"])["noncurrent_days"]
+            == "${var.noncurrent_version_expiration_days}")
     assert attrs(noncurrent["expiration"])["expired_object_delete_marker"] is True
     uploads = rules["abort-incomplete-uploads"]
-    assert attrs(uploads["abort_incomplete_multipart_upload"])["days_after_initiation"] == "${var.abort_incomplete_multipart_days}"
+    assert (attrs(uploads["abort_incomplete_multipart_upload"])["days_after_initiation"]
+            == "${var.abort_incomplete_multipart_days}")
 
     # Per listed run, one rule per immutable kind, with the relay's own directory names.
     loc = load_module(BUCKET_DIR)["locals"]
@@ -417,7 +419,8 @@ def test_lifecycle_rules_follow_the_relay_layout():
     key = lambda k: f"{run_prefix}{run}/{k}"  # noqa: E731
     assert key(relay_manifest.delta_key(12, 3)).startswith(prefixes["deltas"])
     assert key(relay_manifest.record_key(12)).startswith(prefixes["records"])
-    assert key(relay_manifest.snapshot_prefix(12) + "model-00001-of-00002.safetensors").startswith(prefixes["snapshots"])
+    shard = relay_manifest.snapshot_prefix(12) + "model-00001-of-00002.safetensors"
+    assert key(shard).startswith(prefixes["snapshots"])
     assert not any(key(MANIFEST_KEY).startswith(p) for p in prefixes.values())
 
 
@@ -478,10 +481,12 @@ def test_replication_role_reads_origin_and_only_replicates_into_regions():
         targets = stmt_refs(st)
         if any(t.startswith("module.origin") for t in targets):
             assert not any(t.startswith("module.region_") for t in targets)
-            assert st["actions"] <= {"s3:GetReplicationConfiguration", "s3:ListBucket", "s3:GetObjectVersionForReplication",
+            assert st["actions"] <= {"s3:GetReplicationConfiguration", "s3:ListBucket",
+                                     "s3:GetObjectVersionForReplication",
                                      "s3:GetObjectVersionAcl", "s3:GetObjectVersionTagging", "kms:Decrypt"}
         else:
-            assert {t for t in targets if t.startswith("module.")} == {f"module.region_{alias(r)}" for r in supported_regions()}
+            assert ({t for t in targets if t.startswith("module.")}
+                    == {f"module.region_{alias(r)}" for r in supported_regions()})
             assert st["actions"] <= {"s3:ReplicateObject", "s3:ReplicateTags", "kms:Encrypt", "kms:GenerateDataKey"}
     assert not any("s3:ReplicateDelete" in st["actions"] for st in sts)
     assume = statements(mod["data"]["data.aws_iam_policy_document.replication_assume"])[0]
@@ -573,7 +578,8 @@ def test_trainer_writes_only_the_origin_with_conditional_manifest_commits():
         assert targets == {"module.origin"}, f"trainer statement {st['sid']} reaches {targets}"
     kms = [st for st in sts if any(a.startswith("kms:") for a in st["actions"])]
     assert kms and all(st["resources"] == ["${module.origin.kms_key_arn}"] for st in kms)
-    assert all(("StringEquals", "kms:ViaService", ("s3.${var.origin_region}.amazonaws.com",)) in st["conditions"] for st in kms)
+    via_s3 = ("StringEquals", "kms:ViaService", ("s3.${var.origin_region}.amazonaws.com",))
+    assert all(via_s3 in st["conditions"] for st in kms)
     _check_writer(sts, "origin")
 
 
@@ -599,7 +605,8 @@ def test_rollout_role_reads_only_its_own_region():
     sts = statements(mod["data"]["data.aws_iam_policy_document.rollout"])
     actions = set().union(*(st["actions"] for st in sts))
     assert actions == {"s3:ListBucket", "s3:GetObject", "kms:Decrypt"}
-    assert not any(a.startswith(("s3:Put", "s3:Delete", "s3:Abort", "kms:Encrypt", "kms:GenerateDataKey")) for a in actions)
+    writes = ("s3:Put", "s3:Delete", "s3:Abort", "kms:Encrypt", "kms:GenerateDataKey")
+    assert not any(a.startswith(writes) for a in actions)
     for st in sts:
         targets = refs(st["resources"], mod["locals"])
         assert {t for t in targets if not t.startswith("var.")} == {"module.store"}, st

@@ -18,11 +18,14 @@ def ref(key: str, size: int = 10) -> ObjRef:
 
 
 def sample() -> Manifest:
-    snap0 = Snapshot(0, ref("snapshots/0/model.safetensors.index.json"), (ref("snapshots/0/model-00001-of-00001.safetensors", 1000),))
-    snap2 = Snapshot(2, ref("snapshots/2/model.safetensors.index.json"), (ref("snapshots/2/model-00001-of-00001.safetensors", 1000),))
+    snap0 = Snapshot(0, ref("snapshots/0/model.safetensors.index.json"),
+                     (ref("snapshots/0/model-00001-of-00001.safetensors", 1000),))
+    snap2 = Snapshot(2, ref("snapshots/2/model.safetensors.index.json"),
+                     (ref("snapshots/2/model-00001-of-00001.safetensors", 1000),))
     steps = [Step(0, ref("records/0.json")),
              Step(1, ref("records/1.json"), 0, (Part(ref("deltas/1-0.drd", 50)),)),
-             Step(2, ref("records/2.json"), 1, (Part(ref("deltas/2-0.drd", 60)), Part(ref("deltas/2-1.drd", 5), ("b",)))),
+             Step(2, ref("records/2.json"), 1,
+                  (Part(ref("deltas/2-0.drd", 60)), Part(ref("deltas/2-1.drd", 5), ("b",)))),
              Step(3, ref("records/3.json"), 2, (Part(ref("deltas/3-0.drd", 70)),))]
     return Manifest("1" * 32, 3, steps, [snap0, snap2])
 

@@ -67,7 +67,8 @@ def test_rsa_key_refused(tmp_path):
 
     k = rsa.generate_private_key(public_exponent=65537, key_size=1024)
     p = tmp_path / "rsa.pub"
-    p.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    p.write_bytes(k.public_key().public_bytes(serialization.Encoding.PEM,
+                                              serialization.PublicFormat.SubjectPublicKeyInfo))
     with pytest.raises(KeyFileError, match="expected an Ed25519 key"):
         load_public_key(p)
 

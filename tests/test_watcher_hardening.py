@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-import relay
 from relay import checkpoint
 from relay import watcher as wmod
 from relay.manifest import Manifest, ObjRef, Record

@@ -25,6 +25,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -214,7 +215,7 @@ def trl_gap16_decode(base: Mapping[str, torch.Tensor], payload: bytes) -> dict[s
 # PULSESync: sorted COO with narrow delta-coded indices, raw BF16 values, zstd-1 over the blob.
 
 PULSE_MAGIC = b"PLS1"
-_IDX_DTYPES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.int32)}
+_IDX_DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.int32)}
 KIND_BF16, KIND_OTHER = 0, 1
 
 
@@ -288,7 +289,7 @@ def _model_hash(tensors_: Mapping[str, torch.Tensor]) -> bytes:
     h = xxhash.xxh3_128()
     for name in sorted(tensors_):
         h.update(name.encode())
-        h.update(memoryview(np.ascontiguousarray(tensors.element_view(tensors_[name]))).cast("B"))
+        h.update(np.ascontiguousarray(tensors.element_view(tensors_[name])).data.cast("B"))  # .data: its memoryview
     return h.digest()
 
 
@@ -369,6 +370,8 @@ def arcv3_encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
             packed = [compressors.compress(codec, s, level) for s in raw]
             if best is None or sum(map(len, packed)) < sum(map(len, best[1])):
                 best = (codec, packed)
+        if best is None:
+            raise ValueError("arcv3_encode: the race names no codec")
         codec, packed = best
         head.u8(KIND_BF16)
         head.uvarint(int(c.index.size))

@@ -79,7 +79,8 @@ def _timed(fn: Callable, *args, clock: Callable[[], float] | None = None):
 
 
 def _changed_elements(base: Tensors, target: Tensors) -> int:
-    return int(sum(np.count_nonzero(tensors.element_view(base[k]) != tensors.element_view(v)) for k, v in target.items()))
+    return int(sum(np.count_nonzero(tensors.element_view(base[k]) != tensors.element_view(v))
+                   for k, v in target.items()))
 
 
 class _Zstd1:
@@ -139,8 +140,9 @@ def _multicore(base: Tensors, target: Tensors, workers: int, repeat: int) -> dic
     times: dict[int, tuple[list[float], list[float]]] = {1: ([], []), workers: ([], [])}
     for _ in range(repeat):
         for w, (enc, dec) in times.items():
-            payload, es = _timed(lambda: codec.encode(base, target, workers=w), clock=time.perf_counter)
-            out, ds = _timed(lambda: codec.decode(base, payload, workers=w), clock=time.perf_counter)
+            payload, es = _timed(lambda w=w: codec.encode(base, target, workers=w), clock=time.perf_counter)
+            out, ds = _timed(lambda w=w, payload=payload: codec.decode(base, payload, workers=w),
+                             clock=time.perf_counter)
             if not identical(out, target):
                 raise RuntimeError(f"deltarelay v2 with {w} workers is not bit-exact")
             enc.append(es)
@@ -172,7 +174,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         bound = conditional_entropy_bound(base, target)
         bounds.append(bound)
         if i == 0:  # warm up every codec once (numba JIT, allocator) before anything is timed
-            for key, _, enc, dec in methods:
+            for _key, _, enc, dec in methods:
                 dec(base, enc(base, target))
         e, d, size = _raw_zstd(target, repeat)
         raw_enc += e
@@ -226,7 +228,8 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
     bound_bytes = med([b["bytes"] for b in bounds])
     bound_row = {
         "key": "bound", "method": "entropy bound (mask|exponent + ULP step)", "bytes": bound_bytes,
-        "percent": med([b["percent_of_bf16"] for b in bounds]), "bytes_per_changed": med([b["bits_per_changed"] / 8 for b in bounds]),
+        "percent": med([b["percent_of_bf16"] for b in bounds]),
+        "bytes_per_changed": med([b["bits_per_changed"] / 8 for b in bounds]),
         "vs_arcv3": bound_bytes / ref["bytes"], "vs_bound": 1.0,
         "mask_bits_per_changed": med([b["mask_bits_per_changed"] for b in bounds]),
         "value_bits_per_changed": med([b["value_bits_per_changed"] for b in bounds]),
@@ -248,8 +251,8 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         multicore["encode_vs_one_core"] = med(one_enc) / med(mc_enc)
         multicore["decode_vs_one_core"] = med(one_dec) / med(mc_dec)
     return {
-        "corpus": str(directory), "regime": meta.get("regime"), "settings": {k: meta.get(k) for k in
-                                                                             ("model", "lr", "weight_decay", "master", "seed", "warmup", "batch")},
+        "corpus": str(directory), "regime": meta.get("regime"),
+        "settings": {k: meta.get(k) for k in ("model", "lr", "weight_decay", "master", "seed", "warmup", "batch")},
         "pairs": len(files) - 1, "repeat": repeat, "checkpoint_bytes": ckpt_bytes,
         "changed_fraction": med(changed_fracs), "changed_fraction_range": [min(changed_fracs), max(changed_fracs)],
         "rows": rows, "bound": bound_row, "zstd1_raw": zstd, "speed_vs_zstd1": speed, "multicore": multicore,
@@ -309,8 +312,9 @@ def format_table(results: dict) -> str:
         m = c.get("multicore")
         if m:
             lines.append(f"multi-core (wall clock): v2 with {m['workers']} workers encodes {m['encode_mbps']:.0f} MB/s "
-                         f"({m['encode_vs_one_core']:.2f}x one thread, same clock), decodes {m['decode_mbps']:.0f} MB/s "
-                         f"({m['decode_vs_one_core']:.2f}x); zstd-1 compress {m['zstd1_compress_mbps_wall']:.0f} MB/s wall")
+                         f"({m['encode_vs_one_core']:.2f}x one thread, same clock), "
+                         f"decodes {m['decode_mbps']:.0f} MB/s ({m['decode_vs_one_core']:.2f}x); "
+                         f"zstd-1 compress {m['zstd1_compress_mbps_wall']:.0f} MB/s wall")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -329,14 +333,15 @@ def save_chart(results: dict, path: str | Path) -> Path:
         names = [r["method"] for r in rows]
         y = np.arange(len(rows))
         ax = axes[row][0]
-        colors = ["tab:green" if r["key"].startswith("deltarelay") else "tab:gray" if r["key"] == "bound" else "tab:blue"
-                  for r in rows]
+        colors = ["tab:green" if r["key"].startswith("deltarelay") else "tab:gray" if r["key"] == "bound"
+                  else "tab:blue" for r in rows]
         ax.barh(y, [r["percent"] for r in rows], color=colors)
         ax.set_xscale("log")
         ax.set_yticks(y, names, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("payload, % of the BF16 checkpoint (log)")
-        ax.set_title(f"{c['regime'] or Path(c['corpus']).name}: size ({100 * c['changed_fraction']:.2f}% changed)", fontsize=10)
+        ax.set_title(f"{c['regime'] or Path(c['corpus']).name}: size ({100 * c['changed_fraction']:.2f}% changed)",
+                     fontsize=10)
         for yi, r in zip(y, rows):
             ax.annotate(f"{r['percent']:.3f}%", (r["percent"], yi), xytext=(3, 0), textcoords="offset points",
                         va="center", fontsize=7)

@@ -26,7 +26,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +51,8 @@ SIGN, EXPONENT = 0x8000, 0x7F80
 
 class TinyPolicy(torch.nn.Module):
     """A few small layers shaped like a tied-embedding language model, built in milliseconds."""
+
+    position_ids: torch.Tensor  # a buffer (register_buffer), which nn.Module's typing does not see
 
     def __init__(self, vocab: int = 512, dim: int = 64, layers: int = 2, max_len: int = 32) -> None:
         super().__init__()
@@ -79,7 +83,7 @@ class BertPolicy(torch.nn.Module):
 
     def __init__(self, bert: torch.nn.Module) -> None:
         super().__init__()
-        self.bert = bert
+        self.bert: Any = bert  # a transformers BertModel: its submodules are not in nn.Module's typing
 
     @property
     def word_embeddings(self) -> torch.nn.Embedding:
@@ -138,7 +142,7 @@ def change_stats(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
             "mantissa_only_share": share(mant), "exponent_share": share(exponent), "sign_share": share(sign)}
 
 
-def policy_gradient_step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+def policy_gradient_step(model: TinyPolicy | BertPolicy, opt: torch.optim.Optimizer, gen: torch.Generator,
                           vocab: int, batch: int, seq_len: int) -> float:
     """One REINFORCE step with random advantages: the update statistics of RL, no reward model needed."""
     ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
@@ -191,6 +195,8 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
+    model: TinyPolicy | BertPolicy
+    source: Callable[[], dict[str, Any]]
     if tiny:
         model = TinyPolicy(max_len=max(seq_len, 1))
         source = model.state_dict
@@ -224,6 +230,8 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
             log(f"{path.name}: {100 * stats['changed_fraction']:.3f}% changed, "
                 f"{100 * stats['mantissa_only_share']:.1f}% of them mantissa-only")
         prev = snap
+    if prev is None:  # steps >= 1 was checked: the loop wrote snapshots
+        raise AssertionError("unreachable: no snapshot written")
 
     meta = {
         "model": "tiny" if tiny else MODEL_NAME,
@@ -240,7 +248,8 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="output directory (created; must not hold snapshots unless --overwrite)")
+    p.add_argument("--out", required=True,
+                   help="output directory (created; must not hold snapshots unless --overwrite)")
     p.add_argument("--regime", choices=sorted(REGIMES), help=f"preset (default {DEFAULT_REGIME})")
     p.add_argument("--lr", type=float, help="learning rate (overrides the regime)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (overrides the regime)")

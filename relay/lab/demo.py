@@ -26,7 +26,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -90,7 +90,7 @@ class S3Server:
             self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **CREDENTIALS})
         finally:
-            if out is not subprocess.DEVNULL:
+            if not isinstance(out, int):  # a log file; subprocess.DEVNULL is an int
                 out.close()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -192,6 +192,8 @@ class _Trainer:
         torch.manual_seed(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.batch, self.seq_len = (4, 16) if tiny else (8, 32)
+        self.model: mc.TinyPolicy | mc.BertPolicy
+        self.source: Callable[[], dict[str, Any]]
         if tiny:
             self.model = mc.TinyPolicy(max_len=self.seq_len)
             self.source = self.model.state_dict
@@ -320,22 +322,25 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
             for h in hosts:
                 if step not in h.reached:
                     continue
-                held, _ = checkpoint.load(h.dest)
+                weights, _ = checkpoint.load(h.dest)
                 checks += 1
-                if _held_step(h.dest) != step or not same_bits(held, state):
+                if _held_step(h.dest) != step or not same_bits(weights, state):
                     failures += 1
                     problems.append(f"step {step}: {h.dest.name} holds weights that differ from the trainer's")
-            if step and step % baseline_every == 0:
-                for key, b in BASELINES.items():
-                    baseline_sizes[key][step] = len(b.encode(prev, state))
+            if step and step % baseline_every == 0 and prev is not None:  # prev: set at every step after 0
+                for name, b in BASELINES.items():
+                    baseline_sizes[name][step] = len(b.encode(prev, state))
             worst = max((h.reached.get(step, float("inf")) for h in hosts), default=0.0)
             log(f"step {step:3d}: published in {publish_s[-1]:.2f}s, every region bit-exact after {worst:.2f}s")
             prev = state
         pub.close()
-        final = Manifest.parse(open_store(origin.url, origin.options).read_manifest().data)
+        got = open_store(origin.url, origin.options).read_manifest()
+        if got is None:
+            raise RuntimeError(f"{origin.url}: no manifest after publishing")
+        final = Manifest.parse(got.data)
         # Wait for the relays to mirror the last snapshots too (they follow the head), then stop everything.
         deadline = time.monotonic() + step_timeout
-        regional: dict[str, Manifest] = {}
+        regional: dict[str, relay.Manifest] = {}
         while time.monotonic() < deadline:
             for site in sites:
                 got = open_store(site.url, site.options).read_manifest()
@@ -385,7 +390,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
     # A host pulling from the origin: the first snapshot and its record, then each step's delta and record.
     naive_delta_bytes = snapshot_bytes + sum(s.record.size + s.delta_bytes for s in final.steps)
     sampled = sorted(baseline_sizes[next(iter(BASELINES))])
-    summary = {
+    summary: dict[str, Any] = {
         "model": trainer.name, "parameters": params, "regime": trainer.regime, "full_bytes": full_bytes,
         "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1,
         "regions": names, "watchers_per_region": watchers,
@@ -440,7 +445,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"  on the {len(sampled)} sampled steps {sampled if len(sampled) <= 8 else ''}".rstrip())
         lines.append(f"    deltarelay                              {_fmt_bytes(ours):>12}    "
                      f"{s['full_bytes'] / ours:,.0f}")
-        for key, b in s["baselines"].items():
+        for b in s["baselines"].values():
             mean = statistics.fmean(b["sizes"].values())
             lines.append(f"    {b['label'][:38]:38}  {_fmt_bytes(mean):>12}    {s['full_bytes'] / mean:,.0f}"
                          f"   ({mean / ours:.2f}x deltarelay)")
@@ -462,7 +467,8 @@ def format_summary(s: dict) -> str:
               f"{_fmt_bytes(s['naive_delta_bytes'])}"]
     for region, c in s["crossed"].items():
         st = (s["relay_status"].get(region) or {}).get("regions", {})
-        copied = next(iter(st.values()), {}).get("bytes_copied") if st else None
+        first: dict[str, Any] = next(iter(st.values()), {}) if st else {}  # the relay's one region
+        copied = first.get("bytes_copied") if st else None
         lines.append(f"    {region:16} {_fmt_bytes(c['total']):>12} in {c['objects']} objects"
                      + (f" (relay counted {_fmt_bytes(copied)})" if copied is not None else ""))
     lines += ["", "staleness, steps 1..N: publish commit -> each watcher holds the verified step (seconds)",
@@ -488,7 +494,7 @@ def save_chart(s: dict, path: str | os.PathLike) -> Path:
     steps = sorted(s["delta_bytes"])
     ax1.plot(steps, [s["delta_bytes"][k] for k in steps], "o-", color="C0", label="deltarelay delta", zorder=3)
     ax1.axhline(s["full_bytes"], color="k", ls="--", label="full checkpoint (BF16)")
-    for i, (key, b) in enumerate(s["baselines"].items()):
+    for i, b in enumerate(s["baselines"].values()):
         pts = sorted(b["sizes"].items())
         if pts:
             ax1.plot([p[0] for p in pts], [p[1] for p in pts], "s:", color=f"C{i + 1}", label=b["label"], ms=4)

@@ -57,8 +57,10 @@ def checkpoints() -> tuple[dict, dict]:
     wide_t[0, [5, 70000, 139999]] = 0x3C02  # column deltas > 65535 (PULSE int32 columns)
     wide_t[1, 139998] = 0xBC00
     base["wide"], target["wide"] = bf16(wide), bf16(wide_t)
-    base["vec"], target["vec"] = bf16(np.arange(0x3F00, 0x3F00 + 600)), bf16(np.arange(0x3F00, 0x3F00 + 600) ^ (np.arange(600) % 7 == 0))
-    base["cube"], target["cube"] = bf16(np.full(24, 0x4000)).reshape(2, 3, 4), bf16(np.full(24, 0x4000) ^ np.eye(24, dtype=np.uint16)[5] * 3).reshape(2, 3, 4)
+    base["vec"] = bf16(np.arange(0x3F00, 0x3F00 + 600))
+    target["vec"] = bf16(np.arange(0x3F00, 0x3F00 + 600) ^ (np.arange(600) % 7 == 0))
+    base["cube"] = bf16(np.full(24, 0x4000)).reshape(2, 3, 4)
+    target["cube"] = bf16(np.full(24, 0x4000) ^ np.eye(24, dtype=np.uint16)[5] * 3).reshape(2, 3, 4)
     base["scalar"], target["scalar"] = bf16([0x8000]).reshape(()), bf16([0x0000]).reshape(())
     base["empty"], target["empty"] = bf16([]).reshape(0, 4), bf16([]).reshape(0, 4)
     base["same"] = bf16(rng.integers(0, 1 << 16, 64)).reshape(8, 8)
@@ -67,7 +69,8 @@ def checkpoints() -> tuple[dict, dict]:
     f = torch.randn(33)
     base["f32"], target["f32"] = f, f + torch.where(torch.arange(33) % 5 == 0, 1e-3, 0.0)
     base["ids"], target["ids"] = torch.arange(10), torch.arange(10) * 3
-    base["half"], target["half"] = torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float16), torch.tensor([1.5, 0.0, float("inf")], dtype=torch.float16)
+    base["half"] = torch.tensor([1.0, -0.0, float("nan")], dtype=torch.float16)
+    target["half"] = torch.tensor([1.5, 0.0, float("inf")], dtype=torch.float16)
     return base, target
 
 
@@ -227,7 +230,8 @@ def test_checksums_refuse_a_wrong_base():
 def test_zstd1_full_is_the_compressed_checkpoint_file():
     base, target = checkpoints()
     payload = BASELINES["zstd1-full"].encode(base, target)
-    assert zstandard.ZstdDecompressor().decompress(payload) == safetensors.torch.save({k: v.contiguous() for k, v in target.items()})
+    want = safetensors.torch.save({k: v.contiguous() for k, v in target.items()})
+    assert zstandard.ZstdDecompressor().decompress(payload) == want
 
 
 # --- the conditional entropy bound -------------------------------------------------------------
@@ -264,7 +268,9 @@ def test_bound_counts_ulp_steps_across_sign_and_pools_exponents():
     target = bf16([0x8000, 0x0000, 0x3F82, 0x3F82, 0x3F82, 0x3F80])
     r = conditional_entropy_bound({"x": base}, {"x": target})
     # exponent 0: 2 of 2 changed (0 bits); exponent 127: 3 of 4 changed.
-    h = lambda p: -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+    def h(p: float) -> float:
+        return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+
     assert r["mask_bits"] == pytest.approx(4 * h(0.75))
     # steps: -1, +1, +2, +2, +2 -> counts {-1: 1, +1: 1, +2: 3}
     assert r["value_bits"] == pytest.approx(-(2 * (1 / 5) * math.log2(1 / 5) + (3 / 5) * math.log2(3 / 5)) * 5)

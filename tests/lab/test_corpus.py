@@ -1,4 +1,5 @@
-"""relay.lab.corpus (scripts/make_corpus.py wraps it) in tiny mode: valid consecutive BF16 snapshots that look like RL steps."""
+"""relay.lab.corpus (scripts/make_corpus.py wraps it) in tiny mode: valid consecutive BF16 snapshots that look
+like RL steps."""
 
 from __future__ import annotations
 
@@ -31,18 +32,21 @@ def test_tiny_corpus_writes_consecutive_bf16_snapshots(tiny_corpus):
     assert first["position_ids"].dtype == torch.int64  # non-float tensors stay as they are
     assert all(v.dtype == torch.bfloat16 for k, v in first.items() if k != "position_ids")
     for snap in snaps[1:]:
-        assert {k: (v.dtype, tuple(v.shape)) for k, v in snap.items()} == {k: (v.dtype, tuple(v.shape)) for k, v in first.items()}
+        assert ({k: (v.dtype, tuple(v.shape)) for k, v in snap.items()}
+                == {k: (v.dtype, tuple(v.shape)) for k, v in first.items()})
         assert torch.equal(snap["position_ids"], first["position_ids"])
 
 
 def test_corpus_json_records_settings_and_rl_like_change_statistics(tiny_corpus):
     out, paths = tiny_corpus
     meta = json.loads((out / "corpus.json").read_text())
-    assert (meta["regime"], meta["lr"], meta["weight_decay"], meta["master"], meta["seed"]) == ("fp32-lr1e-6", 1e-6, 0.0, "fp32", 1)
+    assert ((meta["regime"], meta["lr"], meta["weight_decay"], meta["master"], meta["seed"])
+            == ("fp32-lr1e-6", 1e-6, 0.0, "fp32", 1))
     assert meta["files"] == [p.name for p in paths] and len(meta["pairs"]) == 3
     snaps = [load_file(str(p)) for p in paths]
     for pair, base, target in zip(meta["pairs"], snaps, snaps[1:]):
-        changed = sum(int(np.count_nonzero(_bits(base[k]) != _bits(v))) for k, v in target.items() if v.dtype == torch.bfloat16)
+        changed = sum(int(np.count_nonzero(_bits(base[k]) != _bits(v)))
+                      for k, v in target.items() if v.dtype == torch.bfloat16)
         assert pair["changed"] == changed  # the recorded statistics describe the files
         assert 0.002 < pair["changed_fraction"] < 0.05  # about 1-2% of elements move per step
         assert pair["mantissa_only_share"] > 0.9
@@ -84,11 +88,13 @@ def test_refuses_bad_settings_and_occupied_directories(tiny_corpus, tmp_path):
 
 def test_script_command_line_and_overwrite(tmp_path, capsys):
     out = tmp_path / "c"
-    assert mc.main(["--tiny", "--steps", "2", "--warmup", "0", "--batch", "2", "--seq-len", "8", "--out", str(out)]) == 0
+    assert mc.main(["--tiny", "--steps", "2", "--warmup", "0", "--batch", "2", "--seq-len", "8",
+                    "--out", str(out)]) == 0
     assert "wrote 3 snapshots" in capsys.readouterr().out
     meta = json.loads((out / "corpus.json").read_text())
     assert (meta["batch"], meta["seq_len"], meta["warmup"], meta["tiny"]) == (2, 8, 0, True)
     # regenerating replaces the whole corpus: no snapshot of the older, longer run is left behind
-    assert mc.main(["--tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "8", "--out", str(out), "--overwrite"]) == 0
+    assert mc.main(["--tiny", "--steps", "1", "--warmup", "0", "--batch", "2", "--seq-len", "8",
+                    "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.glob("step_*")) == ["step_0000.safetensors", "step_0001.safetensors"]
     assert json.loads((out / "corpus.json").read_text())["steps"] == 1
