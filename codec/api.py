@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,7 +123,8 @@ class _Batched:
         self.batch: Batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], scratch)
         digests = self.batch.digest_pairs()
         if digests is None:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python, a second read
-            digests = [tuple(digest_elements(dt.name, shape, tensors.element_view(m[name])) for m in (base, target))
+            digests = [(digest_elements(dt.name, shape, tensors.element_view(base[name])),
+                        digest_elements(dt.name, shape, tensors.element_view(target[name])))
                        for name, dt, shape in zip(names, self.dtypes, self.shapes)]
         self.digests = digests
 
@@ -172,7 +174,7 @@ class _BufferPool:
                 return free.pop()
         return method.scratch()
 
-    def give(self, method: Method, scratch: object) -> None:
+    def give(self, method: Method, scratch: Any) -> None:
         if scratch is not None and scratch.nbytes <= self.KEEP:
             with self._lock:
                 free = self._free.setdefault(method.id, [])
@@ -215,7 +217,12 @@ class _Pending:
             self.index = self.analysis.index
         else:
             self.index = changed_positions(*self.host)
-        self.changes = self.analysis.changes if self.index is None else int(self.index.size)
+        if self.index is None:  # an analyser that keeps no index still counts the changes
+            if self.analysis is None:
+                raise AssertionError("internal: neither an index nor an analysis of the changes")
+            self.changes = self.analysis.changes
+        else:
+            self.changes = int(self.index.size)
         self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
 
     @property
@@ -311,7 +318,8 @@ def _base_view(entry: Entry, tensor: torch.Tensor | None) -> np.ndarray:
     if tensor is None:
         raise DeltaError("the base has no such tensor (delta made for another checkpoint)", tensor=entry.name)
     if tensor.dtype != entry.dtype.torch or tuple(tensor.shape) != entry.shape:
-        raise DeltaError(f"base is {tensor.dtype} {tuple(tensor.shape)}, delta expects {entry.dtype.torch} {entry.shape}",
+        raise DeltaError(f"base is {tensor.dtype} {tuple(tensor.shape)}, "
+                         f"delta expects {entry.dtype.torch} {entry.shape}",
                          tensor=entry.name)
     return tensors.element_view(tensor)
 
@@ -370,7 +378,10 @@ def _decoded(entry: Entry, elems: np.ndarray, parsed: Payload, with_target: bool
 
 def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
     """The entry's patch (its changed positions and new values)."""
-    return _decoded(entry, elems, parsed, False)[1]
+    patch = _decoded(entry, elems, parsed, False)[1]
+    if patch is None:
+        raise AssertionError(f"internal: {entry.name!r} decoded without a patch")
+    return patch
 
 
 def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np.ndarray, bytes]:
@@ -381,6 +392,8 @@ def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np
     _, patch, new = _decoded(entry, elems, parsed, True, digest)
     if new is not None:
         return new, digest.digest() if digest is not None else digest_elements(entry.dtype.name, entry.shape, new)
+    if patch is None:
+        raise AssertionError(f"internal: {entry.name!r} decoded without a patch or a target")
     new = elems.reshape(-1).copy()
     new[patch.index] = patch.values
     return new, digest_elements(entry.dtype.name, entry.shape, new)
@@ -405,7 +418,8 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
         except DeltaError as exc:
             raise _explain(entry, elems, exc) from None
         if digest != entry.target_digest:
-            raise _explain(entry, elems, DeltaError("reconstruction does not match the target digest", tensor=entry.name))
+            mismatch = DeltaError("reconstruction does not match the target digest", tensor=entry.name)
+            raise _explain(entry, elems, mismatch)
     return tensors.tensor_from_elements(new, entry.dtype, entry.shape, copy=False)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from codec._intrinsic import typed_intrinsic
 
 DIGEST_SIZE = 16
 
@@ -144,7 +144,7 @@ class Running:
             self.state = None
 
 
-@intrinsic
+@typed_intrinsic
 def hash_update(typingctx, function, state, arr, start, stop):
     """Feed arr[start:stop] (a contiguous 1-d array) to the running digest `state` through the
     XXH3_128bits_update at address `function` (a `Running`'s fields). Returns its error code."""
@@ -166,7 +166,7 @@ def hash_update(typingctx, function, state, arr, start, stop):
     return sig, codegen
 
 
-@intrinsic
+@typed_intrinsic
 def hash_reset(typingctx, function, state):
     """Start `state` afresh through the XXH3_128bits_reset at address `function`."""
     sig = types.int32(types.uintp, types.uintp)
@@ -179,7 +179,7 @@ def hash_reset(typingctx, function, state):
     return sig, codegen
 
 
-@intrinsic
+@typed_intrinsic
 def hash_digest(typingctx, function, state):
     """(low, high) 64-bit halves of `state`'s digest through the XXH3_128bits_digest at address
     `function`. Its XXH128_hash_t comes back by value: in two registers on the System V x86-64
@@ -206,7 +206,7 @@ def digest_bytes(halves: np.ndarray) -> bytes:
 @nb.njit(cache=True, nogil=True)
 def _whole_digest(functions, state, header, arr):
     """A digest made entirely inside a kernel (the self-test of `hash_reset` and `hash_digest`)."""
-    hash_reset(functions[0], state)  # type: ignore[call-arg]  # an @intrinsic's typingctx is numba's, not ours
+    hash_reset(functions[0], state)
     hash_update(functions[1], state, header, 0, header.size)
     hash_update(functions[1], state, arr, 0, arr.size)
     return hash_digest(functions[2], state)
@@ -216,7 +216,7 @@ def _whole_digest(functions, state, header, arr):
 def _feed_parts(function, state, arr, part):
     """arr fed in parts of `part` elements (the self-test's split)."""
     for s in range(0, arr.size, part):
-        hash_update(function, state, arr, s, min(s + part, arr.size))  # type: ignore[call-arg]  # as above
+        hash_update(function, state, arr, s, min(s + part, arr.size))
 
 
 def _load_native() -> _Native | None:

@@ -32,7 +32,7 @@ def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.T
             "changed": e.changes, "changed_fraction": e.changes / e.numel if e.numel else 0.0,
             "bytes": len(e.params) + sum(streams.values()), "streams": streams,
         }
-        if target is not None:
+        if base is not None and target is not None:  # target: decoded from base
             row.update(method.describe(e, parsed.shared, tensors.element_view(base[e.name]),
                                        tensors.element_view(target[e.name])))
         else:

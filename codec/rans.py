@@ -22,7 +22,7 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from codec._intrinsic import typed_intrinsic
 
 RANS_L = 1 << 31
 WORD_MASK = (1 << 32) - 1
@@ -47,7 +47,7 @@ def token_base(tok):
     return ((1 << SUB_BITS) | sub) << nbits, nbits
 
 
-@intrinsic
+@typed_intrinsic
 def umulhi(typingctx, a, b):
     """High 64 bits of the 128-bit product of two uint64 (one multiply instruction)."""
     sig = types.uint64(types.uint64, types.uint64)

@@ -92,8 +92,8 @@ def test_unknown_method_is_refused_naming_the_tensor(version):
     picks = {e.method: e.name for e in parsed.entries if e.numel}
     for name in picks.values():
         forged = _forge_method(payload, name, unknown)
-        for run in (lambda: codec.decode(base, forged), lambda: codec.apply_(clone_all(base), forged),
-                    lambda: codec.describe(forged)):
+        for run in (lambda f=forged: codec.decode(base, f), lambda f=forged: codec.apply_(clone_all(base), f),
+                    lambda f=forged: codec.describe(f)):
             with pytest.raises(codec.DeltaError) as err:
                 run()
             assert err.value.tensor == name and f"unknown method {unknown}" in str(err.value)

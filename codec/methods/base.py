@@ -213,13 +213,13 @@ class Method(abc.ABC):
         """`analyse` of many `batch_encodable` pairs in a few compiled calls."""
         raise NotImplementedError(f"method {self.name!r} does not batch")
 
-    def encode_batch(self, batch: Batch, which: np.ndarray, model: Any) -> list[tuple[bytes, list[Stream]]]:
+    def encode_batch(self, batch: Any, which: np.ndarray, model: Any) -> Sequence[tuple[bytes, list[Stream]] | None]:
         """`encode` of the batch's tensors `which` (changed, not raced), in one go where it can;
         None for one it leaves to `encode`. The encoder calls it for tensors this method would
         code first, so a batching method must come first (`preference`) among their coders."""
         raise NotImplementedError(f"method {self.name!r} does not batch")
 
-    def fit(self, version: int, batches: list[Batch], analyses: list[Any]) -> Any:
+    def fit(self, version: int, batches: list[Any], analyses: list[Any]) -> Any:
         """(`analyses` methods) The payload-wide model its records are coded with, from every
         batch and every other changed tensor's analysis; None if there is nothing to fit."""
         return None

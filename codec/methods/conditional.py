@@ -29,11 +29,13 @@ batched scans, the payload's value tables and interleave rule, the batched decod
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numba as nb
 import numpy as np
-from numba.cpython.unsafe.numbers import leading_zeros
+from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 
 import torch
 
@@ -45,6 +47,9 @@ from ..hashing import Running, digest_bytes, hash_digest, hash_reset, hash_updat
 from ..wire import _decode_uvarints, put_uvarint, read_uvarints, uvarints
 from . import exponent_classes as ec
 from .base import Job, Method, Patch, SharedBlock, parsed_block
+
+# numba's own intrinsic, typed as kernels call it (codec._intrinsic says why)
+leading_zeros: Callable[..., Any] = _leading_zeros
 
 ID = 3
 NAME = "conditional"
@@ -160,7 +165,8 @@ def _value_symbols_into(pairs, out):
         bv = np.int64(pairs[j] >> np.uint32(16))
         v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
         n = 63 - np.int64(leading_zeros(np.uint64(v | 1)))
-        big = rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS) + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1))
+        big = (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
+               + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
         out[j] = np.uint16((((bv >> KEY_SHIFT) & 0xFF) << 6) | (v if v < rans.DIRECT else big))
 
 
@@ -191,15 +197,15 @@ def _specialised(four: bool):
         Returns (words, n_words, final states 0..3; states 2 and 3 stay 2**31 unless `four`)."""
         k = pairs.size
         words = np.empty(8 * k + 16, np.int64)
-        nw = 0
+        nw = np.int64(0)
         # the gaps' ranks grouped by class while the values are coded (a stable counting sort, filled
         # from each class's end as j runs backwards: its stores hide behind the values' coding, where
         # a pass of their own stalled on the counters, ~1.3 ms of MiniLM's 8.7)
         end = np.zeros(MAX_CLASSES + 1, np.int64)  # end[c + 1]: where class c's ranks end, then start
-        for c in range(class_changes.size):
-            end[c + 1] = class_changes[c]
-        for c in range(MAX_CLASSES):
-            end[c + 1] += end[c]
+        for ci in range(class_changes.size):
+            end[ci + 1] = class_changes[ci]
+        for ci in range(MAX_CLASSES):
+            end[ci + 1] += end[ci]
         stop = end.copy()
         grouped = np.empty(k, np.int64)  # ranks, class by class
         L = rans.RANS_L
@@ -662,7 +668,9 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None
     """`analyze` of many BF16 tensors given by address (`exponent_classes.analyze_at`); with
     `headers`, the scan also digests every base and target (Batch.digests). With `buffers`, the
     batch's changes and value symbols lie in them: valid until they are lent to another scan."""
-    return Batch(*ec.analyze_at(where, sizes, headers=headers, buffers=buffers), buffers=buffers)
+    pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests = ec.analyze_at(
+        where, sizes, headers=headers, buffers=buffers)
+    return Batch(pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests, buffers=buffers)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -736,7 +744,8 @@ class ValueModel:
     def __init__(self, freq: np.ndarray, keys: np.ndarray) -> None:
         self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
-        self.slots = rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0] else np.zeros((0, 1 << VALUE_SCALE), np.uint8)
+        self.slots = (rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0]
+                      else np.zeros((0, 1 << VALUE_SCALE), np.uint8))
         self._reciprocals: tuple[np.ndarray, np.ndarray] | None = None  # the encoder's; built on demand
         self.row_of_key = np.full(N_KEYS, -1, np.int64)
         self.row_of_key[keys] = np.arange(keys.size)
@@ -1051,7 +1060,7 @@ def _parse_params(p, changes, thr, levels, counts):
     for c in range(nclass):
         levels[c] = p[nclass - 1 + 1 + c]
     n = 0
-    v = 0
+    v = np.int64(0)
     shift = 0
     total = 0
     for i in range(2 * nclass, p.size):
@@ -1150,8 +1159,9 @@ def _stream(entry: Entry, four: bool) -> tuple[np.ndarray, np.ndarray]:
     s = entry.streams[0]
     if s.codec != RAW or s.raw_len != len(s.stored):
         raise DeltaError("entropy stream must be stored raw", tensor=entry.name)
-    words, states, bad = (_stream_states(np.frombuffer(s.stored, "<u4"), FOUR_STATES if four else STATES)
-                          if len(s.stored) % 4 == 0 else (None, None, 1))
+    if len(s.stored) % 4:
+        raise DeltaError("entropy stream is malformed", tensor=entry.name)
+    words, states, bad = _stream_states(np.frombuffer(s.stored, "<u4"), FOUR_STATES if four else STATES)
     if bad:
         raise DeltaError("entropy stream is malformed", tensor=entry.name)
     return words, states
@@ -1422,7 +1432,7 @@ class Conditional(Method):
         return encode(job.analysis, model.values, model.four_from)
 
     def encode_batch(self, batch: Batch, which: np.ndarray, model: Tables | None
-                     ) -> list[tuple[bytes, list[Stream]] | None]:
+                     ) -> Sequence[tuple[bytes, list[Stream]] | None]:
         if model is None:
             return [None] * len(which)
         return encode_batch(batch, which, model.values, model.four_from)

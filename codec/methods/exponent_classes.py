@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.cpython.unsafe.numbers import trailing_zeros
-from numba.extending import intrinsic
+from codec._intrinsic import typed_intrinsic
 
 from .. import hashing
 from ..hashing import hash_digest, hash_reset, hash_update
@@ -103,7 +103,7 @@ def _emit_prefetch(builder, data, off):
                       ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
 
-@intrinsic
+@typed_intrinsic
 def _prefetch_block(typingctx, arr, off):
     """Prefetch arr[off:off + 64] (two cache lines) for a later `_differ` or `_block_masks`:
     for reads that hop farther than the hardware prefetcher follows."""
@@ -121,7 +121,7 @@ def _prefetch_block(typingctx, arr, off):
     return sig, codegen
 
 
-@intrinsic
+@typed_intrinsic
 def _block_masks(typingctx, arr, off, lanes, ge):
     """ge[c] for c = 1..7: the mask of arr[off:off + 64] whose exponents reach class c's lower
     bound, i.e. exceed lanes[64 * (c - 1)] (`lane_bounds`; 255 for a class past the tensor's
@@ -139,7 +139,8 @@ def _block_masks(typingctx, arr, off, lanes, ge):
     def codegen(context, builder, signature, args):
         i64 = ir.IntType(64)
         x = _block_vector(context, builder, signature.args[0], args[0], args[1], prefetch=True)
-        x = builder.lshr(builder.and_(x, ir.Constant(_LANES, [0x7FFF] * BLOCK)), ir.Constant(_LANES, [KEY_SHIFT] * BLOCK))
+        x = builder.lshr(builder.and_(x, ir.Constant(_LANES, [0x7FFF] * BLOCK)),
+                         ir.Constant(_LANES, [KEY_SHIFT] * BLOCK))
         exponents = builder.trunc(x, _EXPONENTS)
         ld = context.make_array(signature.args[2])(context, builder, value=args[2]).data
         gd = context.make_array(signature.args[3])(context, builder, value=args[3]).data
@@ -163,7 +164,7 @@ def lane_bounds(thresholds):
     return lanes
 
 
-@intrinsic
+@typed_intrinsic
 def _differ(typingctx, a, b, off):
     """64-bit mask of the elements of a[off:off + 64] and b[off:off + 64] that differ."""
     if not (_check_u16(a) and _check_u16(b)):
@@ -178,7 +179,7 @@ def _differ(typingctx, a, b, off):
     return sig, codegen
 
 
-@intrinsic
+@typed_intrinsic
 def _copy_block(typingctx, dst, src, off):
     """dst[off:off + 64] = src[off:off + 64] as one vector load and store (an element loop
     would be scalar: LLVM cannot rule out that the arrays overlap)."""
@@ -195,7 +196,7 @@ def _copy_block(typingctx, dst, src, off):
     return sig, codegen
 
 
-@intrinsic
+@typed_intrinsic
 def _popcount(typingctx, x):
     """Set bits of a uint64 (llvm.ctpop: one POPCNT where the CPU has it)."""
     sig = types.int64(types.uint64)
@@ -208,7 +209,7 @@ def _popcount(typingctx, x):
     return sig, codegen
 
 
-@intrinsic
+@typed_intrinsic
 def _funnel_right(typingctx, hi, lo, shift):
     """The 64 bits of hi:lo starting at bit (shift mod 64) of lo (llvm.fshr: one SHRD): a window
     of a bitmap that straddles two words."""
@@ -268,7 +269,7 @@ def _has_bmi2() -> bool:
 HAVE_BMI2 = _has_bmi2()
 
 
-@intrinsic
+@typed_intrinsic
 def _pdep(typingctx, src, mask):
     """PDEP: the low bits of src deposited, in order, at the set bits of mask (one instruction)."""
     sig = types.uint64(types.uint64, types.uint64)
@@ -540,7 +541,7 @@ def _grown(a, keep, cap):
     return out
 
 
-@intrinsic
+@typed_intrinsic
 def _u16_at(typingctx, address):
     """The uint16 pointer at an integer address, for `nb.carray` (`_analyze`'s tensors)."""
     if not isinstance(address, types.Integer):

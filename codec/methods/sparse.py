@@ -75,7 +75,8 @@ def _split(base, target, index):
     return gaps, full, low[:nl], hi[:nf], lo[:nf]
 
 
-def encode(base: np.ndarray, target: np.ndarray, effort: str, index: np.ndarray | None = None) -> tuple[bytes, list[Stream]]:
+def encode(base: np.ndarray, target: np.ndarray, effort: str,
+           index: np.ndarray | None = None) -> tuple[bytes, list[Stream]]:
     if index is None:
         index = ec.differences(base, target)
     gaps, full, low, hi, lo = _split(base.reshape(-1), target.reshape(-1), np.asarray(index, np.int64))
