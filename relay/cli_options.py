@@ -46,8 +46,10 @@ def add_trusted_key(p: argparse.ArgumentParser, role: str = "reader") -> None:
     p.add_argument("--trusted-key", action="append", metavar="PATH", help=_TRUSTED_HELP[role])
 
 
-def add_writer_trust(p: argparse.ArgumentParser) -> None:
-    """What a signing writer accepts on the manifest it changes (relay.commit): --trusted-key, --adopt-unsigned."""
+def add_writer_keys(p: argparse.ArgumentParser) -> None:
+    """A writer's keys (relay.commit): --signing-key, and what it accepts on the manifest it changes
+    (--trusted-key, --adopt-unsigned)."""
+    add_signing_key(p)
     add_trusted_key(p, "writer")
     p.add_argument("--adopt-unsigned", action="store_true",
                    help="sign an UNSIGNED run from now on (refused otherwise: whoever can write the bucket can strip "

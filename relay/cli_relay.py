@@ -10,8 +10,7 @@ import argparse
 import json
 
 from relay import checkpoint, ops
-from relay.cli_options import (add_signing_key, add_storage_options, add_trusted_key, add_writer_trust,
-                               storage_options)
+from relay.cli_options import add_storage_options, add_trusted_key, add_writer_keys, storage_options
 from relay.publisher import Publisher
 from relay.watcher import SyncError, Watcher
 
@@ -90,8 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
     p.add_argument("--snapshot-every", type=int, default=25)
-    add_signing_key(p)
-    add_writer_trust(p)
+    add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_publish)
 
@@ -108,16 +106,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
     p.add_argument("url")
-    add_signing_key(p)
-    add_writer_trust(p)
+    add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_rebase)
 
     p = subparsers.add_parser("gc", help="delete objects the last K snapshots no longer need")
     p.add_argument("url")
     p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
-    add_signing_key(p)
-    add_writer_trust(p)
+    add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_gc)
 
