@@ -26,7 +26,8 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal, overload
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final, Literal, Union, overload
 
 import fsspec
 import xxhash
@@ -35,6 +36,8 @@ from relay.files import create_exclusive, write_atomic
 from relay.retry import Backoff
 
 log = logging.getLogger(__name__)
+
+Buffer = Union[bytes, bytearray, memoryview]  # a chunk of a streamed object
 
 MANIFEST_KEY = "manifest.json"
 LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")  # every immutable object lives under one of these
@@ -143,6 +146,60 @@ class Store(abc.ABC):
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
         """Write the manifest iff its current ETag is `expected_etag` (None: iff there is none); returns
         the new ETag. ConflictError when another writer got there first; the manifest is then unchanged."""
+
+    # -- large objects: streamed, never whole in memory ------------------------------------------
+    def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int) -> None:
+        """Create `key` from `chunks` (exactly `size` bytes in all), atomically: a reader sees the whole
+        object or none. ObjectExists if the key is present. Implementations hold a bounded amount of it
+        in memory (a file buffer, a few multipart parts); this fallback joins the chunks."""
+        data = b"".join(chunks)
+        if len(data) != size:
+            raise ValueError(f"{self.url}/{key}: the stream gave {len(data)} bytes, expected {size}")
+        self.put_new(key, data)
+
+    def put_immutable_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
+        """put_immutable for a streamed object: `chunks()` gives its bytes (called once per attempt); an
+        existing object is accepted only if its size and xxh3 (the content tag) are these, else ConflictError."""
+        try:
+            self.put_new_stream(key, chunks(), size)
+        except ObjectExists:
+            try:
+                tag = self.content_tag_of(key)
+            except ObjectMissing:
+                tag = None
+            if tag != (size, xxh3):
+                raise ConflictError(
+                    f"{self.url}/{key}: already exists with other content (another publisher is writing this step, "
+                    f"or a crashed one left it; a resumed publisher that owns the run replaces leftovers above its "
+                    f"head)") from None
+
+    def content_tag_of(self, key: str) -> tuple[int, str]:
+        """(size, xxh3) of a stored object, read in bounded memory; ObjectMissing if absent."""
+        h = xxhash.xxh3_128()
+        size = 0
+        for chunk in self.iter_chunks(key):
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()
+
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in order, a bounded chunk at a time; ObjectMissing if absent. This fallback
+        reads it whole."""
+        yield self.get(key)
+
+    def download(self, key: str, fd: int, size: int | None = None) -> int:
+        """Write the object's bytes into the open file descriptor `fd` from offset 0 (positional writes,
+        so large objects may arrive in parallel ranges); returns the byte count. ObjectMissing if absent;
+        ValueError if `size` is given and the object has another size (nothing is trusted beyond it)."""
+        offset = 0
+        for chunk in self.iter_chunks(key):
+            if size is not None and offset + len(chunk) > size:
+                raise ValueError(f"{self.url}/{key}: larger than the expected {size} bytes")
+            os.pwrite(fd, chunk, offset)
+            offset += len(chunk)
+        if size is not None and offset != size:
+            raise ValueError(f"{self.url}/{key}: {offset} bytes, expected {size}")
+        return offset
 
     def put_immutable(self, key: str, data: bytes) -> None:
         """Create `key`; accept an existing object only if it holds exactly these bytes (an idempotent
