@@ -3,6 +3,7 @@
     payload = codec.encode(base, target)      # bytes
     target  = codec.decode(base, payload)     # dict[str, torch.Tensor], verified
     codec.apply_(model.state_dict(), payload) # in place, all-or-nothing
+    codec.digests(payload)                    # per tensor: dtype, shape, base and target digests
 
 The payload format is specified in docs/FORMAT.md.
 
@@ -23,7 +24,7 @@ with keyed_by_sources():  # every compiled kernel is defined while these imports
     from .api import _check_structure, apply_, decode, encode
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
-    from .inspect import describe
+    from .inspect import TensorDigests, describe, digests
 
 
 def check_structure(base: _Mapping, target: _Mapping) -> None:
@@ -33,5 +34,5 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
     _check_structure(base, target)
 
 
-__all__ = ["encode", "decode", "apply_", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
-           "FORMAT_VERSION"]
+__all__ = ["encode", "decode", "apply_", "describe", "digests", "TensorDigests", "check_structure", "DeltaError",
+           "CheckpointMismatchError", "FORMAT_VERSION"]

@@ -10,15 +10,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from codec.tensors import dtype_of, element_view
 from relay.files import atomic_path
 from relay.manifest import INDEX_NAME
 
@@ -111,11 +116,76 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def index_bytes(tensors: dict[str, torch.Tensor], weight_map: dict[str, str], **metadata: Any) -> bytes:
+def index_bytes(tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str], **metadata: Any) -> bytes:
     """The Hugging Face index of a shard directory (`model.safetensors.index.json`): total size, any extra
     metadata, and the weight map. Deterministic, so two writers of one step write the same bytes."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()
+
+
+# safetensors writes tensors sorted by dtype, in descending order of its Rust `Dtype` enum, then by name
+# (safetensors' `prepare`); this is that enum's order, low to high, for every dtype both it and the codec know.
+_ST_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",
+                   "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+_ST_RANK = {name: i for i, name in enumerate(_ST_DTYPE_ORDER)}
+STREAM_CHUNK = 16 << 20  # the largest piece a streamed file hands out (zero-copy views of tensor memory)
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a flat uint8 array: its own memory for a CPU contiguous tensor, else a host copy."""
+    return element_view(t).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class StreamedFile:
+    """A file as a byte stream: `head` (bytes), then each tensor's raw bytes in order. `size` is the total;
+    `chunks()` hands out the bytes again on every call, as zero-copy views of CPU contiguous tensors (others
+    are brought to the host one tensor at a time), so a shard never exists whole in memory."""
+
+    head: bytes
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def chunks(self, chunk: int = STREAM_CHUNK) -> Iterator[memoryview]:
+        yield memoryview(self.head)
+        for t in self.tensors:
+            if not t.numel():
+                continue
+            raw = _raw_bytes(t).data
+            for i in range(0, len(raw), chunk):
+                yield raw[i:i + chunk]
+
+
+def safetensors_stream(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+                       ) -> StreamedFile:
+    """The exact bytes `safetensors.torch.save(tensors, metadata)` writes, as a stream: the 8-byte
+    little-endian header length, the JSON header (`__metadata__` first, then each tensor's dtype, shape
+    and data_offsets in file order) padded with spaces to a multiple of 8, then the tensors' raw bytes in
+    that order (by dtype as safetensors ranks them, then by name). Deterministic, so two writers of one
+    snapshot write the same bytes (PROTOCOL §3.3). Names sharing storage (tied weights) are written as
+    the copies safetensors would need; ValueError for a dtype safetensors cannot store."""
+    entries = []
+    for name, t in tensors.items():
+        dt = dtype_of(t, name)
+        if dt.name not in _ST_RANK:
+            raise ValueError(f"tensor {name!r}: safetensors cannot store {dt.name} ({t.dtype})")
+        entries.append((-_ST_RANK[dt.name], name.encode("utf-8"), name, dt.name, t))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for _, _, name, dtype, t in entries:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    # serde_json's compact form: no spaces, non-ASCII as UTF-8, the same escapes as Python's json
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return StreamedFile(struct.pack("<Q", len(text)) + text, tuple(e[4] for e in entries))
 
 
 def write_dir(tensors: dict[str, torch.Tensor], directory: Path, layout: Layout) -> None:

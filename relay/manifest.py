@@ -17,9 +17,11 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Set
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, Union
+
+Buffer = Union[bytes, bytearray, memoryview]  # one chunk of a streamed object
 
 MANIFEST_FORMAT = "deltarelay.manifest"
 RECORD_FORMAT = "deltarelay.record"
@@ -149,6 +151,21 @@ class ObjRef:
         import xxhash
 
         return cls(key, len(data), xxhash.xxh3_128_hexdigest(data), sha256_hex(data) if strong else None)
+
+    @classmethod
+    def of_chunks(cls, key: str, chunks: Iterable[Buffer], strong: bool = False) -> "ObjRef":
+        """`of` for an object given as a stream of byte chunks (hashed as they come, never joined)."""
+        import xxhash
+
+        tag = xxhash.xxh3_128()
+        sha = hashlib.sha256() if strong else None
+        size = 0
+        for chunk in chunks:
+            tag.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
+            size += memoryview(chunk).nbytes
+        return cls(key, size, tag.hexdigest(), None if sha is None else sha.hexdigest())
 
     def to_json(self) -> dict:
         out = {"key": self.key, "size": self.size, "xxh3": self.xxh3}
