@@ -485,7 +485,11 @@ class Publisher:
             self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers, strong,
                                                put=self._put_stream))
         else:
-            job = _SnapshotJob(step, self.prev, weight_map)
+            try:
+                job = _SnapshotJob(step, self.prev, weight_map)
+            except Exception as exc:  # noqa: BLE001 - the step is committed: reported like an upload failure
+                self._snapshot_failed(step, exc)
+                return
             self._cow.add(job)
             try:
                 self._pending.append(self._pool.submit(self._background_snapshot, job))

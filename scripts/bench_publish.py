@@ -138,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
                "peak_rss_over_model": round(peak / size, 3),
                "publisher_peak_over_model": round((peak - base) / size, 3)}
         if args.resume:
+            del pub, state  # the trainer is gone: a new one reads the run back
             t0 = time.perf_counter()
-            pub = relay.Publisher(url, resume=True, workers=args.workers)
+            resumed = relay.Publisher(url, resume=True, workers=args.workers)
             out["resume_s"] = round(time.perf_counter() - t0, 3)
-            pub.close()
+            resumed.close()
     print(json.dumps(out))
     return 0
 
