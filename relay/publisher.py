@@ -449,10 +449,8 @@ class Publisher:
             current = self.prev[name]
             changed = d.base != d.target
             target[name] = current.clone() if changed and self._cow.take(name, current, budget) else current
-        if _APPLY_TAKES_WORKERS:
-            codec.apply_(target, payload, workers=self.workers)  # type: ignore[call-arg]
-        else:
-            codec.apply_(target, payload)
+        options: dict[str, Any] = {"workers": self.workers} if _APPLY_TAKES_WORKERS else {}
+        codec.apply_(target, payload, **options)
         self.prev.update(target)
 
     def _publish_snapshot(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> None:
