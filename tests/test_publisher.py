@@ -334,3 +334,39 @@ def test_peak_memory_stays_near_one_model(tmp_path):
     assert got["model_bytes"] == 256 << 20
     assert got["publisher_peak_over_model"] <= 1.3, got
     assert len(got["delta_steps_s"]) == 4
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["snapshot-lands", "snapshot-fails"])
+def test_close_waits_for_a_held_snapshot_and_ends(file_run, fail):
+    """close() while a background snapshot is held in the store waits for it, and returns once the store
+    answers (raising the snapshot's failure, if it failed), with every tensor the snapshot held let go."""
+    state = _model(3)
+    pub = relay.Publisher(file_run.url, snapshot_every=1, snapshot_fraction=1e9, snapshot_budget=1.0,
+                          snapshot_attempts=1)
+    held = pub.store = HeldSnapshots(pub.store, fail=fail)
+    pub.publish(state, 0)
+    pub.publish(_bumped(state, 1), 1)
+    assert held.entered.wait(10)
+    pub.publish(_bumped(state, 2), 2)  # supersedes what snapshot 1 holds
+    assert pub._cow.held > 0
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            pub.close()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=close)
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive(), "close returned while a snapshot was still uploading"
+    held.release.set()
+    thread.join(60)
+    assert not thread.is_alive(), "close never returned"
+    assert [type(e) for e in errors] == ([OSError] if fail else [])
+    assert pub._cow.held == 0 and not pub._cow.jobs
+    with pytest.raises(RuntimeError, match="closed"):
+        pub.publish(state, 3)
+    snaps = [s.step for s in manifest_of(file_run.url).snapshots]
+    assert snaps == ([0] if fail else [0, 1, 2])
