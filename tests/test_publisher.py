@@ -370,3 +370,21 @@ def test_close_waits_for_a_held_snapshot_and_ends(file_run, fail):
         pub.publish(state, 3)
     snaps = [s.step for s in manifest_of(file_run.url).snapshots]
     assert snaps == ([0] if fail else [0, 1, 2])
+
+
+def test_payload_digests_are_the_states_digests():
+    """codec.digests reads the trainer's digests out of a payload: the same a record computes by hashing."""
+    import codec
+    from relay.manifest import tensor_infos
+
+    a = _model(3)
+    b = _bumped({k: v.clone() for k, v in a.items()}, 1)
+    b["same"] = a["same"] = torch.arange(5, dtype=torch.int32)
+    got = codec.digests(codec.encode(a, b))
+    assert list(got) == list(b)
+    want_a, want_b = tensor_infos(a), tensor_infos(b)
+    for k, d in got.items():
+        assert (d.dtype, d.shape, d.base, d.target) == (want_b[k].dtype, want_b[k].shape, want_a[k].digest,
+                                                       want_b[k].digest)
+    with pytest.raises(codec.DeltaError):
+        codec.digests(b"not a payload")
