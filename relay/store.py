@@ -54,6 +54,7 @@ MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # S3's limits on multipart uploads: every part but the last at least this
 S3_MAX_PART = 5 << 30  # ... at most this (also the largest single PutObject)
 S3_MAX_PARTS = 10_000
+S3_MAX_OBJECT = 5 << 40
 
 
 class ConflictError(RuntimeError):
@@ -151,12 +152,13 @@ class Transfer:
 
     def part_size_for(self, size: int) -> int:
         """The part size of a multipart upload of `size` bytes: `part_size`, raised in whole MiB until
-        S3's 10,000 parts hold the object; ValueError past S3's 5 TiB object limit."""
+        S3's 10,000 parts hold the object (at most 525 MiB, for S3's largest object of 5 TiB);
+        ValueError past that limit."""
+        if size > S3_MAX_OBJECT:
+            raise ValueError(f"{size} bytes: larger than S3's largest object ({S3_MAX_OBJECT} bytes)")
         part = self.part_size
         if size > part * S3_MAX_PARTS:
             part = -(-size // (S3_MAX_PARTS * MiB)) * MiB
-        if part > S3_MAX_PART:
-            raise ValueError(f"{size} bytes: larger than S3's largest object ({S3_MAX_PARTS} parts of {S3_MAX_PART})")
         return part
 
 
@@ -545,13 +547,29 @@ class FsspecStore(Store):
             except FileNotFoundError:
                 pass
 
-    def iter_chunks(self, key: str) -> Iterator[bytes]:
-        """Ranged reads (cat_file with start/end) of the size the object had at the first read."""
-        path = self._path(key)
+    def _size(self, key: str) -> int:
         try:
-            size = int(self.fs.info(path).get("size") or 0)
+            return int(self.fs.info(self._path(key)).get("size") or 0)
         except FileNotFoundError:
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        """Ranged reads (cat_file with start/end) of the size the object had at the first read."""
+        yield from self._chunks(key, self._size(key))
+
+    def download(self, key: str, fd: int, size: int | None = None) -> int:
+        """iter_chunks written at their offsets, after the object's size is checked against `size`."""
+        total = self._size(key)
+        if size is not None and total != size:
+            raise ValueError(f"{self.url}/{key}: {total} bytes, expected {size}")
+        offset = 0
+        for chunk in self._chunks(key, total):
+            _pwrite_all(fd, chunk, offset)
+            offset += len(chunk)
+        return total
+
+    def _chunks(self, key: str, size: int) -> Iterator[bytes]:
+        path = self._path(key)
         done = 0
         while done < size:
             end = min(done + self.transfer.chunk_size, size)
