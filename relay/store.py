@@ -23,6 +23,7 @@ import enum
 import errno
 import fcntl
 import hashlib
+import io
 import logging
 import os
 import re
@@ -665,6 +666,45 @@ _RESENDABLE = ("BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch", "Inva
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
+class _PartBody(io.RawIOBase):
+    """A part's buffer as a seekable file, so botocore and aiohttp read it in small pieces (a bytes body is
+    copied whole two or three times on its way to the socket) and rewind it for a retry."""
+
+    def __init__(self, buf: bytearray) -> None:
+        super().__init__()
+        self._view = memoryview(buf)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = min(max(base + offset, 0), len(self._view))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(self._pos + size, len(self._view))
+        out = bytes(self._view[self._pos:end])
+        self._pos = end
+        return out
+
+
 class _BodyEnded(Exception):
     """A response body ended before the bytes its headers promised."""
 
@@ -829,8 +869,9 @@ class S3Store(Store):
         is in memory, so resending is safe). Returns the buffer for reuse."""
         for attempt in range(1, PART_ATTEMPTS + 1):
             try:
-                resp = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self._key(key), UploadId=uid,
-                                       PartNumber=number, Body=body)
+                with _PartBody(body) as reader:
+                    resp = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self._key(key), UploadId=uid,
+                                           PartNumber=number, Body=reader, ContentLength=len(body))
             except Exception as exc:
                 if attempt == PART_ATTEMPTS or not (transient(exc) or _client_error(exc)[0] in _RESENDABLE):
                     raise
