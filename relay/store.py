@@ -3,16 +3,20 @@ a conditional commit of the manifest, so two publishers can never fork a run.
 
 Three backends, chosen by protocol:
   * s3://   -- s3fs; the manifest commit is PutObject with If-None-Match: * (first) or If-Match:
-               ETag (later); immutable objects are created with If-None-Match: *. The manifest is
-               read with a plain GetObject (conditional on its ETag when polling), never a LIST,
-               so s3fs's listing cache never serves a stale view.
+               ETag (later); immutable objects are created with If-None-Match: * (large ones by a
+               multipart upload whose completion carries it). The manifest is read with a plain
+               GetObject (conditional on its ETag when polling), never a LIST, so s3fs's listing
+               cache never serves a stale view. Large objects are read in ranged GETs If-Match
+               the first answer's ETag.
   * file:// -- local paths; commit is an atomic rename under an flock, objects are created
-               exclusively with link(2).
+               exclusively with link(2) of a fsynced temporary.
   * anything else fsspec knows (memory:// included) -- check-and-write under a process-wide
                lock. That is exact for memory:// (one process owns it); for other remote stores
                it only protects publishers inside this process, and says so in the log.
 
-`storage_options` are handed to fsspec unchanged.
+Large objects (put_new_stream, put_immutable_stream, iter_chunks, download) never sit whole in
+memory; `Transfer` bounds what they hold (docs/PROTOCOL.md §3). `storage_options` are handed to
+fsspec unchanged, except the relay's own key "transfer" (the fields of a Transfer).
 """
 
 from __future__ import annotations
