@@ -20,7 +20,7 @@ from collections.abc import Mapping as _Mapping
 from ._kernel_cache import keyed_by_sources
 
 with keyed_by_sources():  # every compiled kernel is defined while these imports run
-    from .api import _check_structure, apply_, decode, encode
+    from .api import UndoLog, _check_structure, apply_, decode, encode
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
     from .inspect import describe
@@ -33,5 +33,5 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
     _check_structure(base, target)
 
 
-__all__ = ["encode", "decode", "apply_", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
+__all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
            "FORMAT_VERSION"]

@@ -158,3 +158,123 @@ def save(tensors: dict[str, torch.Tensor], path: str | os.PathLike, layout: Layo
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
+
+
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header over this is refused before it is read (safetensors' own cap)
+_READ_CHUNK = 16 << 20  # bytes per read: large enough for the disk, small enough to stay out of RSS
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file that this reader refuses: the path and the reason."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise SafetensorsError(f"duplicate key {k[:100]!r} in the header")
+        out[k] = v
+    return out
+
+
+@dataclass
+class _Span:
+    name: str
+    dtype: Any  # codec.tensors.DType
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(fd: int, size: int, where: str) -> tuple[list[_Span], dict[str, str], int]:
+    """(tensors in file order, metadata, data start) of the safetensors file open at `fd` (`size` bytes).
+
+    Strict, since the file may come from anywhere: the header length (8 bytes, little-endian) is
+    capped before it is read; every entry needs a known dtype, a shape of non-negative integers and
+    data_offsets that match it; the tensors' bytes must tile the data exactly (sorted, no overlap, no
+    gap, nothing after), as safetensors itself requires.
+    """
+    from codec.tensors import DTYPES  # names as docs/FORMAT.md's table (safetensors' names)
+
+    by_name = {d.name: d for d in DTYPES}
+    if size < 8:
+        raise SafetensorsError(f"{where}: {size} bytes, too short for a safetensors header")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise SafetensorsError(f"{where}: header of {n} bytes (file {size} bytes, cap {MAX_HEADER_BYTES})")
+    try:
+        doc = json.loads(_pread_exact(fd, n, 8, where), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SafetensorsError(f"{where}: header is not valid JSON ({str(exc)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise SafetensorsError(f"{where}: header is not a JSON object")
+    meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise SafetensorsError(f"{where}: __metadata__ must map strings to strings")
+    spans = []
+    for name, info in doc.items():
+        w = f"{where}: tensor {name[:100]!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise SafetensorsError(f"{w}: needs exactly dtype, shape and data_offsets")
+        dt = by_name.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dt is None:
+            raise SafetensorsError(f"{w}: unknown dtype {str(info['dtype'])[:40]!r}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise SafetensorsError(f"{w}: shape must be a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise SafetensorsError(f"{w}: data_offsets must be two integers, begin <= end")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * dt.itemsize:
+            raise SafetensorsError(f"{w}: data_offsets span {offsets[1] - offsets[0]} bytes, its dtype and shape "
+                                   f"need {numel * dt.itemsize}")
+        spans.append(_Span(name, dt, tuple(shape), offsets[0], offsets[1]))
+    spans.sort(key=lambda s: (s.begin, s.end))
+    at = 0
+    for s in spans:
+        if s.begin != at:
+            raise SafetensorsError(f"{where}: tensor {s.name[:100]!r} starts at {s.begin}, expected {at} "
+                                   f"(overlapping or missing data)")
+        at = s.end
+    if 8 + n + at != size:
+        raise SafetensorsError(f"{where}: data is {size - 8 - n} bytes, the tensors cover {at}")
+    return spans, dict(meta), 8 + n
+
+
+def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
+    out = bytearray(n)
+    _preadinto(fd, memoryview(out), offset, where)
+    return bytes(out)
+
+
+def _preadinto(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    """Fill `buf` from `fd` at `offset` in chunks; a file that ends early is refused."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:done + _READ_CHUNK]], offset + done)
+        if got <= 0:
+            raise SafetensorsError(f"{where}: ends {len(buf) - done} bytes early")
+        done += got
+
+
+def read_file_into(path: str | os.PathLike, where: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, read with plain chunked reads straight into new tensors
+    (no mmap, no intermediate bytes: resident memory is the tensors alone). Strict header (read_header);
+    SafetensorsError on a malformed file, FileNotFoundError if absent. Links are not followed."""
+    where = where or str(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        spans, meta, start = read_header(fd, size, where)
+        out: dict[str, torch.Tensor] = {}
+        for s in spans:
+            t = torch.empty(s.shape, dtype=s.dtype.torch)
+            if s.end > s.begin:
+                _preadinto(fd, memoryview(t.view(-1).view(torch.uint8).numpy()), start + s.begin, where)
+            out[s.name] = t
+        return out, meta
+    finally:
+        os.close(fd)

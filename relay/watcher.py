@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -26,7 +27,6 @@ from typing import Any, Callable, overload
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 
 import codec
 from relay import checkpoint
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 STATE_NAME = "relay-state.json"
 _TMP_PATTERNS = (".current.tmp-*", ".link.tmp-*")  # what a crash mid-swap leaves in DEST
+_HASH_CHUNK = 8 << 20  # bytes per read when checking a downloaded file's tags
 _VERSION_NAME = re.compile(r"[0-9]+-[0-9a-f]{8}")  # .versions/<step>-<nonce>, as _persist names them
 LOCK_NAME = ".lock"  # flock'ed for a Watcher's lifetime: one watcher per DEST
 
@@ -145,6 +146,60 @@ class _Failure:
     retry_at: float
 
 
+def _file_matches(fd: int, ref: ObjRef) -> str | None:
+    """None if the file open at `fd` holds exactly `ref`'s object (size, xxh3 and, when set, SHA-256), read back
+    in chunks (memory stays small whatever the object's size); else what differs."""
+    import hashlib
+
+    import xxhash
+
+    size = os.fstat(fd).st_size
+    if size != ref.size:
+        return f"{size} bytes, manifest says {ref.size}"
+    tag = xxhash.xxh3_128()
+    strong = hashlib.sha256() if ref.sha256 is not None else None
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while offset < size:
+        got = os.preadv(fd, [view[:min(_HASH_CHUNK, size - offset)]], offset)
+        if got <= 0:
+            return f"ends at {offset} bytes, manifest says {ref.size}"
+        tag.update(view[:got])
+        if strong is not None:
+            strong.update(view[:got])
+        offset += got
+    if tag.hexdigest() != ref.xxh3:
+        return f"xxh3 {tag.hexdigest()}, manifest says {ref.xxh3}"
+    if strong is not None and strong.hexdigest() != ref.sha256:
+        return f"sha256 {strong.hexdigest()}, manifest says {ref.sha256}"
+    return None
+
+
+def _head_mismatches(tensors: dict[str, torch.Tensor], rec: Record, verified: dict[str, bytes]) -> list[str]:
+    """Names whose dtype, shape or digest differ from the head's record (plus missing and extra names).
+
+    A tensor the chain's last apply_ verified against the payload's target digest (`verified`, from the
+    UndoLog) is compared by that digest: hashing the whole model again would cost a full pass per step.
+    The others are hashed."""
+    if set(tensors) != set(rec.tensors):
+        return sorted(set(tensors) ^ set(rec.tensors))
+    bad = []
+    rest = {}
+    for name, info in rec.tensors.items():
+        t = tensors[name]
+        d = verified.get(name)
+        if d is None:
+            rest[name] = t
+            continue
+        dt = codec.tensors.BY_TORCH.get(t.dtype)
+        if dt is None or dt.name != info.dtype or tuple(t.shape) != info.shape or d.hex() != info.digest:
+            bad.append(name)
+    if rest:
+        bad += mismatches(rest, {k: rec.tensors[k] for k in rest})
+    return bad
+
+
 class Reader:
     """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet.
 
@@ -156,8 +211,10 @@ class Reader:
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
                  reroute_after: float | None = 300.0, trusted_keys: Any = None,
-                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0) -> None:
+                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
+                 apply_workers: int = 2) -> None:
         self.store = store
+        self.apply_workers = apply_workers  # codec.apply_ threads (its kernels release the GIL)
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.reroute_after = reroute_after
         self.workers = workers
@@ -170,6 +227,7 @@ class Reader:
         self.bytes_downloaded = 0
         self._count_lock = threading.Lock()
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
+        self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
 
@@ -204,6 +262,34 @@ class Reader:
         with ThreadPoolExecutor(max(1, min(self.workers, len(refs)))) as pool:
             return dict(zip((r.key for r in refs), pool.map(self._fetch_one, refs)))
 
+    def _spool_one(self, ref: ObjRef, spool: Path) -> Path:
+        """Download `ref` into spool/<its file name> and check it (size, xxh3, SHA-256 when the manifest
+        gives one) by reading it back in chunks, before any of its bytes is used. The file is removed if
+        the check fails; a verified file is reused for the same reference within one reach()."""
+        path = spool / ref.key.rsplit("/", 1)[-1]
+        if self._spooled.get(ref) == path and path.is_file() and not path.is_symlink():
+            return path
+        self._spooled.pop(ref, None)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                got = self.store.download(ref.key, fd, ref.size)
+            except ValueError as exc:  # another size than the manifest's: nothing beyond it is trusted
+                raise _VerifyError([ref], f"{ref.key}: {exc}") from None
+            with self._count_lock:
+                self.bytes_downloaded += got
+            problem = _file_matches(fd, ref)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        if problem:
+            path.unlink(missing_ok=True)
+            raise _VerifyError([ref], f"{ref.key}: {problem}")
+        self._spooled[ref] = path
+        return path
+
     def _record(self, data: bytes, ref: ObjRef, run: str, step: int) -> Record:
         key = ref.key
         try:
@@ -214,47 +300,82 @@ class Reader:
             raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
-    def _execute(self, m: Manifest, plan: Plan,
-                 held: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], Record]:
-        got = self._fetch(plan.keys(m))
+    def _load_snapshot(self, m: Manifest, snap: Snapshot, spool: Path) -> tuple[dict[str, torch.Tensor], Record]:
+        """The snapshot's tensors, checked against its step's record. Its files are downloaded into `spool`
+        (verified from disk before use), then read straight into new tensors: one copy of the model in
+        memory, never the files' bytes as well."""
+        rec_ref = m.step_of_snapshot(snap).record
+        rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
+        self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        with ThreadPoolExecutor(max(1, min(self.workers, len(snap.files)))) as pool:
+            paths = list(pool.map(lambda f: self._spool_one(f, spool), snap.files))
+        tensors: dict[str, torch.Tensor] = {}
+        for f, path in zip(snap.files, paths):
+            try:
+                part, _ = checkpoint.read_file_into(path, f.key)
+            except checkpoint.SafetensorsError as exc:
+                raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
+            if set(part) & set(tensors):
+                raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files share tensor names "
+                                                     f"{sorted(set(part) & set(tensors))[:5]}")
+            tensors.update(part)
+        bad = mismatches(tensors, rec.tensors)
+        if bad:
+            # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
+            # good one (typically the head's) must stay usable for the chain from another snapshot.
+            raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
+                                                 f"(tensors {bad[:5]})")
+        return tensors, rec
+
+    def _apply_step(self, s: Step, tensors: dict[str, torch.Tensor], got: dict[str, bytes],
+                    undo: codec.UndoLog) -> None:
+        """Apply every part of step `s` to `tensors` in place (each verifies the tensors it covers and changes
+        nothing if one fails; `undo` logs what they overwrote); the parts must cover every tensor."""
+        covered: set[str] = set()
+        for part in s.delta_parts:
+            target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
+            if part.tensors is not None and (len(target) != len(part.tensors) or covered & set(target)):
+                raise _VerifyError([part.ref], f"{part.ref.key}: names tensors that are not held or that another "
+                                               f"part of step {s.step} covers")
+            try:
+                codec.apply_(target, got[part.ref.key], workers=self.apply_workers, undo=undo)
+            except codec.DeltaError as exc:
+                raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
+            covered.update(target)
+        if covered != set(tensors):
+            raise _VerifyError([p.ref for p in s.delta_parts],
+                               f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
+
+    def _execute(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None, undo: codec.UndoLog,
+                 spool: Path) -> tuple[dict[str, torch.Tensor], Record]:
+        """Run `plan`: from the snapshot (new tensors) or from `held` itself, applied in place. Whatever fails,
+        `held` is back to its exact bits (from `undo`) before the exception leaves."""
+        try:
+            return self._execute_logged(m, plan, held, undo, spool)
+        except BaseException:
+            undo.revert()  # a snapshot plan wrote only into its own tensors: then there is nothing logged for held
+            raise
+
+    def _execute_logged(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None, undo: codec.UndoLog,
+                        spool: Path) -> tuple[dict[str, torch.Tensor], Record]:
+        rec: Record | None = None
         if plan.snapshot is not None:
-            snap = plan.snapshot
-            rec_ref = m.step_of_snapshot(snap).record
-            rec = self._record(got[rec_ref.key], rec_ref, m.run, snap.step)
-            tensors: dict[str, torch.Tensor] = {}
-            for f in snap.files:
-                try:
-                    tensors.update(st_load(got[f.key]))
-                except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
-                    raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
-            bad = mismatches(tensors, rec.tensors)
-            if bad:
-                # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
-                # good one (typically the head's) must stay usable for the chain from another snapshot.
-                raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
-                                                     f"(tensors {bad[:5]})")
+            tensors, rec = self._load_snapshot(m, plan.snapshot, spool)
+            chain_log = codec.UndoLog()  # the snapshot's tensors are new: a failure just drops them
         else:
             if held is None:
                 raise SyncError("internal: chain plan without a held state")
-            tensors = {k: v.clone() for k, v in held.items()}
-            rec = None
+            tensors, chain_log = held, undo
+        refs = [p.ref for s in plan.steps for p in s.delta_parts]
+        if plan.steps:
+            refs.append(plan.steps[-1].record)
+        got = self._fetch(refs)
         for s in plan.steps:
-            covered: set[str] = set()
-            for part in s.delta_parts:
-                target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
-                try:
-                    codec.apply_(target, got[part.ref.key])  # verifies every tensor it covers, or changes nothing
-                except codec.DeltaError as exc:
-                    raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
-                covered.update(target)
-            if covered != set(tensors):
-                raise _VerifyError([p.ref for p in s.delta_parts],
-                                   f"step {s.step}: parts leave tensors unverified "
-                                   f"{sorted(set(tensors) - covered)[:5]}")
+            self._apply_step(s, tensors, got, chain_log)
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
-            bad = mismatches(tensors, rec.tensors)
+            bad = _head_mismatches(tensors, rec, chain_log.verified())
             if bad:
                 raise _VerifyError([p.ref for s in plan.steps for p in s.delta_parts] + [last.record],
                                    f"step {last.step} does not match its record (tensors {bad[:5]})")
@@ -282,16 +403,42 @@ class Reader:
 
     # With nothing held the head is always new: the tensors and their record come back.
     @overload
-    def reach(self, held_step: None, held: None, *, run: str | None = None,
-              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
+    def reach(self, held_step: None, held: None, *, run: str | None = None, timeout: float | None = None,
+              undo: codec.UndoLog | None = None, spool: str | os.PathLike | None = None
+              ) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
 
     @overload
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
-              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
+              timeout: float | None = None, undo: codec.UndoLog | None = None,
+              spool: str | os.PathLike | None = None
+              ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
-              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
-        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older)."""
+              timeout: float | None = None, undo: codec.UndoLog | None = None,
+              spool: str | os.PathLike | None = None
+              ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
+        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older).
+
+        A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
+        `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
+        MemoryError), `held` is back to its exact bits before the exception leaves. With `undo` (an empty
+        codec.UndoLog), a successful in-place reach leaves there what it overwrote, so the caller can still
+        take the step back (its persist failed, say). A snapshot plan returns new tensors, `held` untouched.
+        Snapshot files are downloaded into `spool` (a directory the caller owns and cleans; the watcher
+        passes its next version's) or, without one, a temporary directory removed before returning.
+        """
+        if undo is None:
+            undo = codec.UndoLog()
+        elif len(undo):
+            raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
+        if spool is not None:
+            return self._reach(held_step, held, run, timeout, undo, Path(spool))
+        with tempfile.TemporaryDirectory(prefix=".deltarelay-spool-") as tmp:
+            return self._reach(held_step, held, run, timeout, undo, Path(tmp))
+
+    def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
+               timeout: float | None, undo: codec.UndoLog, spool: Path
+               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
         refetched: set[ObjRef] = set()
@@ -320,7 +467,7 @@ class Reader:
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
                     try:
-                        tensors, rec = self._execute(m, plan, held)
+                        tensors, rec = self._execute(m, plan, held, undo, spool)
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
                         if exc.key is not None and self.reroute_after is not None:
@@ -334,6 +481,7 @@ class Reader:
                     except _VerifyError as exc:
                         for ref in exc.refs:
                             self._cache.pop(ref, None)
+                            self._spooled.pop(ref, None)
                         if any(r not in refetched and r not in self._failures for r in exc.refs):
                             refetched.update(exc.refs)
                             log.warning("verification failed, discarding and refetching: %s", exc)
@@ -355,6 +503,7 @@ class Reader:
                 time.sleep(delay)
         finally:
             self._cache.clear()
+            self._spooled.clear()
 
 
 def _remove_entry(p: Path) -> None:
