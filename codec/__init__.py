@@ -2,7 +2,7 @@
 
     payload = codec.encode(base, target)      # bytes
     target  = codec.decode(base, payload)     # dict[str, torch.Tensor], verified
-    codec.apply_(model.state_dict(), payload) # in place, all-or-nothing
+    codec.apply_(model.state_dict(), payload) # in place, all-or-nothing (undo=codec.UndoLog() for chains)
 
 The payload format is specified in docs/FORMAT.md.
 
@@ -33,5 +33,5 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
     _check_structure(base, target)
 
 
-__all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
-           "FORMAT_VERSION"]
+__all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "check_structure", "DeltaError",
+           "CheckpointMismatchError", "FORMAT_VERSION"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -651,17 +651,19 @@ class UndoLog:
 
 
 def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
-           workers: int = 1, undo: UndoLog | None = None) -> None:
+           workers: int = 1, undo: UndoLog | None = None, only: Collection[str] | None = None) -> None:
     """Apply a payload in place (a live model's state_dict) and verify every tensor.
 
     On any failure every tensor is restored to its exact previous bits and DeltaError is raised.
     Extra memory is the changed elements' positions and old values, not a copy of the checkpoint.
     `workers` > 1 decodes, writes and verifies tensors on that many threads (the kernels release
     the GIL; names sharing memory stay on one thread). With `undo`, a successful call logs what it
-    overwrote there, so `undo.revert()` can take a whole chain of calls back exactly.
+    overwrote there, so `undo.revert()` can take a whole chain of calls back exactly. With `only`, just
+    the records of those names are applied (and verified), each of which the payload must hold; the
+    mapping may then hold only some of the payload's tensors (streaming a checkpoint tensor by tensor).
     """
     try:
-        _apply(tensors_, payload, max(1, workers), undo)
+        _apply(tensors_, payload, max(1, workers), undo, only)
     except MemoryError:  # apply_ has restored every tensor by the time the error leaves _apply
         raise DeltaError(_OUT_OF_MEMORY) from None
 
@@ -692,8 +694,14 @@ def _map_all(workers: int, fn, items: list) -> list[BaseException | None]:
 
 
 def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, workers: int,
-           undo: UndoLog | None) -> None:
+           undo: UndoLog | None, only: Collection[str] | None) -> None:
     parsed = _parse(tensors_, payload)
+    if only is not None:
+        wanted = set(only)
+        missing = wanted - {e.name for e in parsed.entries}
+        if missing:
+            raise DeltaError(f"the delta does not name tensors {sorted(missing)[:5]}")
+        parsed = Payload(parsed.version, [e for e in parsed.entries if e.name in wanted], parsed.shared)
     views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
     changed = [e for e in parsed.entries if not _unchanged(e)]
     targets = {e.name: _Target(e.name, tensors_[e.name]) for e in changed}  # refuses strided ones now

@@ -11,7 +11,6 @@ The kernels release the GIL: apply_ runs them for several tensors at once.
 from __future__ import annotations
 
 import numba as nb
-import numpy as np
 
 from .hashing import hash_update
 

@@ -260,21 +260,111 @@ def _preadinto(fd: int, buf: memoryview, offset: int, where: str) -> None:
         done += got
 
 
+class SafetensorsFile:
+    """An open safetensors file (no links followed) with its strictly parsed header (`read_header`): `spans`
+    in file order, `metadata`; `read(span)` reads one tensor with plain chunked reads into a new tensor."""
+
+    def __init__(self, path: str | os.PathLike, where: str | None = None) -> None:
+        self.where = where or str(path)
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self.spans, self.metadata, self.start = read_header(self.fd, os.fstat(self.fd).st_size, self.where)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read(self, span: _Span) -> torch.Tensor:
+        try:
+            t = torch.empty(span.shape, dtype=span.dtype.torch)
+        except RuntimeError as exc:  # torch's CPU allocator reports exhaustion as a RuntimeError
+            if "alloc" in str(exc).lower():
+                raise MemoryError(f"{self.where}: cannot allocate {span.name!r} ({exc})") from None
+            raise
+        if span.end > span.begin:
+            _preadinto(self.fd, t.view(-1).view(torch.uint8).numpy().data, self.start + span.begin,
+                       self.where)
+        return t
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_file_into(path: str | os.PathLike, where: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file, read with plain chunked reads straight into new tensors
     (no mmap, no intermediate bytes: resident memory is the tensors alone). Strict header (read_header);
     SafetensorsError on a malformed file, FileNotFoundError if absent. Links are not followed."""
-    where = where or str(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        spans, meta, start = read_header(fd, size, where)
-        out: dict[str, torch.Tensor] = {}
+    with SafetensorsFile(path, where) as f:
+        return {s.name: f.read(s) for s in f.spans}, f.metadata
+
+
+class StreamedWriter:
+    """A safetensors file written tensor by tensor, in the order of `spans` (names, dtypes, shapes, and
+    offsets that tile the data, as `read_header` returns them): the header first, then each tensor's
+    bytes as it comes, so a checkpoint is rewritten without holding it. Created exclusively (no links)."""
+
+    def __init__(self, path: str | os.PathLike, spans: list[_Span], metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self.spans = spans
+        self._next = 0
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
         for s in spans:
-            t = torch.empty(s.shape, dtype=s.dtype.torch)
-            if s.end > s.begin:
-                _preadinto(fd, memoryview(t.view(-1).view(torch.uint8).numpy()), start + s.begin, where)
-            out[s.name] = t
-        return out, meta
-    finally:
-        os.close(fd)
+            header[s.name] = {"dtype": s.dtype.name, "shape": list(s.shape), "data_offsets": [s.begin, s.end]}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors pads
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        self.start = 8 + len(raw)
+        self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")  # bytes or a numpy array (both buffers)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:done + _READ_CHUNK], offset + done)
+
+    def write(self, t: torch.Tensor) -> None:
+        """The next span's tensor (its dtype and shape checked)."""
+        s = self.spans[self._next]
+        if t.dtype != s.dtype.torch or tuple(t.shape) != s.shape:
+            raise ValueError(f"{self.path}: {s.name!r} expects {s.dtype.name} {s.shape}")
+        if s.end > s.begin:
+            self._pwrite(t.detach().contiguous().view(-1).view(torch.uint8).numpy(), self.start + s.begin)
+        self._next += 1
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "StreamedWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        done = self._next == len(self.spans)
+        self.close()
+        if exc[0] is None and not done:
+            raise ValueError(f"{self.path}: closed after {self._next} of {len(self.spans)} tensors")
+
+
+def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata: Any) -> bytes:
+    """index_bytes from tensor descriptions (dtype names and shapes, relay.manifest.TensorInfo) instead of tensors."""
+    from codec.tensors import DTYPES
+
+    size = {d.name: d.itemsize for d in DTYPES}
+    total = 0
+    for info in infos.values():
+        n = size[info.dtype]
+        for d in info.shape:
+            n *= d
+        total += n
+    return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()

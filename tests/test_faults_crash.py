@@ -70,7 +70,7 @@ if _spec:
 # (label, event, function, caller, count, step DEST must show after the kill: "old" or "new")
 KILL_POINTS = [
     ("download: between object GETs", "call", "_fetch_one", "*", 2, "old"),
-    ("apply: codec.apply_ of the delta", "call", "apply_", "_execute", 1, "old"),
+    ("apply: codec.apply_ of the delta", "call", "apply_", "_apply_step", 1, "old"),
     ("persist: writing the shards", "call", "save_file", "write_dir", 1, "old"),
     ("persist: fsync of the new version", "c_call", "fsync", "_persist|_write_version", 1, "old"),
     ("persist: rename of the finished version", "c_call", "rename", "_persist|_write_version", 1, "old"),
