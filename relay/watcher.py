@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Set
+from collections.abc import Collection, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -690,9 +690,12 @@ class Watcher:
         for pattern in _TMP_PATTERNS:
             for p in self.dest.glob(pattern):
                 _remove_entry(p)
+        shown = None
         if keep is not None and self._state is not None:
-            self._link_visible(versions / keep, strict=False, journal=self._state.persist == "journal")
-        self._drop_dangling()
+            journal = self._state.persist == "journal"
+            self._link_visible(versions / keep, strict=False, journal=journal)
+            shown = self._visible_names(versions / keep, journal)
+        self._drop_dangling(shown)
 
     def _tidy_journal(self, version: Path) -> None:
         """Remove the journal files of a journal-mode version that its state file does not name: a step
@@ -729,10 +732,20 @@ class Watcher:
             return None  # a planted link is unlinked by the cleanup; a missing version is simply not held
         return name
 
-    def _drop_dangling(self) -> None:
+    def _drop_dangling(self, visible: Collection[str] | None = None) -> None:
+        """Remove visible links that dangle, and, given the held version's `visible` names, the watcher's
+        own links (.current/<name>) to anything else: a journal version holds its base's safetensors, and a
+        link left from a full-mode version would show that older step under the visible names."""
         for p in self.dest.iterdir():
-            if p.is_symlink() and not p.name.startswith(".") and not p.exists():
+            if not p.is_symlink() or p.name.startswith("."):
+                continue
+            if not p.exists() or (visible is not None and p.name not in visible
+                                  and os.readlink(p) == os.path.join(".current", p.name)):
                 p.unlink()
+
+    def _visible_names(self, version: Path, journal: bool) -> list[str]:
+        """The names DEST shows for a version: its files (full mode), or the state file alone (journal)."""
+        return [STATE_NAME] if journal else sorted(f.name for f in version.iterdir() if not f.is_dir())
 
     def _link_visible(self, version: Path, strict: bool = True, journal: bool = False) -> None:
         """Make each visible name of `version` exactly the link the watcher creates: .current/<name>.
@@ -743,7 +756,7 @@ class Watcher:
         into its blob cache) is replaced atomically (temporary link + rename), its target never touched; a
         name that is not a symlink stops the update (SyncError) when `strict`, else it is only logged.
         """
-        names = [STATE_NAME] if journal else sorted(f.name for f in version.iterdir() if not f.is_dir())
+        names = self._visible_names(version, journal)
         for name in names:
             link = self.dest / name
             if os.path.lexists(link) and not link.is_symlink():
@@ -846,12 +859,14 @@ class Watcher:
         os.rename(tmp, final)
         fsync_dir(versions)
         self._link_visible(final, journal=journal)  # visible names: symlinks through .current (dangling until the swap)
+        if journal:  # links to a full version's shards must be gone before .current can lead into a base
+            self._drop_dangling([STATE_NAME])
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
         fsync_dir(self.dest)
         self._state, self._version = state, final
-        self._drop_dangling()
+        self._drop_dangling(self._visible_names(final, journal))
         for v in versions.iterdir():
             if v.name != name and v.name != self._compacting:
                 _remove_entry(v)
@@ -1011,6 +1026,7 @@ class Watcher:
         os.replace(swap, self.dest / ".current")  # the commit point
         fsync_dir(self.dest)
         self._state, self._version = state, final
+        self._drop_dangling([STATE_NAME])
         _remove_entry(version)
         log.info("%s: compacted: base is now step %d (%d journal entries carried over)", self.dest, base.step,
                  len(extra))
