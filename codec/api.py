@@ -643,6 +643,12 @@ class UndoLog:
             if w.target.alias == alias:
                 patching.put(elems, w.index, w.old, int(w.index.size))
 
+    def accept(self) -> None:
+        """Forget the logged writes (they can no longer be reverted: memory back) but keep `verified()`: for a
+        chain applied to tensors nobody needs back, checked at its end against a record."""
+        self._writes.clear()
+        self._aliases.clear()
+
     def clear(self) -> None:
         """Forget every logged write (the steps are accepted)."""
         self._writes.clear()

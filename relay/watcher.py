@@ -395,6 +395,8 @@ class Reader:
         got = self._fetch(refs)
         for s in plan.steps:
             self._apply_step(s, tensors, got, chain_log)
+            if chain_log is not undo:
+                chain_log.accept()  # the snapshot's own tensors: nothing to take back, only the digests to keep
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
@@ -732,15 +734,16 @@ class Watcher:
             return None  # a planted link is unlinked by the cleanup; a missing version is simply not held
         return name
 
-    def _drop_dangling(self, visible: Collection[str] | None = None) -> None:
-        """Remove visible links that dangle, and, given the held version's `visible` names, the watcher's
-        own links (.current/<name>) to anything else: a journal version holds its base's safetensors, and a
-        link left from a full-mode version would show that older step under the visible names."""
+    def _drop_dangling(self, visible: Collection[str] | None = None, dangling: bool = True) -> None:
+        """Remove visible links that dangle (unless not `dangling`: before a swap the new ones do), and, given
+        the held version's `visible` names, the watcher's own links (.current/<name>) to anything else: a
+        journal version holds its base's safetensors, and a link left from a full-mode version would show
+        that older step under the visible names."""
         for p in self.dest.iterdir():
             if not p.is_symlink() or p.name.startswith("."):
                 continue
-            if not p.exists() or (visible is not None and p.name not in visible
-                                  and os.readlink(p) == os.path.join(".current", p.name)):
+            if (dangling and not p.exists()) or (visible is not None and p.name not in visible
+                                                 and os.readlink(p) == os.path.join(".current", p.name)):
                 p.unlink()
 
     def _visible_names(self, version: Path, journal: bool) -> list[str]:
@@ -860,7 +863,7 @@ class Watcher:
         fsync_dir(versions)
         self._link_visible(final, journal=journal)  # visible names: symlinks through .current (dangling until the swap)
         if journal:  # links to a full version's shards must be gone before .current can lead into a base
-            self._drop_dangling([STATE_NAME])
+            self._drop_dangling([STATE_NAME], dangling=False)
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
