@@ -214,3 +214,35 @@ def test_state_file_parsing_is_strict(run, file_run, tmp_path):
         edit(bad)
         with pytest.raises(ManifestError):
             DestState.parse(json.dumps(bad).encode())
+
+
+def test_reader_reverts_the_held_state_when_the_head_record_disagrees(run, file_run):
+    """Reader.reach applies the chain to the held tensors themselves; the head's record (consistent tags, other
+    digests: a bucket writer) fails the final check after three steps were applied in place: every held tensor
+    is back to its exact bits before the error leaves, and the same objects are still held."""
+    import dataclasses
+
+    from relay.manifest import Manifest, ObjRef, Record
+    from relay.store import open_store
+    from relay.watcher import Reader, SyncError
+
+    for _ in range(4):
+        run.step()
+    store = open_store(file_run.url)
+    m = Manifest.parse(store.read_manifest().data)
+    rec = Record.parse(store.get("records/3.json"))
+    name = next(iter(rec.tensors))
+    rec.tensors[name] = dataclasses.replace(rec.tensors[name], digest="0" * 32)
+    forged = rec.to_bytes()
+    path = Path(file_run.url.removeprefix("file://")) / "records/3.json"
+    path.unlink()
+    path.write_bytes(forged)
+    i = next(i for i, s in enumerate(m.steps) if s.step == 3)
+    m.steps[i] = dataclasses.replace(m.steps[i], record=ObjRef.of("records/3.json", forged))
+    store.commit_manifest(m.to_bytes(), store.read_manifest().etag)
+    held = {k: v.clone() for k, v in run.states[0].items()}
+    objects = dict(held)
+    reader = Reader(store, retry_initial=0.001, retry_max=0.01, failure_backoff_initial=60)
+    with pytest.raises(SyncError):
+        reader.reach(0, held, run=m.run, timeout=5)
+    assert same_bits(held, run.states[0]) and all(held[k] is objects[k] for k in held)
