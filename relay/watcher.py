@@ -327,7 +327,12 @@ class Reader:
         memory, never the files' bytes as well."""
         rec_ref = m.step_of_snapshot(snap).record
         rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
-        index = self._fetch_one(snap.index)  # checked against the manifest; the journal mode keeps it as the base's
+        self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
+        names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
+        if sorted(names) != sorted(layout):  # the files become a version's files as they are: exactly the layout
+            raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
+                                                 f"record's layout {sorted(layout)[:5]}")
         with ThreadPoolExecutor(max(1, min(self.workers, len(snap.files)))) as pool:
             paths = list(pool.map(lambda f: self._spool_one(f, spool), snap.files))
         tensors: dict[str, torch.Tensor] = {}
@@ -336,9 +341,8 @@ class Reader:
                 part, _ = checkpoint.read_file_into(path, f.key)
             except checkpoint.SafetensorsError as exc:
                 raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
-            if set(part) & set(tensors):
-                raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files share tensor names "
-                                                     f"{sorted(set(part) & set(tensors))[:5]}")
+            if set(part) != layout[path.name]:
+                raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
             tensors.update(part)
         bad = mismatches(tensors, rec.tensors)
         if bad:
@@ -346,7 +350,8 @@ class Reader:
             # good one (typically the head's) must stay usable for the chain from another snapshot.
             raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
                                                  f"(tensors {bad[:5]})")
-        trail.snapshot, trail.snapshot_record, trail.index, trail.files = snap, rec, index, paths
+        trail.snapshot, trail.snapshot_record, trail.files = snap, rec, paths
+        trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
         return tensors, rec
 
     def _apply_step(self, s: Step, tensors: dict[str, torch.Tensor], got: dict[str, bytes],
