@@ -2,9 +2,13 @@
 
 Reader plans the cheapest way from what is held to the head (apply the chain, or start from a
 snapshot), downloads it in parallel, applies it and checks every step against the trainer's
-record. Watcher persists the result: a new version directory under DIR/.versions, then one
-atomic symlink swap of DIR/.current; the visible names in DIR are symlinks through .current, so a
-reader (or a crash) sees the old step or the new one, never a mix.
+record. A chain is applied to the held tensors in place (codec.UndoLog takes it back exactly on
+any failure: no copy of the model); a snapshot is spooled to disk, verified there, and read
+straight into tensors. Watcher persists the result (docs/PROTOCOL.md §6.1): in "full" mode a new
+version directory under DIR/.versions, then one atomic symlink swap of DIR/.current; in
+"journal" mode the step's verified payloads and a new state file in the held version (the state
+file's rename is the commit point), compacted into a new base in the background. A reader (or a
+crash) sees the old step or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -557,7 +561,11 @@ class Watcher:
     Contract for readers of `dest`: ignoring names that begin with '.', and following symlinks,
     it shows exactly one complete, verified step (safetensors in the published layout plus
     relay-state.json), or nothing before the first sync. It never moves to an older step.
-    on_update(step, tensors) runs after each persisted step; `module` is updated in place too.
+    on_update(step, tensors) runs after each persisted step with the live held tensors (updated in place
+    by the next sync: valid until then); `module` is updated in place too. `persist` is "full" (every step a
+    complete checkpoint under the visible names) or "journal" (a base plus the verified deltas since, only
+    relay-state.json visible; read with relay.dest.open_head), compacted past compact_fraction of the
+    model's bytes or compact_steps steps. `apply_workers` threads apply each delta (codec.apply_).
     With `trusted_keys` (PEM paths or Ed25519 public keys) only manifests signed by one of them are
     acted on, and every object is checked against the SHA-256 the signed manifest gives it (without
     keys a signed run is followed unchecked, with one warning).
