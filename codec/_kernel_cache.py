@@ -25,7 +25,8 @@ import numba
 import xxhash
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "methods/conditional.py", "methods/exponent_classes.py")
+KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "patching.py", "methods/conditional.py",
+                  "methods/exponent_classes.py")
 KEEP = 4  # cache directories kept: this version's and the three used most recently before it
 _DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 
