@@ -537,7 +537,8 @@ HASH_PART = 1 << 14
 @nb.njit(cache=True, nogil=True)
 def _grown(a, keep, cap):
     out = np.empty(cap, a.dtype)
-    out[:keep] = a[:keep]
+    for i in range(keep):  # a loop, not a slice assignment (codec/_warmup.py says why)
+        out[i] = a[i]
     return out
 
 
@@ -589,7 +590,8 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
         else:
             thresholds = given[i, :ngiven[i]].copy()
         nthr[i] = thresholds.size
-        thr[i, :thresholds.size] = thresholds
+        for j in range(thresholds.size):  # loops, not slice assignments (codec/_warmup.py says why)
+            thr[i, j] = thresholds[j]
         lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
         ge, seen = _scan_state()
         first[i] = k
@@ -600,12 +602,14 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
         for o in range(0, padded, HASH_PART):
             stop = min(o + HASH_PART, padded)
             before = k
-            saved[:] = seen
+            for j in range(saved.size):
+                saved[j] = seen[j]
             k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
             if k > pairs.size - SCAN_SLACK:
                 cap = max(2 * pairs.size, k) + SCAN_SLACK
                 pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
-                seen[:] = saved
+                for j in range(saved.size):
+                    seen[j] = saved[j]
                 k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
             if hashing and o < n:
                 hash_update(functions[1], states[0], bb, o, min(stop, n))
