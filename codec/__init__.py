@@ -3,6 +3,7 @@
     payload = codec.encode(base, target)      # bytes
     target  = codec.decode(base, payload)     # dict[str, torch.Tensor], verified
     codec.apply_(model.state_dict(), payload) # in place, all-or-nothing
+    codec.warm_up(("apply_",))                # compile the kernels in the background (a fresh host)
 
 The payload format is specified in docs/FORMAT.md.
 
@@ -24,6 +25,7 @@ with keyed_by_sources():  # every compiled kernel is defined while these imports
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
     from .inspect import describe
+from ._warmup import WarmUp, warm_up
 
 
 def check_structure(base: _Mapping, target: _Mapping) -> None:
@@ -34,4 +36,4 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
 
 
 __all__ = ["encode", "decode", "apply_", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
-           "FORMAT_VERSION"]
+           "FORMAT_VERSION", "warm_up", "WarmUp"]
