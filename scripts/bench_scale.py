@@ -244,12 +244,9 @@ def role_resume(cfg: dict) -> dict:
 def watcher_modes() -> list[str]:
     """The persist modes this Watcher offers: ["default"] before the `persist` option exists."""
     import relay
-    param = inspect.signature(relay.Watcher.__init__).parameters.get("persist")
-    if param is None:
+    if "persist" not in inspect.signature(relay.Watcher.__init__).parameters:
         return ["default"]
-    modes = [m for m in ("full", "journal") if m == param.default or param.annotation is inspect.Parameter.empty
-             or m in str(param.annotation)]
-    return modes or ["full", "journal"]
+    return ["full", "journal"]
 
 
 def role_watcher(cfg: dict) -> dict:
@@ -287,9 +284,11 @@ def role_watcher(cfg: dict) -> dict:
 
 
 def role_full(cfg: dict) -> dict:
-    """Baseline (a): a host copies the whole checkpoint from the store and loads it, per step."""
+    """Baseline (a): a host copies the whole checkpoint from the store and loads it, per step. The
+    copy is local (file to file, often from the page cache): the network's share is the cost
+    model's "full checkpoint over NIC"."""
     import fsspec
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     src = Path(cfg["ckpt"])
     dest = Path(cfg["dest"])
@@ -304,8 +303,8 @@ def role_full(cfg: dict) -> dict:
         for f in sorted(src.glob("*.safetensors")):
             fs.get(str(f), str(dest / f.name))
             nbytes += f.stat().st_size
-        for f in sorted(dest.glob("*.safetensors")):
-            loaded.update(load_file(str(f)))
+        for f in sorted(dest.glob("*.safetensors")):  # into RAM (load_file would map the file)
+            loaded.update(load(f.read_bytes()))
         steps.append(time.perf_counter() - s)
         writes.append(disk_writes() - io0)
         moved.append(nbytes)
