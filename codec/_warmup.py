@@ -267,19 +267,13 @@ def encoded() -> str:
     return base64.b64encode(encode(base, target)).decode()
 
 
-def _payload(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> bytes:
-    """The embedded payload, or (if it no longer decodes against this checkpoint, a regression
-    tests/test_warmup.py catches) a fresh one, which compiles the encoder too."""
-    from .api import decode
-    from .errors import DeltaError
-    payload = base64.b64decode(PAYLOAD)
-    try:
-        decode(base, payload)
-        return payload
-    except DeltaError as exc:
-        log.warning("codec warm-up: the embedded payload does not decode (%s); encoding one", exc)
-        from .api import encode
-        return encode(base, target)
+def _fresh_payload(exc: Exception) -> bytes:
+    """A payload from the current encoder, when the embedded one is refused (a regression
+    tests/test_warmup.py catches): it compiles the encoder too, but the path still warms up."""
+    from .api import encode
+    log.warning("codec warm-up: the embedded payload is refused (%s); encoding one", exc)
+    base, target = checkpoint()
+    return encode(base, target)
 
 
 def _warm_encode() -> None:
@@ -290,17 +284,27 @@ def _warm_encode() -> None:
 
 def _warm_decode() -> None:
     from .api import decode
-    base, target = checkpoint()
-    payload = _payload(base, target)
-    decode(base, payload)
+    from .errors import DeltaError
+    base = checkpoint()[0]
+    payload = base64.b64decode(PAYLOAD)
+    try:
+        decode(base, payload)
+    except DeltaError as exc:
+        payload = _fresh_payload(exc)
+        decode(base, payload)
     decode(base, bytearray(payload), workers=2)
 
 
 def _warm_apply() -> None:
+    """apply_ alone (no decode to check the payload first: that would compile decode's kernels)."""
     from .api import apply_
-    base, target = checkpoint()
-    payload = _payload(base, target)
-    apply_(base, payload)
+    from .errors import DeltaError
+    payload = base64.b64decode(PAYLOAD)
+    try:
+        apply_(checkpoint()[0], payload)
+    except DeltaError as exc:  # apply_ changed nothing
+        payload = _fresh_payload(exc)
+        apply_(checkpoint()[0], payload)
     apply_(checkpoint()[0], memoryview(bytearray(payload)))  # a writable buffer, as a download may be
 
 

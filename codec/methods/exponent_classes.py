@@ -348,7 +348,11 @@ def sample_stats(b, t, stride):
             for i in range(start, stop):
                 if b[np.uint64(i)] != t[np.uint64(i)]:
                     k[np.uint64((np.int64(b[np.uint64(i)]) >> KEY_SHIFT) & 0xFF)] += 1
-    return n4.reshape(4, 256).sum(axis=0), k
+    n = np.zeros(256, n4.dtype)  # the four lanes summed; not .sum(axis=0), whose axis check compiles string code
+    for lane in range(4):
+        for key in range(256):
+            n[key] += n4[lane * 256 + key]
+    return n, k
 
 
 @nb.njit(cache=True, nogil=True)
@@ -619,8 +623,9 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
             digests[i, 2], digests[i, 3] = hash_digest(functions[2], states[1])
         tensor_sizes, tensor_changes = _class_totals(cls, first[i], k, seen, padded)
         tensor_sizes[0] -= padded - n  # the padding is class 0
-        class_sizes[i] = tensor_sizes
-        class_changes[i] = tensor_changes
+        for c in range(tensor_sizes.size):  # loops, not row assignments (codec/_warmup.py says why)
+            class_sizes[i, c] = tensor_sizes[c]
+            class_changes[i, c] = tensor_changes[c]
     first[m] = k
     return pairs, cls, rank, first, thr, nthr, class_sizes, class_changes, digests
 
