@@ -4,6 +4,7 @@
     target  = codec.decode(base, payload)     # dict[str, torch.Tensor], verified
     codec.apply_(model.state_dict(), payload) # in place, all-or-nothing (undo=codec.UndoLog() for chains)
     codec.digests(payload)                    # per tensor: dtype, shape, base and target digests
+    codec.warm_up(("apply_",))                # compile the kernels in the background (a fresh host)
 
 The payload format is specified in docs/FORMAT.md.
 
@@ -25,6 +26,7 @@ with keyed_by_sources():  # every compiled kernel is defined while these imports
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
     from .inspect import TensorDigests, describe, digests
+from ._warmup import WarmUp, warm_up
 
 
 def check_structure(base: _Mapping, target: _Mapping) -> None:
@@ -35,5 +37,4 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
 
 
 __all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "digests", "TensorDigests", "check_structure",
-           "DeltaError",
-           "CheckpointMismatchError", "FORMAT_VERSION"]
+           "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "warm_up", "WarmUp"]
