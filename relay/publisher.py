@@ -271,6 +271,7 @@ class Publisher:
             raise ValueError("workers must be >= 1")
         self.url = url
         self.store = open_store(url, storage_options)
+        codec.warm_up(("encode",))  # a fresh host compiles the encoder while its first snapshot uploads
         self.snapshot_every = snapshot_every
         self.snapshot_fraction = snapshot_fraction
         self.max_shard_bytes = max_shard_bytes

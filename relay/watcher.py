@@ -598,6 +598,7 @@ class Watcher:
         self.on_update = on_update
         self.module = module
         self.store = open_store(url, storage_options)
+        codec.warm_up(("apply_",))  # a fresh host compiles the decoder while its first snapshot downloads
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
                              reroute_after=reroute_after, trusted_keys=trusted_keys,
                              failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max,
