@@ -101,7 +101,7 @@ class WarmUp:
 def warm_up(paths: Iterable[str] | None = None, *, background: bool = True) -> WarmUp:
     """Compile (or load from the on-disk cache) every kernel that `paths` use: "encode",
     "decode", "apply_" (default: all). Idempotent and thread-safe: a path runs once per process,
-    later calls share it. In a daemon thread unless `background` is False; returns a handle to
+    later calls share it. In a background thread (exit waits for it) unless `background` is False; returns a handle to
     `wait()` on. A publisher wants ("encode",), a watcher ("apply_",)."""
     wanted = tuple(dict.fromkeys(PATHS if paths is None else paths))
     unknown = [p for p in wanted if p not in _STEPS]
@@ -116,7 +116,9 @@ def warm_up(paths: Iterable[str] | None = None, *, background: bool = True) -> W
         futures = [_FUTURES[p] for p in wanted]
     if fresh:
         if background:
-            threading.Thread(target=_run, args=(fresh,), name="deltarelay-codec-warmup", daemon=True).start()
+            # not a daemon: an interpreter that exits mid-compile would kill LLVM's threads and abort
+            # ("terminate called without an active exception"); exit waits for the compile instead
+            threading.Thread(target=_run, args=(fresh,), name="deltarelay-codec-warmup", daemon=False).start()
         else:
             _run(fresh)
     return WarmUp(wanted, futures)

@@ -598,7 +598,6 @@ class Watcher:
         self.on_update = on_update
         self.module = module
         self.store = open_store(url, storage_options)
-        codec.warm_up(("apply_",))  # a fresh host compiles the decoder while its first snapshot downloads
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
                              reroute_after=reroute_after, trusted_keys=trusted_keys,
                              failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max,
@@ -626,6 +625,9 @@ class Watcher:
         except BaseException:
             self.close()
             raise
+        # once DEST is ours and its step loaded: a fresh host compiles the decoder while its first snapshot
+        # downloads (a refused or failed start compiles nothing)
+        codec.warm_up(("apply_",))
 
     def _take_lock(self):
         """flock DEST/.lock (exclusive, non-blocking) before touching DEST; DestLocked if another watcher has it.

@@ -22,40 +22,6 @@ from pathlib import Path
 import torch
 
 
-def streaming_local_store(store):
-    """The run's file:// store, writing streamed objects chunk by chunk into a temporary file that is then
-    linked into place (as LocalStore.put_new on whole bytes). Store.put_new_stream's fallback joins the
-    chunks, which would put a whole shard in memory and measure the store instead of the publisher; once
-    LocalStore streams on its own (another branch) this override changes nothing."""
-    import os
-
-    from relay.files import fsync_dir, temporary_sibling
-    from relay.store import LocalStore, ObjectExists
-
-    if not isinstance(store, LocalStore):
-        return store
-
-    class Streaming(LocalStore):
-        def put_new_stream(self, key, chunks, size):
-            path = self._path(key)
-            with temporary_sibling(path, 0o644) as tmp:
-                written = 0
-                with open(tmp, "wb") as f:
-                    for chunk in chunks:
-                        written += f.write(chunk)
-                    f.flush()
-                    os.fsync(f.fileno())
-                if written != size:
-                    raise ValueError(f"{self.url}/{key}: the stream gave {written} bytes, expected {size}")
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise ObjectExists(f"{self.url}/{key}: exists") from None
-            fsync_dir(path.parent)
-
-    return Streaming(store.url, str(store.root))
-
-
 def rss(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -120,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         times = []
         with relay.Publisher(url, workers=args.workers, advance=args.advance, snapshot_every=args.snapshot_every,
                              snapshot_fraction=1e9, max_shard_bytes=args.shard_mib << 20) as pub:
-            pub.store = streaming_local_store(pub.store)
             t0 = time.perf_counter()
             pub.publish(state, 0)
             first = time.perf_counter() - t0

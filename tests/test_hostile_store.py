@@ -19,7 +19,7 @@ from relay.manifest import (MAX_MANIFEST_BYTES, MAX_RECORD_BYTES, Manifest, Mani
                             TensorInfo, safe_shard_name, step_of_key)
 from relay.publisher import Publisher
 from relay.store import open_store
-from relay.watcher import SyncError, Watcher
+from relay.watcher import SyncError, Trail, Watcher
 
 from conftest import Trainer, same_bits
 
@@ -245,7 +245,7 @@ def test_persist_refuses_unsafe_names_even_past_the_parser(tmp_path):
                  {k: "../../escaped.safetensors" for k in tensors})
     before = files_under(tmp_path)
     with pytest.raises(SyncError, match="refusing to write shard names"):
-        w._persist(m, rec, tensors)
+        w._persist(m, rec, tensors, Trail(), in_place=False)
     assert files_under(tmp_path) == before
 
 

@@ -112,15 +112,15 @@ class _Interleave:
 
     def __init__(self, monkeypatch, prefix, action):
         self.fired = threading.Event()
-        real = LocalStore.put_new
+        real = LocalStore.put_new_stream  # snapshot files are streamed (put_immutable_stream)
 
-        def put_new(store, key, data):
+        def put_new_stream(store, key, chunks, size, **kw):
             if key.startswith(prefix) and not self.fired.is_set():
                 self.fired.set()
                 action()
-            return real(store, key, data)
+            return real(store, key, chunks, size, **kw)
 
-        monkeypatch.setattr(LocalStore, "put_new", put_new)
+        monkeypatch.setattr(LocalStore, "put_new_stream", put_new_stream)
 
 
 @pytest.mark.parametrize("attack", ["stripped", "replayed-older"])
@@ -246,14 +246,14 @@ def test_failed_background_snapshot_is_retried_and_reported(file_run, trainer, m
     """A snapshot whose upload fails every attempt no longer makes the next publish() raise, nor suppresses
     snapshots for snapshot_every steps: it is logged, counted, and the next step is snapshotted."""
     failing = {"on": True}
-    real = LocalStore.put_new
+    real = LocalStore.put_new_stream  # snapshot files are streamed (put_immutable_stream)
 
-    def put_new(store, key, data):
+    def put_new_stream(store, key, data, size, **kw):
         if failing["on"] and key.startswith("snapshots/") and not key.startswith("snapshots/0/"):
             raise OSError(5, "injected I/O error")
-        return real(store, key, data)
+        return real(store, key, data, size, **kw)
 
-    monkeypatch.setattr(LocalStore, "put_new", put_new)
+    monkeypatch.setattr(LocalStore, "put_new_stream", put_new_stream)
     t = trainer(seed=11)
     pub = Publisher(file_run.url, snapshot_every=2, snapshot_attempts=2)
     pub.publish(t.step(), 0)
@@ -275,15 +275,15 @@ def test_failed_background_snapshot_is_retried_and_reported(file_run, trainer, m
 
 def test_transient_background_snapshot_failure_is_retried(file_run, trainer, monkeypatch):
     calls = {"n": 0}
-    real = LocalStore.put_new
+    real = LocalStore.put_new_stream  # snapshot files are streamed (put_immutable_stream)
 
-    def put_new(store, key, data):
+    def put_new_stream(store, key, data, size, **kw):
         if key.startswith("snapshots/2/") and calls["n"] == 0:
             calls["n"] += 1
             raise OSError(5, "injected once")
-        return real(store, key, data)
+        return real(store, key, data, size, **kw)
 
-    monkeypatch.setattr(LocalStore, "put_new", put_new)
+    monkeypatch.setattr(LocalStore, "put_new_stream", put_new_stream)
     t = trainer(seed=12)
     with Publisher(file_run.url, snapshot_every=2) as pub:
         for step in range(3):
