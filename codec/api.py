@@ -535,22 +535,28 @@ class _InPlace:
         self._put(index, old)
 
 
-def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> None:
+def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
+           subset: bool = False) -> None:
     """Apply a payload in place (a live model's state_dict) and verify every tensor.
 
     On any failure every tensor is restored to its exact previous bits and DeltaError is raised.
     Extra memory is an undo log of the changed elements, not a copy of the checkpoint.
+    `subset=True` applies only the payload's tensors that `tensors_` holds (a host that serves part
+    of a model); the others are skipped, neither decoded nor verified. Tensors the payload does not
+    name are an error either way.
     """
     try:
-        _apply(tensors_, payload)
+        _apply(tensors_, payload, subset)
     except MemoryError:  # apply_ has restored every tensor by the time the error leaves _apply
         raise DeltaError(_OUT_OF_MEMORY) from None
 
 
-def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> None:
+def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview,
+           subset: bool = False) -> None:
     parsed = _parse(tensors_, payload)
-    views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
-    for entry in parsed.entries:  # unchanged tensors are verified up front; changed ones after writing
+    entries = [e for e in parsed.entries if e.name in tensors_] if subset else parsed.entries
+    views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in entries}
+    for entry in entries:  # unchanged tensors are verified up front; changed ones after writing
         if _unchanged(entry):
             if not _base_matches(entry, views[entry.name]):
                 raise DeltaError(_WRONG_BASE, tensor=entry.name)
@@ -558,7 +564,7 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     # Decode every patch before the first write: names that share storage (tied weights) must
     # not see each other's writes, and a bad stream is refused with nothing touched.
     patches = []
-    for entry in parsed.entries:
+    for entry in entries:
         if _unchanged(entry):
             continue
         try:
@@ -577,6 +583,6 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
         for writer, index, old in reversed(undo):
             writer.undo(index, old)
         if isinstance(exc, DeltaError) and exc.tensor in views:  # restored: now say why it failed
-            entry = next(e for e in parsed.entries if e.name == exc.tensor)
+            entry = next(e for e in entries if e.name == exc.tensor)
             raise _explain(entry, tensors.element_view(tensors_[entry.name]), exc) from None
         raise

@@ -22,16 +22,15 @@ from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, overload
+from typing import Any, Callable, Mapping, overload
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 
 import codec
-from relay import checkpoint
-from relay.manifest import (DestState, Manifest, ManifestError, ObjRef, Record, Snapshot, Step, mismatches,
-                            safe_shard_name)
+from relay import checkpoint, shards
+from relay.manifest import (DestState, Manifest, ManifestError, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
+                            mismatches, safe_shard_name)
 from relay.files import fsync_dir
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
@@ -65,6 +64,10 @@ class _BadVersion(Exception):
     """A local version proven damaged (state file, shards, digests): the only kind start-up deletes."""
 
 
+class _Reselect(Exception):
+    """A partial replica holds other tensors than it selects at the head: it starts again from a snapshot."""
+
+
 class _VerifyError(Exception):
     """Objects (by reference) whose bytes failed a check; the reader refetches them once, then backs off."""
 
@@ -75,29 +78,42 @@ class _VerifyError(Exception):
 
 @dataclass
 class Plan:
-    """Start from `snapshot` (or from the held step when None), then apply `steps` in order."""
+    """Start from `snapshot` (or from the held step when None), then apply `steps` in order.
+
+    A partial replica's plan (`want` set) downloads only the parts covering tensors it selects and,
+    from the snapshot, only `files` (the ones its index says hold them)."""
 
     snapshot: Snapshot | None
     steps: list[Step]
     cost: int  # bytes to download
+    files: tuple[ObjRef, ...] | None = None  # the snapshot files to fetch; None: all of them
+    want: shards.Selector | None = None
+
+    def parts(self, s: Step) -> list[Part]:
+        """The parts of chain step `s` this plan downloads and applies."""
+        return [p for p in s.delta_parts if shards.needs_part(p, self.want)]  # steps of a chain: each has a delta
 
     def keys(self, m: Manifest) -> list[ObjRef]:
         refs: list[ObjRef] = []
         if self.snapshot is not None:
-            refs += [self.snapshot.index, *self.snapshot.files, m.step_of_snapshot(self.snapshot).record]
+            files = self.snapshot.files if self.files is None else self.files
+            refs += [self.snapshot.index, *files, m.step_of_snapshot(self.snapshot).record]
         for s in self.steps:
-            refs += [p.ref for p in s.delta_parts]  # steps of a chain: each has a delta
+            refs += [p.ref for p in self.parts(s)]
         if self.steps:  # intermediate steps are checked by the payloads' own target digests
             refs.append(self.steps[-1].record)
         return refs
 
 
-def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -> Plan | None:
+def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *,
+              want: shards.Selector | None = None,
+              snapshot_files: Mapping[int, tuple[ObjRef, ...]] | None = None) -> Plan | None:
     """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
 
     Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
     cannot stall the reader: trying m.chain() from every snapshot would be quadratic. Ties go to
-    the held step, then to the oldest snapshot.
+    the held step, then to the oldest snapshot. A partial replica (`want`) counts only the parts
+    covering tensors it selects and, per snapshot step, the files `snapshot_files` gives (default all).
     """
     steps = m.steps
     n = len(steps)
@@ -107,7 +123,7 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -
         lowest -= 1
     tail = [0] * n  # bytes of the parts of every step after i
     for i in range(n - 1, 0, -1):
-        parts = steps[i].parts or ()
+        parts = [p for p in steps[i].parts or () if shards.needs_part(p, want)]
         tail[i - 1] = tail[i] + sum(p.ref.size for p in parts)
         if i > lowest and any(p.ref.key in excluded for p in parts):
             lowest = i  # chains that apply an excluded part are out
@@ -119,14 +135,15 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -
         nonlocal best, best_i
         if i < lowest:
             return
-        refs = [] if snap is None else [snap.index, *snap.files, steps[i].record]
+        files = None if snap is None or snapshot_files is None else snapshot_files.get(snap.step)
+        refs = [] if snap is None else [snap.index, *(snap.files if files is None else files), steps[i].record]
         if i < n - 1:
             refs.append(head)
         if any(r.key in excluded for r in refs):
             return
         cost = tail[i] + sum(r.size for r in refs)
         if best is None or cost < best.cost:
-            best, best_i = Plan(snap, [], cost), i
+            best, best_i = Plan(snap, [], cost, files, want), i
 
     if held is not None and held in index:
         consider(None, index[held])
@@ -152,12 +169,19 @@ class Reader:
     downloaded again, for failure_backoff_initial seconds, doubling at each further failure up to
     failure_backoff_max: a persistently bad object costs a bounded number of downloads, not two per
     poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try.
+
+    `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
+    parts and snapshot files that hold those tensors and returns and verifies exactly them.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
                  reroute_after: float | None = 300.0, trusted_keys: Any = None,
-                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0) -> None:
+                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
+                 tensors: Any = None) -> None:
         self.store = store
+        self.want = shards.selector(tensors)
+        self._names = None if tensors is None or callable(tensors) else frozenset(tensors)
+        self._indexes: dict[ObjRef, dict[str, set[str]]] = {}  # snapshot index -> its files' tensors (partial)
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.reroute_after = reroute_after
         self.workers = workers
@@ -221,13 +245,12 @@ class Reader:
             snap = plan.snapshot
             rec_ref = m.step_of_snapshot(snap).record
             rec = self._record(got[rec_ref.key], rec_ref, m.run, snap.step)
-            tensors: dict[str, torch.Tensor] = {}
-            for f in snap.files:
-                try:
-                    tensors.update(st_load(got[f.key]))
-                except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
-                    raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
-            bad = mismatches(tensors, rec.tensors)
+            files = snap.files if plan.files is None else plan.files
+            try:  # row slices of a sharded trainer's files put together; whole tensors as they are
+                tensors = shards.assemble([(f, got[f.key]) for f in files], rec.tensors, self.want)
+            except shards.ShardError as exc:
+                raise _VerifyError(exc.refs, str(exc)) from None
+            bad = mismatches(tensors, self.expected(rec))
             if bad:
                 # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
                 # good one (typically the head's) must stay usable for the chain from another snapshot.
@@ -240,10 +263,14 @@ class Reader:
             rec = None
         for s in plan.steps:
             covered: set[str] = set()
-            for part in s.delta_parts:
-                target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
-                try:
-                    codec.apply_(target, got[part.ref.key])  # verifies every tensor it covers, or changes nothing
+            try:  # every held tensor covered exactly once, whole or by row ranges (no overlap, no gap)
+                shards.check_tiling(s.step, s.delta_parts, tensors)
+            except shards.ShardError as exc:
+                raise _VerifyError(exc.refs, str(exc)) from None
+            for part in plan.parts(s):
+                target = shards.part_targets(part, tensors)  # row ranges: views into the held tensors
+                try:  # verifies every tensor it covers, or changes nothing
+                    codec.apply_(target, got[part.ref.key], subset=self.want is not None)
                 except codec.DeltaError as exc:
                     raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
                 covered.update(target)
@@ -254,13 +281,50 @@ class Reader:
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
-            bad = mismatches(tensors, rec.tensors)
+            expected = self.expected(rec)
+            if plan.snapshot is None and set(expected) != set(tensors):
+                raise _Reselect(f"step {last.step}: this replica's selection is {len(expected)} tensors, it "
+                                f"holds {len(tensors)}; starting from a snapshot")
+            bad = mismatches(tensors, expected)
             if bad:
                 raise _VerifyError([p.ref for s in plan.steps for p in s.delta_parts] + [last.record],
                                    f"step {last.step} does not match its record (tensors {bad[:5]})")
         if rec is None:  # plan_path never plans nothing: held is below the head, so a chain plan has steps
             raise SyncError("internal: chain plan without steps")
         return tensors, rec
+
+    def expected(self, rec: Record) -> dict[str, TensorInfo]:
+        """What a reached state must hold: the record's tensors, or a partial replica's selection of them."""
+        if self.want is None:
+            return rec.tensors
+        picked = {k: v for k, v in rec.tensors.items() if self.want(k)}
+        missing = sorted((self._names or frozenset()) - set(rec.tensors))
+        if missing or not picked:
+            raise SyncError(f"{self.store.url}: step {rec.step} has no tensor(s) "
+                            f"{missing[:5] if missing else 'this replica selects'}")
+        return picked
+
+    def _snapshot_files(self, m: Manifest) -> dict[int, tuple[ObjRef, ...]]:
+        """Per snapshot, the files holding a tensor this partial replica selects, from the snapshot's index
+        (fetched and checked once per index). A snapshot whose index cannot be read yet counts all files."""
+        want = self.want
+        out: dict[int, tuple[ObjRef, ...]] = {}
+        if want is None:
+            return out
+        live = {snap.index for snap in m.snapshots}
+        for ref in [r for r in self._indexes if r not in live]:
+            del self._indexes[ref]
+        for snap in m.snapshots:
+            if snap.index not in self._indexes:
+                try:
+                    self._indexes[snap.index] = shards.index_files(self._fetch_one(snap.index), snap)
+                except (ObjectMissing, _VerifyError, ManifestError) as exc:
+                    log.info("%s: cannot read yet (%s); counting every file of snapshot %d", snap.index.key, exc,
+                             snap.step)
+                    continue
+            holds = self._indexes[snap.index]
+            out[snap.step] = tuple(f for f in snap.files if any(want(n) for n in holds.get(f.key, ())))
+        return out
 
     def _backed_off(self, m: Manifest, now: float) -> set[str]:
         """Keys of this manifest's references still inside their failure backoff; forgets stale failures."""
@@ -314,13 +378,21 @@ class Reader:
                                         m.head, held_step, held_step)
                         return m, None, None
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
-                    plan = plan_path(m, held_step, excluded | rerouted) or plan_path(m, held_step, excluded)
+                    kw: dict[str, Any] = {}
+                    if self.want is not None:
+                        kw = {"want": self.want, "snapshot_files": self._snapshot_files(m)}
+                    plan = (plan_path(m, held_step, excluded | rerouted, **kw)
+                            or plan_path(m, held_step, excluded, **kw))
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
                     try:
                         tensors, rec = self._execute(m, plan, held)
+                    except _Reselect as exc:  # a partial replica whose held tensors are not its selection
+                        log.warning("%s", exc)
+                        held_step, held = None, None
+                        continue
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
                         if exc.key is not None and self.reroute_after is not None:
@@ -385,13 +457,17 @@ class Watcher:
     An object the manifest names but the store lacks is waited for (backoff from retry_initial to
     retry_max seconds); after reroute_after seconds the watcher also considers other complete paths
     (a newer snapshot) that avoid it. It never skips a step of a path or applies part of a chain.
+    `tensors` (names or a predicate) makes DEST a partial replica (a pipeline stage, an expert-parallel
+    rank): only those tensors are downloaded, verified and written, and relay-state.json says
+    `"partial": true`; a full watcher never takes a partial DEST's step as its own, nor the reverse.
     """
 
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
                  storage_options: dict | None = None, on_update: Callable[[int, dict], Any] | None = None,
                  module: torch.nn.Module | None = None, workers: int = 8, retry_initial: float = 0.2,
                  retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None,
-                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0) -> None:
+                 failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
+                 tensors: Any = None) -> None:
         self.url = url
         self.dest = Path(dest)
         self.poll_interval = poll_interval
@@ -400,7 +476,8 @@ class Watcher:
         self.store = open_store(url, storage_options)
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
                              reroute_after=reroute_after, trusted_keys=trusted_keys,
-                             failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max)
+                             failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max,
+                             tensors=tensors)
         self._stop = threading.Event()
         self.step: int | None = None
         self.run_id: str | None = None
@@ -408,6 +485,7 @@ class Watcher:
         self.module_step: int | None = None  # the step `module` holds (set by a successful hot-load)
         self.delivered_step: int | None = None  # the last step on_update accepted
         self._module_tensors: dict[str, torch.Tensor] | None = None  # what the module holds, to restore from
+        self._held_partial = False  # the loaded version's relay-state.json says "partial"
         self.dest.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock()
         try:
@@ -478,6 +556,10 @@ class Watcher:
                 self.step, self.run_id, self.tensors = self._load_version(versions / name)
                 keep = name
                 log.info("%s: holding step %d", self.dest, self.step)
+                if not self._holds_selection(self.tensors):  # shown until the first sync replaces it, not built on
+                    log.warning("%s: step %d holds %s than this watcher selects; starting from a snapshot", self.dest,
+                                self.step, "other tensors" if self.reader.want else "only some tensors")
+                    self.step = self.run_id = self.tensors = None
             except _BadVersion as exc:
                 log.warning("%s: held step unusable (%s); removing it and starting fresh", self.dest, exc)
         self.module_step = self.delivered_step = self.step  # a held step counts as delivered (as before)
@@ -491,6 +573,14 @@ class Watcher:
         if keep is not None:
             self._link_visible(versions / keep, strict=False)
         self._drop_dangling()
+
+    def _holds_selection(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether a loaded version is this watcher's kind: full for a full watcher; for a partial one,
+        partial and only tensors it selects (a chain then reaches exactly its selection, or it reselects)."""
+        want = self.reader.want
+        if want is None:
+            return not self._held_partial
+        return self._held_partial and all(want(k) for k in tensors)
 
     def _current_name(self) -> str | None:
         """The version .current names, if it is a link to .versions/<version name> that is a real directory."""
@@ -523,6 +613,7 @@ class Watcher:
         except ManifestError as exc:  # not JSON, or not the schema
             raise _BadVersion(f"{STATE_NAME} is not valid ({exc})") from None
         step, run, expected = state.step, state.run, state.tensors
+        self._held_partial = state.partial
         try:
             tensors, _ = checkpoint.load(path)
         except FileNotFoundError as exc:
@@ -581,7 +672,8 @@ class Watcher:
 
     def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor]) -> None:
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
-        if bad or set(rec.weight_map) != set(tensors):  # Record.parse refuses these; never write outside DEST
+        covers = set(rec.weight_map) >= set(tensors) if self.reader.want else set(rec.weight_map) == set(tensors)
+        if bad or not covers:  # Record.parse refuses these; never write outside DEST
             raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} "
                             f"in {self.dest}")
         versions = self._versions_dir()
@@ -606,7 +698,9 @@ class Watcher:
         tmp = versions / f".{name}.tmp"
         tmp.mkdir()
         checkpoint.write_dir(tensors, tmp, checkpoint.Layout(True, rec.weight_map, {"step": str(rec.step)}))
-        (tmp / STATE_NAME).write_bytes(DestState(m.run, rec.step, self.url, rec.tensors).to_bytes())
+        partial = self.reader.want is not None  # then only the selected tensors, in their files of the layout
+        infos = {k: rec.tensors[k] for k in tensors} if partial else rec.tensors
+        (tmp / STATE_NAME).write_bytes(DestState(m.run, rec.step, self.url, infos, partial).to_bytes())
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -643,6 +737,7 @@ class Watcher:
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
             self._persist(m, rec, tensors)
             self.step, self.run_id, self.tensors = rec.step, m.run, tensors
+            self._held_partial = self.reader.want is not None
             log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
         self._deliver()
         if self.step is None:  # reach() returns nothing only when a step is held, and else the tensors we took
