@@ -1,0 +1,309 @@
+"""Sharded publish from torch.distributed trainers (relay.distributed) and partial replicas (#15).
+
+Ranks are real processes (forked, gloo over loopback TCP) publishing to a moto S3 server or a
+file:// store; every watcher is checked bit-exact against the trainer's whole state.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from relay.distributed import RowSlice, ShardedPublisher, ShardedPublishError
+from relay.manifest import DestState, Manifest, ManifestError, Record
+from relay.publisher import Publisher
+from relay.store import open_store
+from relay.watcher import SyncError, Watcher
+
+from conftest import free_port, same_bits
+
+SHAPES = {"embed.weight": (50, 24), "layer.0.weight": (40, 24), "layer.0.bias": (40,), "layer.1.weight": (12, 40),
+          "norm.scale": (3,), "head.weight": (9, 12)}
+
+
+def full_state(step: int) -> dict[str, torch.Tensor]:
+    """The trainer's whole state at `step`: seeded BF16 tensors (one F32), ~2% of elements nudged per step."""
+    g = torch.Generator().manual_seed(7)
+    state = {k: torch.randn(s, generator=g).to(torch.float32 if k == "norm.scale" else torch.bfloat16)
+             for k, s in SHAPES.items()}
+    for _ in range(step):
+        for t in state.values():
+            mask = torch.rand(t.shape, generator=g) < 0.02
+            t[mask] = (t.float()[mask] * 1.05 + 0.01).to(t.dtype)
+    return state
+
+
+def rank_state(step: int, rank: int, world: int, layout: str) -> dict[str, Any]:
+    """What rank `rank` holds: whole tensors round-robin ("whole"), or row slices of every tensor with at
+    least `world` rows, the rest whole on rank 0 ("rows")."""
+    state = full_state(step)
+    if layout == "whole":
+        return {k: v for i, (k, v) in enumerate(state.items()) if i % world == rank}
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if v.shape[0] < world:
+            if rank == 0:
+                out[k] = v
+            continue
+        chunks = torch.tensor_split(v, world)  # uneven: 50 rows over 4 ranks are 13, 13, 12, 12
+        start = sum(c.shape[0] for c in chunks[:rank])
+        out[k] = RowSlice(chunks[rank].clone(), start, v.shape[0])
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None, steps: int, layout: str,
+               outdir: str, fault: str | None, kw: dict) -> None:
+    """One rank: publish steps 0..steps-1 (rank 0 waits for the test's go-<step> file after each), and write
+    what happened to <outdir>/rank-<rank>.json."""
+    import torch.distributed as dist
+
+    result: dict[str, Any] = {"published": [], "error": None}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        pub = ShardedPublisher(url, storage_options=options, snapshot_every=3, timeout=kw.pop("timeout", 20),
+                               **kw)
+        for step in range(steps):
+            state = rank_state(step, rank, world, layout)
+            if fault == f"raise@{step}" and rank == 1:
+                state["broken"] = "not a tensor"  # rank 1 fails before its part
+            if fault == f"kill@{step}" and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            started = time.monotonic()
+            try:
+                pub.publish(state, step)
+            except ShardedPublishError as exc:
+                result["error"] = str(exc)
+                result["error_after"] = time.monotonic() - started
+                break
+            result["published"].append(step)
+            if rank == 0:
+                go = Path(outdir) / f"go-{step}"
+                deadline = time.monotonic() + 60
+                while not go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+    except BaseException:  # noqa: BLE001 - written for the test to read
+        result["error"] = traceback.format_exc()
+    (Path(outdir) / f"rank-{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # skip atexit (the forked parent's handlers)
+
+
+def run_ranks(world: int, url: str, options: dict | None, steps: int, layout: str, tmp_path: Path,
+              fault: str | None = None, each_step: Callable[[int], None] | None = None, **kw: Any) -> list[dict]:
+    """Start `world` rank processes, call each_step(step) once each step is committed, join them."""
+    outdir = tmp_path / f"ranks-{time.monotonic_ns()}"
+    outdir.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, url, options, steps, layout, str(outdir), fault,
+                                                 dict(kw)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        store = open_store(url, options)
+        for step in range(steps):
+            deadline = time.monotonic() + 60
+            while True:
+                got = store.read_manifest()
+                if got is not None and Manifest.parse(got.data).head >= step:
+                    break
+                if all(not p.is_alive() for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            else:  # pragma: no cover - the loop always breaks
+                pass
+            if got is None or Manifest.parse(got.data).head < step:
+                break
+            if each_step is not None:
+                each_step(step)
+            (outdir / f"go-{step}").touch()
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return [json.loads((outdir / f"rank-{r}.json").read_text()) if (outdir / f"rank-{r}.json").exists()
+            else {"error": "no result (killed)", "published": []} for r in range(world)]
+
+
+@pytest.mark.parametrize("world, layout", [(2, "whole"), (2, "rows"),
+                                           pytest.param(4, "whole", marks=pytest.mark.slow),
+                                           pytest.param(4, "rows", marks=pytest.mark.slow)])
+def test_sharded_run_bit_exact_at_every_watcher(s3_run, tmp_path, world, layout):
+    """Steps 0-4 (snapshots at 0 and 3): a watcher following every step and a fresh one at the end (snapshot
+    files of every rank assembled, then a sliced delta) hold exactly the trainer's whole state."""
+    seen = []
+    follower = Watcher(s3_run.url, tmp_path / "follow", storage_options=s3_run.options, poll_interval=0.05)
+
+    def check(step: int) -> None:
+        assert follower.sync(timeout=20) == step
+        assert same_bits(follower.tensors, full_state(step)), step
+        seen.append(step)
+
+    results = run_ranks(world, s3_run.url, s3_run.options, 5, layout, tmp_path, each_step=check,
+                        max_shard_bytes=1500)
+    follower.close()
+    assert all(r["error"] is None and r["published"] == list(range(5)) for r in results), results
+    assert seen == list(range(5))
+    m = Manifest.parse(open_store(s3_run.url, s3_run.options).read_manifest().data)
+    assert [s.step for s in m.snapshots] == [0, 3]
+    head = m.step(4)
+    assert len(head.parts) == world and {p.ref.key for p in head.parts} == {f"deltas/4-{r}.drd" for r in range(world)}
+    assert all((p.rows is not None) == (layout == "rows") for p in head.parts)
+    assert len(m.snapshots[-1].files) > world  # 1500-byte cap: several files per rank
+    with Watcher(s3_run.url, tmp_path / "fresh", storage_options=s3_run.options) as w:
+        assert w.sync(timeout=20) == 4
+        assert same_bits(w.tensors, full_state(4))
+    # DEST verifies on restart against its state file (sliced digests included)
+    with Watcher(s3_run.url, tmp_path / "fresh", storage_options=s3_run.options) as w:
+        assert w.step == 4 and same_bits(w.tensors, full_state(4))
+    rec = Record.parse(open_store(s3_run.url, s3_run.options).get(head.record.key))
+    assert set(rec.tensors) == set(SHAPES) and set(rec.weight_map) == set(SHAPES)
+    assert all((rec.tensors[k].slices is not None) == (layout == "rows" and SHAPES[k][0] >= world) for k in SHAPES)
+
+
+def test_a_rank_that_raises_fails_the_step_on_every_rank(file_run, tmp_path):
+    results = run_ranks(2, file_run.url, None, 4, "rows", tmp_path, fault="raise@2")
+    for r in results:
+        assert r["published"] == [0, 1]
+        assert "step 2 not published" in r["error"] and "rank 1: TypeError" in r["error"], r["error"]
+    assert Manifest.parse(open_store(file_run.url).read_manifest().data).head == 1
+    with Watcher(file_run.url, tmp_path / "dest") as w:
+        assert w.sync(timeout=10) == 1 and same_bits(w.tensors, full_state(1))
+
+
+def test_a_killed_rank_fails_the_others_within_the_timeout(file_run, tmp_path):
+    results = run_ranks(2, file_run.url, None, 4, "whole", tmp_path, fault="kill@2", timeout=8)
+    assert results[1]["error"] == "no result (killed)"
+    r0 = results[0]
+    assert r0["published"] == [0, 1]
+    assert "step 2" in r0["error"] and "rank 0 of 2 lost the other ranks" in r0["error"], r0["error"]
+    assert r0["error_after"] < 8 + 5
+    assert Manifest.parse(open_store(file_run.url).read_manifest().data).head == 1
+
+
+def _forge(url: str, change: Callable[[dict], None]) -> None:
+    store = open_store(url)
+    doc = json.loads(store.read_manifest().data)
+    change(doc)
+    path = Path(url.removeprefix("file://")) / "manifest.json"
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("how", ["overlap", "gap", "out-of-range"])
+def test_forged_rows_are_refused(file_run, tmp_path, how):
+    """A bucket writer who rewrites the head step's parts to overlap, leave a gap or run past a tensor's rows
+    never gets a reader to apply them: refused, DEST stays on its verified step."""
+    w = Watcher(file_run.url, tmp_path / "dest", failure_backoff_initial=30)
+
+    def at(step: int) -> None:
+        if step == 1:
+            assert w.sync(timeout=10) == 1
+
+    try:
+        results = run_ranks(2, file_run.url, None, 3, "rows", tmp_path, each_step=at)
+        assert all(r["error"] is None for r in results), results
+
+        def forge(doc: dict) -> None:
+            rows = doc["steps"][-1]["parts"][1]["rows"]
+            a, b = rows["embed.weight"]
+            rows["embed.weight"] = {"overlap": [a - 1, b], "gap": [a + 1, b], "out-of-range": [a, b + 5]}[how]
+
+        _forge(file_run.url, forge)
+        if how == "overlap":  # refused when the manifest is parsed
+            with pytest.raises(ManifestError, match="overlap"):
+                w.sync(timeout=10)
+        else:  # refused by the tiling check, twice, then planned around: no other path to step 2
+            with pytest.raises(SyncError, match="no verified path"):
+                w.sync(timeout=10)
+        assert w.step == 1 and same_bits(w.tensors, full_state(1))
+        state = DestState.parse((tmp_path / "dest" / "relay-state.json").read_bytes())
+        assert state.step == 1
+    finally:
+        w.close()
+
+
+def test_partial_replica_of_a_sharded_run(s3_run, tmp_path):
+    """A host serving one tensor downloads the one rank's part and snapshot file that hold it, verifies
+    exactly that tensor, and its DEST says it is partial; a full watcher never takes that DEST as its own."""
+    results = run_ranks(2, s3_run.url, s3_run.options, 5, "whole", tmp_path, max_shard_bytes=1500)
+    assert all(r["error"] is None for r in results), results
+    store = open_store(s3_run.url, s3_run.options)
+    m = Manifest.parse(store.read_manifest().data)
+    wanted = "layer.1.weight"  # index 3: rank 1's
+    with Watcher(s3_run.url, tmp_path / "part", storage_options=s3_run.options, tensors=[wanted]) as w:
+        fetched: list[str] = []
+        get = w.reader.store.get
+        w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        assert w.sync(timeout=20) == 4
+        assert set(w.tensors) == {wanted} and same_bits(w.tensors, {wanted: full_state(4)[wanted]})
+    snap = m.snapshots[-1]
+    files = [k for k in fetched if k.startswith("snapshots/3/") and k.endswith(".safetensors")]
+    assert len(files) == 1 and files[0].startswith("snapshots/3/rank-00001-of-00002-")
+    assert [k for k in fetched if k.startswith("deltas/")] == ["deltas/4-1.drd"]
+    needed = sum(r.size for r in m.refs() if r.key in set(fetched))
+    assert w.bytes_downloaded == needed < snap.bytes
+    state = DestState.parse((tmp_path / "part" / "relay-state.json").read_bytes())
+    assert state.partial and set(state.tensors) == {wanted}
+    with Watcher(s3_run.url, tmp_path / "part", storage_options=s3_run.options) as full:
+        assert full.step is None  # a partial DEST does not pass for a full one
+        assert full.sync(timeout=20) == 4 and same_bits(full.tensors, full_state(4))
+    assert not DestState.parse((tmp_path / "part" / "relay-state.json").read_bytes()).partial
+
+
+def test_partial_replica_of_a_single_process_run(s3_run, tmp_path):
+    """A single-process run's snapshot is in the record's weight_map layout: a partial replica fetches only
+    the files holding its tensors (the delta has one part covering everything, so that one comes whole)."""
+    with Publisher(s3_run.url, storage_options=s3_run.options, snapshot_every=3, background=False,
+                   max_shard_bytes=2500) as pub:
+        for step in range(5):
+            pub.publish(full_state(step), step)
+    wanted = ["layer.0.weight", "layer.0.bias"]
+    store = open_store(s3_run.url, s3_run.options)
+    m = Manifest.parse(store.read_manifest().data)
+    rec = Record.parse(store.get(m.step(3).record.key))
+    holding = {f"snapshots/3/{rec.weight_map[k]}" for k in wanted}
+    with Watcher(s3_run.url, tmp_path / "dest", storage_options=s3_run.options, tensors=lambda k: k in wanted) as w:
+        fetched: list[str] = []
+        get = w.reader.store.get
+        w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        assert w.sync(timeout=20) == 4
+        assert same_bits(w.tensors, {k: full_state(4)[k] for k in wanted})
+    assert {k for k in fetched if k.endswith(".safetensors")} == holding
+    assert len(m.snapshots[-1].files) > len(holding)
+    assert "deltas/4-0.drd" in fetched
+
+
+def test_unknown_selected_tensor_is_a_clear_error(file_run, tmp_path):
+    with Publisher(file_run.url, background=False) as pub:
+        pub.publish(full_state(0), 0)
+    with Watcher(file_run.url, tmp_path / "dest", tensors=["nope"]) as w:
+        with pytest.raises(SyncError, match="no tensor.*nope"):
+            w.sync(timeout=5)
+        assert w.step is None
+
+
+def test_sharded_run_documents_follow_the_schemas(file_run, tmp_path):
+    from test_schemas import validator
+
+    results = run_ranks(2, file_run.url, None, 2, "rows", tmp_path)
+    assert all(r["error"] is None for r in results), results
+    store = open_store(file_run.url)
+    doc = json.loads(store.read_manifest().data)
+    validator("manifest").validate(doc)
+    m = Manifest.parse(store.read_manifest().data)
+    for s in m.steps:
+        validator("record").validate(json.loads(store.get(s.record.key)))
+    with Watcher(file_run.url, tmp_path / "dest", tensors=["embed.weight"]) as w:
+        w.sync(timeout=10)
+    validator("relay-state").validate(json.loads((tmp_path / "dest" / "relay-state.json").read_bytes()))
