@@ -293,17 +293,70 @@ def test_unknown_selected_tensor_is_a_clear_error(file_run, tmp_path):
         assert w.step is None
 
 
-def test_sharded_run_documents_follow_the_schemas(file_run, tmp_path):
+@pytest.fixture(scope="module")
+def sharded_docs(tmp_path_factory) -> dict:
+    """The documents of a 2-rank row-sliced run: its manifest, head record and a partial DEST's state file."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    url = f"file://{tmp}/store/run"
+    results = run_ranks(2, url, None, 2, "rows", tmp)
+    assert all(r["error"] is None for r in results), results
+    store = open_store(url)
+    m = Manifest.parse(store.read_manifest().data)
+    with Watcher(url, tmp / "dest", tensors=["embed.weight"]) as w:
+        w.sync(timeout=10)
+    return {"manifest": json.loads(store.read_manifest().data), "record": json.loads(store.get(m.step(1).record.key)),
+            "state": json.loads((tmp / "dest" / "relay-state.json").read_bytes())}
+
+
+def test_sharded_run_documents_follow_the_schemas(sharded_docs):
     from test_schemas import validator
 
-    results = run_ranks(2, file_run.url, None, 2, "rows", tmp_path)
-    assert all(r["error"] is None for r in results), results
-    store = open_store(file_run.url)
-    doc = json.loads(store.read_manifest().data)
-    validator("manifest").validate(doc)
-    m = Manifest.parse(store.read_manifest().data)
-    for s in m.steps:
-        validator("record").validate(json.loads(store.get(s.record.key)))
-    with Watcher(file_run.url, tmp_path / "dest", tensors=["embed.weight"]) as w:
-        w.sync(timeout=10)
-    validator("relay-state").validate(json.loads((tmp_path / "dest" / "relay-state.json").read_bytes()))
+    validator("manifest").validate(sharded_docs["manifest"])
+    validator("record").validate(sharded_docs["record"])
+    validator("relay-state").validate(sharded_docs["state"])
+    assert sharded_docs["state"]["partial"] is True
+    assert "rows" in sharded_docs["manifest"]["steps"][1]["parts"][0]
+    assert "slices" in sharded_docs["record"]["tensors"]["embed.weight"]
+
+
+def _rows(d: dict) -> dict:
+    return d["steps"][1]["parts"][0]["rows"]
+
+
+def _slices(r: dict) -> list:
+    return r["tensors"]["embed.weight"]["slices"]
+
+
+# (document, parser, mutation, whether JSON Schema can say it too)
+SHARDED_MUTATIONS = [
+    ("manifest", Manifest.parse, lambda d: _rows(d).update({"embed.weight": [5, 5]}), False),
+    ("manifest", Manifest.parse, lambda d: _rows(d).update({"embed.weight": [-1, 5]}), True),
+    ("manifest", Manifest.parse, lambda d: _rows(d).update({"embed.weight": [0, 1, 2]}), True),
+    ("manifest", Manifest.parse, lambda d: _rows(d).update({"embed.weight": ["0", 5]}), True),
+    ("manifest", Manifest.parse, lambda d: d["steps"][1]["parts"][0].update(rows={}), True),
+    ("manifest", Manifest.parse, lambda d: _rows(d).update({"not.listed": [0, 1]}), False),
+    ("manifest", Manifest.parse, lambda d: d["steps"][1]["parts"][1]["rows"].update(
+        {"embed.weight": [0, 30]}), False),  # overlaps part 0's rows
+    ("manifest", Manifest.parse, lambda d: d["steps"][1]["parts"][0].update(tensors=None), False),
+    ("record", Record.parse, lambda r: _slices(r)[0].__setitem__(2, "xyz"), True),
+    ("record", Record.parse, lambda r: _slices(r).pop(), False),  # a gap at the end
+    ("record", Record.parse, lambda r: _slices(r)[0].__setitem__(0, 1), False),  # does not start at 0
+    ("record", Record.parse, lambda r: _slices(r)[0].__setitem__(2, "0" * 32), False),  # whole digest no longer fits
+    ("record", Record.parse, lambda r: r["tensors"]["embed.weight"].update(slices=[]), True),
+    ("record", Record.parse, lambda r: r["tensors"]["embed.weight"].update(shape=[]), False),
+    ("state", DestState.parse, lambda s: s.update(partial=False), True),
+]
+
+
+@pytest.mark.parametrize("which, parse, mutate, schema_too", SHARDED_MUTATIONS,
+                         ids=[f"{w}-{i}" for i, (w, *_) in enumerate(SHARDED_MUTATIONS)])
+def test_sharded_documents_are_parsed_strictly(sharded_docs, which, parse, mutate, schema_too):
+    """What the parsers refuse in rows, slices and partial; the field-level rules the schemas refuse too."""
+    from test_schemas import validator
+
+    doc = json.loads(json.dumps(sharded_docs[which]))
+    mutate(doc)
+    with pytest.raises(ManifestError):
+        parse(json.dumps(doc).encode())
+    schema = {"state": "relay-state"}.get(which, which)
+    assert validator(schema).is_valid(doc) is not schema_too
