@@ -7,7 +7,9 @@ passes fsspec options for that URL unchanged.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
+from typing import Callable
 
 from relay import checkpoint, ops
 from relay.cli_options import add_storage_options, add_trusted_key, add_writer_keys, storage_options
@@ -25,11 +27,20 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def tensor_selector(patterns: list[str] | None) -> Callable[[str], bool] | None:
+    """--tensors PATTERN...: a partial replica's tensors, shell-style patterns (fnmatchcase; a plain name
+    matches itself). None: every tensor."""
+    if not patterns:
+        return None
+    pats = list(patterns)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
+
+
 def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
-                 trusted_keys=args.trusted_key) as w:
+                 trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors)) as w:
         try:
             if args.once:
                 step = w.sync(timeout=args.timeout)
@@ -100,6 +111,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true", help="sync to the head once and exit")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="give up a sync after S seconds (exit non-zero, DIR stays on its last good step)")
+    p.add_argument("--tensors", action="append", metavar="PATTERN",
+                   help="a partial replica: hold only the tensors matching this shell-style pattern (a plain name "
+                        "matches itself; repeat for more); only the parts and snapshot files holding them are "
+                        "downloaded, and DIR's relay-state.json says \"partial\"")
     add_trusted_key(p)
     add_storage_options(p)
     p.set_defaults(func=_watch)

@@ -46,6 +46,11 @@ def rank_state(step: int, rank: int, world: int, layout: str) -> dict[str, Any]:
     """What rank `rank` holds: whole tensors round-robin ("whole"), or row slices of every tensor with at
     least `world` rows, the rest whole on rank 0 ("rows")."""
     state = full_state(step)
+    if layout == "dtensor":  # torch's own form of layout (b): Shard(0) DTensors, Replicate for the small ones
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        return {k: distribute_tensor(v, _MESH[0], [Shard(0) if v.shape[0] >= world else Replicate()],
+                                     src_data_rank=None) for k, v in state.items()}
     if layout == "whole":
         return {k: v for i, (k, v) in enumerate(state.items()) if i % world == rank}
     out: dict[str, Any] = {}
@@ -60,6 +65,9 @@ def rank_state(step: int, rank: int, world: int, layout: str) -> dict[str, Any]:
     return out
 
 
+_MESH: list[Any] = []  # a rank's device mesh, for the dtensor layout
+
+
 def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None, steps: int, layout: str,
                outdir: str, fault: str | None, kw: dict) -> None:
     """One rank: publish steps 0..steps-1 (rank 0 waits for the test's go-<step> file after each), and write
@@ -69,6 +77,10 @@ def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None,
     result: dict[str, Any] = {"published": [], "error": None}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if layout == "dtensor":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            _MESH.append(init_device_mesh("cpu", (world,)))
         pub = ShardedPublisher(url, storage_options=options, snapshot_every=3, timeout=kw.pop("timeout", 20),
                                **kw)
         for step in range(steps):
@@ -136,7 +148,7 @@ def run_ranks(world: int, url: str, options: dict | None, steps: int, layout: st
             else {"error": "no result (killed)", "published": []} for r in range(world)]
 
 
-@pytest.mark.parametrize("world, layout", [(2, "whole"), (2, "rows"),
+@pytest.mark.parametrize("world, layout", [(2, "whole"), (2, "rows"), (2, "dtensor"),
                                            pytest.param(4, "whole", marks=pytest.mark.slow),
                                            pytest.param(4, "rows", marks=pytest.mark.slow)])
 def test_sharded_run_bit_exact_at_every_watcher(s3_run, tmp_path, world, layout):
@@ -159,7 +171,7 @@ def test_sharded_run_bit_exact_at_every_watcher(s3_run, tmp_path, world, layout)
     assert [s.step for s in m.snapshots] == [0, 3]
     head = m.step(4)
     assert len(head.parts) == world and {p.ref.key for p in head.parts} == {f"deltas/4-{r}.drd" for r in range(world)}
-    assert all((p.rows is not None) == (layout == "rows") for p in head.parts)
+    assert all((p.rows is not None) == (layout != "whole") for p in head.parts)
     assert len(m.snapshots[-1].files) > world  # the small cap: several files on some ranks
     with Watcher(s3_run.url, tmp_path / "fresh", storage_options=s3_run.options) as w:
         assert w.sync(timeout=20) == 4
@@ -169,7 +181,7 @@ def test_sharded_run_bit_exact_at_every_watcher(s3_run, tmp_path, world, layout)
         assert w.step == 4 and same_bits(w.tensors, full_state(4))
     rec = Record.parse(open_store(s3_run.url, s3_run.options).get(head.record.key))
     assert set(rec.tensors) == set(SHAPES) and set(rec.weight_map) == set(SHAPES)
-    assert all((rec.tensors[k].slices is not None) == (layout == "rows" and SHAPES[k][0] >= world) for k in SHAPES)
+    assert all((rec.tensors[k].slices is not None) == (layout != "whole" and SHAPES[k][0] >= world) for k in SHAPES)
 
 
 def test_a_rank_that_raises_fails_the_step_on_every_rank(file_run, tmp_path):
