@@ -40,10 +40,10 @@ from codec.tensors import dtype_of, element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
 from relay.commit import extend_run, update_manifest
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            delta_key, record_key, safe_shard_name, sliced_digest, snapshot_prefix)
+                            delta_key, record_key, safe_shard_name, sliced_digest, snapshot_prefix, step_of_key)
 from relay.shards import ROWS_KEY, SLICES_KEY
 from relay.signing import Signer, TrustedKeys
-from relay.store import open_store
+from relay.store import ConflictError, open_store
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ class ShardedPublisher:
             out["part"] = "mismatch"
             return out
         ref = ObjRef.of(delta_key(step, self.rank), payload, self.strong)
-        self.store.put_immutable(ref.key, payload)
+        self._put(ref.key, payload)
         out["part"] = ref
         return out
 
@@ -373,10 +373,31 @@ class ShardedPublisher:
                 meta[ROWS_KEY] = json.dumps(rows, separators=(",", ":"), sort_keys=True)
             data = st_save(part, metadata=meta)
             ref = ObjRef.of(snapshot_prefix(step) + file, data, self.strong)
-            self.store.put_immutable(ref.key, data)
+            self._put(ref.key, data)
             refs.append(ref)
             layout.update({k: (file, local[k].rows) for k in part})
         return {"files": refs, "layout": layout}
+
+    def _put(self, key: str, data: bytes) -> None:
+        """Create an immutable object. Other bytes under the key of a step above our head are what a failed
+        attempt at that step left (a rank's error, then a retry with other tensors): replaced once the
+        manifest shows this run still ours at that head (only we commit, so nothing names them)."""
+        try:
+            self.store.put_immutable(key, data)
+            return
+        except ConflictError:
+            step = step_of_key(key)
+            if step is None or (self.step is not None and step <= self.step):
+                raise
+        got = self.store.read_manifest()
+        m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
+        ours = m is not None and m.run == self.run and m.writer == self.writer and m.head == self.step
+        if not ours:
+            raise ConflictError(f"{self.url}/{key}: already exists with other content, and this publisher does not "
+                                f"own the run at step {self.step}")
+        log.warning("%s/%s: replacing what an earlier failed attempt at this step left", self.url, key)
+        self.store.delete([key])
+        self.store.put_immutable(key, data)
 
     def _commit(self, step: int, infos: dict[str, TensorInfo], parts: list[dict] | None,
                 files: list[dict] | None) -> None:
@@ -385,7 +406,7 @@ class ShardedPublisher:
         record = Record(self.run, step, infos, shard_plan(meta, DEFAULT_SHARD_BYTES))
         data = record.to_bytes()
         rec_ref = ObjRef.of(record_key(step), data, self.strong)
-        self.store.put_immutable(rec_ref.key, data)
+        self._put(rec_ref.key, data)
         entry = Step(step, rec_ref)
         if parts is not None:
             entry = Step(step, rec_ref, self.step, tuple(
@@ -406,7 +427,7 @@ class ShardedPublisher:
                 extra[SLICES_KEY] = {k: sorted(v) for k, v in slices.items()}
             index = index_bytes(meta, weight_map, **extra)
             index_ref = ObjRef.of(snapshot_prefix(step) + INDEX_NAME, index, self.strong)
-            self.store.put_immutable(index_ref.key, index)
+            self._put(index_ref.key, index)
             refs = sorted((r for rep in files for r in rep["files"]), key=lambda r: r.key)
             snap = Snapshot(step, index_ref, tuple(refs))
         head = self.step

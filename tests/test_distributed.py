@@ -83,10 +83,14 @@ def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None,
             _MESH.append(init_device_mesh("cpu", (world,)))
         pub = ShardedPublisher(url, storage_options=options, snapshot_every=3, timeout=kw.pop("timeout", 20),
                                **kw)
+        retried = False
         for step in range(steps):
             state = rank_state(step, rank, world, layout)
-            if fault == f"raise@{step}" and rank == 1:
-                state["broken"] = "not a tensor"  # rank 1 fails before its part
+            if fault == f"raise@{step}":
+                if rank == 1:
+                    state["broken"] = "not a tensor"  # rank 1 fails before its part
+                else:  # the others upload other bytes than the retry will: replaced then, never named
+                    state = rank_state(step + 10, rank, world, layout)
             if fault == f"kill@{step}" and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             started = time.monotonic()
@@ -95,7 +99,11 @@ def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None,
             except ShardedPublishError as exc:
                 result["error"] = str(exc)
                 result["error_after"] = time.monotonic() - started
-                break
+                if fault != f"raise@{step}" or retried:
+                    break
+                retried = True  # every rank saw the error; all retry the step with the right tensors
+                result["head_after_error"] = Manifest.parse(pub.store.read_manifest().data).head
+                pub.publish(rank_state(step, rank, world, layout), step)
             result["published"].append(step)
             if rank == 0:
                 go = Path(outdir) / f"go-{step}"
@@ -185,13 +193,24 @@ def test_sharded_run_bit_exact_at_every_watcher(s3_run, tmp_path, world, layout)
 
 
 def test_a_rank_that_raises_fails_the_step_on_every_rank(file_run, tmp_path):
-    results = run_ranks(2, file_run.url, None, 4, "rows", tmp_path, fault="raise@2")
+    """Rank 1 raises before its part at step 2: the step is not committed and every rank raises, naming the
+    step and the rank; the manifest stays at step 1 until the ranks retry step 2 (rank 0's leftover part
+    of other bytes is replaced), and the run goes on bit-exact."""
+    heads = []
+
+    def at(step: int) -> None:
+        heads.append(Manifest.parse(open_store(file_run.url).read_manifest().data).head)
+        with Watcher(file_run.url, tmp_path / f"dest-{step}") as w:
+            assert w.sync(timeout=10) == step and same_bits(w.tensors, full_state(step))
+
+    results = run_ranks(2, file_run.url, None, 4, "rows", tmp_path, fault="raise@2", each_step=at)
     for r in results:
-        assert r["published"] == [0, 1]
+        assert r["published"] == [0, 1, 2, 3]
         assert "step 2 not published" in r["error"] and "rank 1: TypeError" in r["error"], r["error"]
-    assert Manifest.parse(open_store(file_run.url).read_manifest().data).head == 1
-    with Watcher(file_run.url, tmp_path / "dest") as w:
-        assert w.sync(timeout=10) == 1 and same_bits(w.tensors, full_state(1))
+    assert [r["head_after_error"] for r in results] == [1, 1]  # step 2 was not visible
+    assert heads == [0, 1, 2, 3]
+    m = Manifest.parse(open_store(file_run.url).read_manifest().data)
+    assert m.head == 3 and m.step(2).parts is not None
 
 
 def test_a_killed_rank_fails_the_others_within_the_timeout(file_run, tmp_path):
