@@ -406,3 +406,17 @@ def test_sharded_documents_are_parsed_strictly(sharded_docs, which, parse, mutat
         parse(json.dumps(doc).encode())
     schema = {"state": "relay-state"}.get(which, which)
     assert validator(schema).is_valid(doc) is not schema_too
+
+
+def test_signed_sharded_run(s3_run, tmp_path):
+    """Rank 0 signs every commit and every rank's objects carry their SHA-256: a watcher that trusts only the
+    trainer's key follows the run bit-exact."""
+    from relay.signing import generate_keypair
+
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    results = run_ranks(2, s3_run.url, s3_run.options, 3, "rows", tmp_path, signing_key=str(key))
+    assert all(r["error"] is None for r in results), results
+    m = Manifest.parse(open_store(s3_run.url, s3_run.options).read_manifest().data)
+    assert m.signatures and all(r.sha256 is not None for r in m.refs())
+    with Watcher(s3_run.url, tmp_path / "dest", storage_options=s3_run.options, trusted_keys=[pub]) as w:
+        assert w.sync(timeout=20) == 2 and same_bits(w.tensors, full_state(2))
