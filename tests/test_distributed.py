@@ -93,6 +93,8 @@ def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None,
                     state = rank_state(step + 10, rank, world, layout)
             if fault == f"kill@{step}" and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault == f"late@{step}" and rank == 1:
+                time.sleep(pub.timeout + 3)  # alive, but past the others' timeout
             started = time.monotonic()
             try:
                 pub.publish(state, step)
@@ -221,6 +223,16 @@ def test_a_killed_rank_fails_the_others_within_the_timeout(file_run, tmp_path):
     assert "step 2" in r0["error"] and "rank 0 of 2 lost the other ranks" in r0["error"], r0["error"]
     assert r0["error_after"] < 8 + 5
     assert Manifest.parse(open_store(file_run.url).read_manifest().data).head == 1
+
+
+def test_a_late_rank_fails_the_step_after_the_timeout(file_run, tmp_path):
+    """A rank that is alive but later than the timeout: the others give up after the timeout, naming the
+    step and their rank; the late one then fails too; the step never becomes visible."""
+    results = run_ranks(2, file_run.url, None, 3, "whole", tmp_path, fault="late@1", timeout=4)
+    for r in results:
+        assert r["published"] == [0] and "step 1" in r["error"], r
+    assert 3 < results[0]["error_after"] < 4 + 5
+    assert Manifest.parse(open_store(file_run.url).read_manifest().data).head == 0
 
 
 def _forge(url: str, change: Callable[[dict], None]) -> None:
