@@ -168,6 +168,8 @@ def whole_infos(step: int, reports: list[dict]) -> dict[str, TensorInfo]:
             raise ShardedPublishError(f"step {step}: the ranks hold rows 0-{pos} of {name!r}, which has {shape[0]}")
         slices = tuple((a, b, d) for a, b, d, *_ in ps)
         whole[name] = TensorInfo(dtype, shape, sliced_digest(dtype, shape, slices), slices)
+    if not whole:
+        raise ShardedPublishError(f"step {step}: no rank holds any tensor")
     return {name: whole[name] for name in order}
 
 

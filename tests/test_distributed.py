@@ -469,3 +469,26 @@ def test_apply_subset_updates_only_the_tensors_held():
     assert same_bits(held, {"layer.0.weight": target["layer.0.weight"]})
     with pytest.raises(codec.DeltaError):  # a tensor the payload does not name is still an error
         codec.apply_({"nope": torch.zeros(3)}, payload, subset=True)
+
+
+def test_whole_infos_refuses_ranks_that_do_not_tile():
+    """The record is built from the ranks' reports only when they tile every tensor (checked on every rank)."""
+    from relay.distributed import whole_infos
+
+    d = "0" * 32
+
+    def rep(**infos: Any) -> dict:
+        return {"infos": infos}
+
+    ok = whole_infos(3, [rep(a=("BF16", (4, 2), d, (0, 2)), b=("F32", (3,), d, None)),
+                         rep(a=("BF16", (4, 2), d, (2, 4)))])
+    assert ok["a"].slices == ((0, 2, d), (2, 4, d)) and ok["b"].slices is None
+    cases = [([rep(a=("BF16", (4, 2), d, (0, 2))), rep(a=("BF16", (4, 2), d, (1, 4)))], "overlap"),
+             ([rep(a=("BF16", (4, 2), d, (0, 2))), rep(a=("BF16", (4, 2), d, (3, 4)))], "gap"),
+             ([rep(a=("BF16", (4, 2), d, (0, 2))), rep()], "rows 0-2"),
+             ([rep(a=("BF16", (4, 2), d, None)), rep(a=("BF16", (4, 2), d, None))], "another rank"),
+             ([rep(a=("BF16", (4, 2), d, (0, 2))), rep(a=("F32", (4, 2), d, (2, 4)))], "another as"),
+             ([rep(), rep()], "no rank holds")]
+    for reports, message in cases:
+        with pytest.raises(ShardedPublishError, match=message):
+            whole_infos(3, reports)
