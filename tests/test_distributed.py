@@ -327,6 +327,31 @@ def test_partial_replica_of_a_single_process_run(s3_run, tmp_path):
     assert "deltas/4-0.drd" in fetched
 
 
+def test_partial_replica_restarts_on_its_own_dest(file_run, tmp_path):
+    """A partial watcher restarted on its DEST holds its step again and follows the chain from it (parts
+    applied to its tensors only); one with another selection starts from a snapshot instead."""
+    wanted = ["head.weight"]
+    with Publisher(file_run.url, snapshot_every=10, background=False) as pub:
+        for step in range(3):
+            pub.publish(full_state(step), step)
+        with Watcher(file_run.url, tmp_path / "dest", tensors=wanted) as w:
+            assert w.sync(timeout=10) == 2
+        for step in range(3, 5):
+            pub.publish(full_state(step), step)
+    with Watcher(file_run.url, tmp_path / "dest", tensors=wanted) as w:
+        assert w.step == 2
+        fetched: list[str] = []
+        get = w.reader.store.get
+        w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        assert w.sync(timeout=10) == 4 and same_bits(w.tensors, {k: full_state(4)[k] for k in wanted})
+        # the chain from the held step: no snapshot file (only the index, read once to plan, fetched per snapshot)
+        assert not any(k.endswith(".safetensors") for k in fetched), fetched
+        assert [k for k in fetched if k.startswith("deltas/")] == ["deltas/3-0.drd", "deltas/4-0.drd"]
+    with Watcher(file_run.url, tmp_path / "dest", tensors=["layer.0.bias"]) as w:
+        assert w.step is None  # holds a tensor this selection does not take
+        assert w.sync(timeout=10) == 4 and same_bits(w.tensors, {"layer.0.bias": full_state(4)["layer.0.bias"]})
+
+
 def test_unknown_selected_tensor_is_a_clear_error(file_run, tmp_path):
     with Publisher(file_run.url, background=False) as pub:
         pub.publish(full_state(0), 0)
