@@ -344,7 +344,7 @@ def test_partial_replica_restarts_on_its_own_dest(file_run, tmp_path):
         get = w.reader.store.get
         w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
         assert w.sync(timeout=10) == 4 and same_bits(w.tensors, {k: full_state(4)[k] for k in wanted})
-        # the chain from the held step: no snapshot file (only the index, read once to plan, fetched per snapshot)
+        # the chain from the held step: no snapshot file (snapshot indexes are read once each, to plan)
         assert not any(k.endswith(".safetensors") for k in fetched), fetched
         assert [k for k in fetched if k.startswith("deltas/")] == ["deltas/3-0.drd", "deltas/4-0.drd"]
     with Watcher(file_run.url, tmp_path / "dest", tensors=["layer.0.bias"]) as w:
