@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-demo venv-bench test lint demo bench bench-fanout corpora clean infra-check
+.PHONY: venv venv-demo venv-bench test lint demo bench bench-fanout bench-scale corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: corpora
 
 bench-fanout: venv
 	$(PY) scripts/bench_fanout.py
+
+# Publisher / watcher at checkpoint scale against full pulls and TRL patches (SIZES in GiB; 4.3 = the
+# issue's 16 x 256 MiB). Runs above ~3 GB take the shared big-memory lock.
+SIZES ?= 1
+bench-scale: venv-demo
+	flock /tmp/deltarelay-bigmem.lock $(PY) scripts/bench_scale.py --sizes $(SIZES)
 
 clean:
 	rm -rf $(VENV) corpus out

@@ -2,7 +2,9 @@
 
     payload = codec.encode(base, target)      # bytes
     target  = codec.decode(base, payload)     # dict[str, torch.Tensor], verified
-    codec.apply_(model.state_dict(), payload) # in place, all-or-nothing
+    codec.apply_(model.state_dict(), payload) # in place, all-or-nothing (undo=codec.UndoLog() for chains)
+    codec.digests(payload)                    # per tensor: dtype, shape, base and target digests
+    codec.warm_up(("apply_",))                # compile the kernels in the background (a fresh host)
 
 The payload format is specified in docs/FORMAT.md.
 
@@ -20,10 +22,11 @@ from collections.abc import Mapping as _Mapping
 from ._kernel_cache import keyed_by_sources
 
 with keyed_by_sources():  # every compiled kernel is defined while these imports run
-    from .api import _check_structure, apply_, decode, encode
+    from .api import UndoLog, _check_structure, apply_, decode, encode
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
-    from .inspect import describe
+    from .inspect import TensorDigests, describe, digests
+from ._warmup import WarmUp, warm_up
 
 
 def check_structure(base: _Mapping, target: _Mapping) -> None:
@@ -33,5 +36,5 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
     _check_structure(base, target)
 
 
-__all__ = ["encode", "decode", "apply_", "describe", "check_structure", "DeltaError", "CheckpointMismatchError",
-           "FORMAT_VERSION"]
+__all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "digests", "TensorDigests", "check_structure",
+           "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "warm_up", "WarmUp"]

@@ -17,6 +17,7 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ import numba
 import xxhash
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "methods/conditional.py", "methods/exponent_classes.py")
+KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "patching.py", "methods/conditional.py",
+                  "methods/exponent_classes.py")
 KEEP = 4  # cache directories kept: this version's and the three used most recently before it
 _DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 
@@ -34,10 +36,22 @@ def cache_dir() -> Path:
     h = xxhash.xxh3_64()
     for rel in KERNEL_SOURCES:
         h.update((HERE / rel).read_bytes())
-    base = HERE / "__pycache__" / "kernels"
-    if not os.access(HERE, os.W_OK):  # installed read-only: a per-user cache instead
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deltarelay" / "kernels"
-    return base / h.hexdigest()
+    return _writable_base() / h.hexdigest()
+
+
+def _writable_base() -> Path:
+    """Where digest directories go: next to the code (one cache for every process and user of an
+    install), else (installed read-only, or its cache made by another user) a per-user cache,
+    else a per-user temporary one. Never an unwritable one: numba would then fall back to its
+    own locations, which a kernel edit elsewhere does not invalidate."""
+    user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deltarelay" / "kernels"
+    for base in (HERE / "__pycache__" / "kernels", user):
+        with contextlib.suppress(OSError):
+            base.mkdir(parents=True, exist_ok=True)
+        if base.is_dir() and os.access(base, os.W_OK | os.X_OK):
+            return base
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"deltarelay-kernels-{uid}"
 
 
 def prune(current: Path, keep: int = KEEP) -> list[Path]:
@@ -58,9 +72,22 @@ def prune(current: Path, keep: int = KEEP) -> list[Path]:
     return stale
 
 
+_USED: Path | None = None  # where the codec's kernels cache, once its modules are imported
+
+
+def used_dir() -> Path:
+    """The directory the codec's kernels cache into (the user's NUMBA_CACHE_DIR if set)."""
+    if _USED is not None:
+        return _USED
+    user = os.environ.get("NUMBA_CACHE_DIR")
+    return Path(user) if user else cache_dir()
+
+
 @contextlib.contextmanager
 def keyed_by_sources() -> Iterator[None]:
+    global _USED
     if os.environ.get("NUMBA_CACHE_DIR"):
+        _USED = Path(os.environ["NUMBA_CACHE_DIR"])
         yield
         return
     config: Any = numba.config  # its settings are module globals set at run time from the environment
@@ -68,6 +95,7 @@ def keyed_by_sources() -> Iterator[None]:
     current = cache_dir()
     prune(current)
     config.CACHE_DIR = str(current)
+    _USED = current
     try:
         yield
     finally:

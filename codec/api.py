@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import container, hashing, methods, tensors
+from . import container, hashing, methods, patching, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import Running, digest_elements, header_bytes, running
@@ -494,8 +494,10 @@ def _decode(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memor
     return {entry.name: done[entry.name] for entry in parsed.entries}
 
 
-class _InPlace:
-    """Writes a patch into a live tensor and remembers what it overwrote."""
+class _Target:
+    """A live tensor apply_ writes in place: its elements (a numpy view of its own memory on the
+    CPU, a same-size integer view on a device) and which memory it lives in, so that names sharing
+    storage (tied weights) are written one after another, never concurrently."""
 
     _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -504,85 +506,311 @@ class _InPlace:
             raise ValueError(f"tensor {name!r} is not contiguous; apply_ updates contiguous tensors in place")
         self.name = name
         self.tensor = tensor
-        size = tensor.element_size()
-        if size not in self._INT:
-            raise ValueError(f"tensor {name!r}: apply_ does not support {tensor.dtype} in place")
-        self.flat = tensor.detach().view(-1).view(self._INT[size])
-        self.np_dtype = np.dtype(f"i{size}") if size > 1 else np.dtype(np.uint8)
-        # on the CPU, numpy indexing over the tensor's own memory: ~4x faster than torch's
-        # index ops for the few scattered elements a patch touches
-        self.elems = tensors.element_view(tensor) if tensor.is_cpu else None
+        self.storage = _storage(tensor)
+        self.alias = _alias(tensor)
+        self.elems: np.ndarray | None = None
+        self.flat: torch.Tensor | None = None
+        if tensor.is_cpu:
+            self.elems = tensors.element_view(tensor)  # no copy: contiguous CPU memory
+        else:
+            size = tensor.element_size()
+            if size not in self._INT:
+                raise ValueError(f"tensor {name!r}: apply_ does not support {tensor.dtype} in place on a device")
+            self.flat = tensor.detach().view(-1).view(self._INT[size])
 
-    def _put(self, index: np.ndarray, values: np.ndarray) -> None:
+    def swap(self, index: np.ndarray, values: np.ndarray, digest: hashing.Running | None) -> int:
+        """Write `values` at `index`, leaving the overwritten elements in `values` (see patching.swap_digest);
+        feeds `digest` the whole tensor (CPU only). Returns the number of elements swapped."""
         if self.elems is not None:
-            self.elems[index] = values
+            function, state = (digest.function, digest.state) if digest is not None else (0, 0)
+            return int(patching.swap_digest(self.elems, index, values, np.uintp(function), np.uintp(state)))
+        if self.flat is None:
+            raise AssertionError("internal: a target with neither host elements nor a device view")
+        check_index_of(self.name, index, self.flat.numel())
+        idx = torch.from_numpy(np.ascontiguousarray(index, np.int64)).to(self.flat.device)
+        new = torch.from_numpy(np.ascontiguousarray(values).view(_signed(values.dtype))).to(self.flat.device)
+        old = self.flat[idx].cpu().numpy().view(values.dtype)
+        with torch.no_grad():
+            self.flat[idx] = new
+        values[:] = old
+        return int(index.size)
+
+    def put(self, index: np.ndarray, values: np.ndarray, count: int) -> None:
+        """elems[index[:count]] = values[:count] (an undo)."""
+        if self.elems is not None:
+            patching.put(self.elems, index, values, count)
             return
-        idx = torch.from_numpy(index).to(self.flat.device)
-        vals = torch.from_numpy(np.ascontiguousarray(values).view(self.np_dtype)).to(self.flat.device)
+        if self.flat is None:
+            raise AssertionError("internal: a target with neither host elements nor a device view")
+        idx = torch.from_numpy(np.ascontiguousarray(index[:count], np.int64)).to(self.flat.device)
+        vals = torch.from_numpy(np.ascontiguousarray(values[:count]).view(_signed(values.dtype))).to(self.flat.device)
         with torch.no_grad():
             self.flat[idx] = vals
 
-    def write(self, patch: Patch) -> np.ndarray:
-        if self.elems is not None:
-            old = self.elems[patch.index]
-        else:
-            idx = torch.from_numpy(patch.index).to(self.flat.device)
-            old = self.flat[idx].cpu().numpy().view(patch.values.dtype).copy()
-        self._put(patch.index, patch.values)
-        return old
+    def digest(self, dtype: tensors.DType, shape: tuple[int, ...]) -> bytes:
+        return digest_elements(dtype.name, shape, tensors.element_view(self.tensor))
 
-    def undo(self, index: np.ndarray, old: np.ndarray) -> None:
-        self._put(index, old)
+
+def _signed(dtype: np.dtype) -> np.dtype:
+    """The signed numpy twin of an unsigned element dtype (torch has no uint32/uint64 to move)."""
+    return np.dtype(f"i{dtype.itemsize}") if dtype.itemsize > 1 else np.dtype(np.uint8)
+
+
+def check_index_of(name: str, index: np.ndarray, numel: int) -> None:
+    """Positions strictly increasing and inside the tensor, or DeltaError naming it (before a device write)."""
+    if index.size and (index[0] < 0 or index[-1] >= numel or (index.size > 1 and np.any(np.diff(index) <= 0))):
+        raise DeltaError("change positions are out of order or outside the tensor", tensor=name)
+
+
+@dataclass
+class _Write:
+    """One patch written into a live tensor: its positions and the elements it overwrote."""
+
+    target: _Target
+    index: np.ndarray
+    old: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.index.nbytes + self.old.nbytes)
+
+    def undo(self) -> None:
+        self.target.put(self.index, self.old, int(self.index.size))
+
+    def compact(self) -> None:
+        """Positions as int32 where the tensor allows (6 bytes per BF16 change logged instead of 10)."""
+        if self.index.dtype != np.int32 and self.target.tensor.numel() < (1 << 31):
+            self.index = self.index.astype(np.int32)
+
+
+class UndoLog:
+    """What successive `apply_(..., undo=log)` calls overwrote, so a chain of payloads applied in place
+    is all-or-nothing without a copy of the checkpoint: memory is the changed positions and their old
+    elements (about 6 bytes per changed BF16 element), not the tensors.
+
+    A call that fails restores its own writes and logs nothing; `revert()` then puts every tensor
+    back to its bits before the first call that logged here. `clear()` accepts the steps (forgets).
+    The log holds references to the tensors it wrote: revert writes into those same tensors.
+    """
+
+    def __init__(self) -> None:
+        self._writes: list[_Write] = []
+        self._aliases: dict[str, tuple] = {}  # every name a logged call covered -> its memory (tied names)
+        self._verified: dict[str, tuple[tuple, bytes]] = {}  # name -> (memory, digest its last call verified)
+
+    def __len__(self) -> int:
+        return len(self._writes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the log holds (positions and old elements)."""
+        return sum(w.nbytes for w in self._writes)
+
+    def _extend(self, writes: list[_Write], aliases: dict[str, tuple], digests: dict[str, bytes]) -> None:
+        self._writes.extend(writes)
+        self._aliases.update(aliases)
+        written = {w.target.storage for w in writes}
+        for name in [n for n, (alias, _) in self._verified.items() if alias[0] in written and n not in digests]:
+            del self._verified[name]  # its memory was written since it was verified (a tied name elsewhere)
+        self._verified.update((name, (aliases[name], d)) for name, d in digests.items())
+
+    def verified(self) -> dict[str, bytes]:
+        """Each covered name's digest (codec.hashing.digest_elements) as the last logged call verified it
+        against the payload's target digest, for names whose memory nothing logged has written since:
+        a caller checking the result against the trainer's record need not hash those tensors again."""
+        return {name: d for name, (_, d) in self._verified.items()}
+
+    def revert(self) -> None:
+        """Restore every logged tensor to its bits before the first logged call (newest writes first:
+        names sharing memory come back exactly), then empty the log. Allocates nothing."""
+        while self._writes:
+            self._writes.pop().undo()
+        self._aliases.clear()
+        self._verified.clear()
+
+    def revert_copy(self, name: str, tensor: torch.Tensor) -> None:
+        """Undo, in `tensor` (a CPU tensor holding the bits the logged tensor `name` holds now), what the
+        logged calls wrote into `name`'s memory: `tensor` then holds `name`'s bits before the first call.
+        For restoring another copy of the state (a module loaded from it) without touching the logged one."""
+        alias = self._aliases.get(name)
+        if alias is None:
+            return
+        elems = tensors.element_view(tensor)
+        if not tensor.is_cpu or elems.size != tensor.numel() * tensors.elements_per_item(
+                tensors.dtype_of(tensor, name)):
+            raise ValueError(f"revert_copy of {name!r}: needs a contiguous CPU tensor")
+        for w in reversed(self._writes):
+            if w.target.alias == alias:
+                patching.put(elems, w.index, w.old, int(w.index.size))
+
+    def accept(self) -> None:
+        """Forget the logged writes (they can no longer be reverted: memory back) but keep `verified()`: for a
+        chain applied to tensors nobody needs back, checked at its end against a record."""
+        self._writes.clear()
+        self._aliases.clear()
+
+    def clear(self) -> None:
+        """Forget every logged write (the steps are accepted)."""
+        self._writes.clear()
+        self._aliases.clear()
+        self._verified.clear()
 
 
 def apply_(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, *,
-           subset: bool = False) -> None:
+           workers: int = 1, undo: UndoLog | None = None, only: Collection[str] | None = None) -> None:
     """Apply a payload in place (a live model's state_dict) and verify every tensor.
 
     On any failure every tensor is restored to its exact previous bits and DeltaError is raised.
-    Extra memory is an undo log of the changed elements, not a copy of the checkpoint.
-    `subset=True` applies only the payload's tensors that `tensors_` holds (a host that serves part
-    of a model); the others are skipped, neither decoded nor verified. Tensors the payload does not
-    name are an error either way.
+    Extra memory is the changed elements' positions and old values, not a copy of the checkpoint.
+    `workers` > 1 decodes, writes and verifies tensors on that many threads (the kernels release
+    the GIL; names sharing memory stay on one thread). With `undo`, a successful call logs what it
+    overwrote there, so `undo.revert()` can take a whole chain of calls back exactly. With `only`, just
+    the records of those names are applied (and verified), each of which the payload must hold; the
+    mapping may then hold only some of the payload's tensors (streaming a checkpoint tensor by tensor).
     """
     try:
-        _apply(tensors_, payload, subset)
+        _apply(tensors_, payload, max(1, workers), undo, only)
     except MemoryError:  # apply_ has restored every tensor by the time the error leaves _apply
         raise DeltaError(_OUT_OF_MEMORY) from None
 
 
-def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview,
-           subset: bool = False) -> None:
-    parsed = _parse(tensors_, payload)
-    entries = [e for e in parsed.entries if e.name in tensors_] if subset else parsed.entries
-    views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in entries}
-    for entry in entries:  # unchanged tensors are verified up front; changed ones after writing
-        if _unchanged(entry):
-            if not _base_matches(entry, views[entry.name]):
-                raise DeltaError(_WRONG_BASE, tensor=entry.name)
-            _patch(entry, views[entry.name], parsed)  # validates the record (no data, equal digests)
-    # Decode every patch before the first write: names that share storage (tied weights) must
-    # not see each other's writes, and a bad stream is refused with nothing touched.
-    patches = []
-    for entry in entries:
-        if _unchanged(entry):
-            continue
-        try:
-            patches.append((entry, _patch(entry, views[entry.name], parsed)))
-        except DeltaError as exc:
-            raise _explain(entry, views[entry.name], exc) from None
-    undo: list[tuple[_InPlace, np.ndarray, np.ndarray]] = []
+def _map_all(workers: int, fn, items: list) -> list[BaseException | None]:
+    """fn over every item (on `workers` threads if more than one), each to completion; the exception of
+    each item (None where it succeeded). Serially, it stops at the first failure. Never returns while
+    an item still runs, so the caller may undo what the items did."""
+    if workers <= 1 or len(items) <= 1:
+        out: list[BaseException | None] = []
+        for item in items:
+            try:
+                fn(item)
+                out.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which undoes and re-raises
+                out.append(exc)
+                break
+        return out
+    futures = [_pool(workers).submit(fn, item) for item in items]
     try:
-        for entry, patch in patches:
-            live = tensors_[entry.name]
-            writer = _InPlace(entry.name, live)
-            undo.append((writer, patch.index, writer.write(patch)))
-            if digest_elements(entry.dtype.name, entry.shape, tensors.element_view(live)) != entry.target_digest:
-                raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
-    except BaseException as exc:
-        for writer, index, old in reversed(undo):
-            writer.undo(index, old)
-        if isinstance(exc, DeltaError) and exc.tensor in views:  # restored: now say why it failed
-            entry = next(e for e in entries if e.name == exc.tensor)
-            raise _explain(entry, tensors.element_view(tensors_[entry.name]), exc) from None
+        wait(futures)
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        wait(futures)  # the running ones finish before the caller undoes their writes
         raise
+    return [None if f.cancelled() else f.exception() for f in futures]
+
+
+def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, workers: int,
+           undo: UndoLog | None, only: Collection[str] | None) -> None:
+    parsed = _parse(tensors_, payload)
+    if only is not None:
+        wanted = set(only)
+        missing = wanted - {e.name for e in parsed.entries}
+        if missing:
+            raise DeltaError(f"the delta does not name tensors {sorted(missing)[:5]}")
+        parsed = Payload(parsed.version, [e for e in parsed.entries if e.name in wanted], parsed.shared)
+    views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
+    changed = [e for e in parsed.entries if not _unchanged(e)]
+    targets = {e.name: _Target(e.name, tensors_[e.name]) for e in changed}  # refuses strided ones now
+    # 1. Every check that needs no write, and every patch decoded, before the first write: names that
+    # share storage (tied weights) must not see each other's writes, and a bad stream or a wrong base is
+    # refused with nothing touched. Largest first, so one big tensor does not start last.
+    patches: dict[str, Patch] = {}
+
+    def prepare(entry: Entry) -> None:
+        elems = views[entry.name]
+        if _unchanged(entry):
+            if not _base_matches(entry, elems):
+                raise DeltaError(_WRONG_BASE, tensor=entry.name)
+            _patch(entry, elems, parsed)  # validates the record (no data, equal digests)
+            return
+        try:
+            patch = _patch(entry, elems, parsed)
+        except DeltaError as exc:
+            raise _explain(entry, elems, exc) from None
+        # the swap leaves the old elements in `values`: it must be this tensor's element type, and writable
+        patches[entry.name] = Patch(np.ascontiguousarray(patch.index, np.int64),
+                                    np.require(patch.values, elems.dtype, ["C", "W"]))
+
+    order = sorted(parsed.entries, key=lambda e: -e.numel) if workers > 1 else parsed.entries
+    failure = next((exc for exc in _map_all(workers, prepare, order) if exc is not None), None)
+    if failure is not None:
+        raise failure
+    # 2. Swap each patch in and verify the tensor in the same pass; one job per memory (storage).
+    groups: dict[tuple, list[Entry]] = {}
+    for entry in changed:
+        groups.setdefault(targets[entry.name].storage, []).append(entry)
+    jobs = sorted(groups.values(), key=lambda g: -sum(e.numel for e in g))
+    logs: list[list[_Write]] = [[] for _ in jobs]
+
+    def write(i: int) -> None:
+        for entry in jobs[i]:
+            target, patch = targets[entry.name], patches[entry.name]
+            digest = running(entry.dtype.name, entry.shape) if target.elems is not None else None
+            count = target.swap(patch.index, patch.values, digest)
+            if count != patch.count:  # positions out of order or outside: undo this partial swap now
+                target.put(patch.index, patch.values, count)
+                raise DeltaError("change positions are out of order or outside the tensor", tensor=entry.name)
+            logs[i].append(_Write(target, patch.index, patch.values))  # values now hold the old elements
+            got = digest.digest() if digest is not None else target.digest(entry.dtype, entry.shape)
+            if got != entry.target_digest:
+                raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
+
+    try:
+        errors = _map_all(workers, write, list(range(len(jobs))))
+        failure = next((exc for exc in errors if exc is not None), None)
+        if failure is None:
+            failure = _check_shared_memory(tensors_, parsed.entries, set(groups))
+    except BaseException:
+        _undo_all(logs)
+        raise
+    if failure is not None:
+        _undo_all(logs)
+        if isinstance(failure, DeltaError) and failure.tensor in views:  # restored: now say why it failed
+            entry = next(e for e in parsed.entries if e.name == failure.tensor)
+            raise _explain(entry, tensors.element_view(tensors_[entry.name]), failure) from None
+        raise failure
+    if undo is not None:
+        writes = [w for log in logs for w in log]
+        for w in writes:
+            try:
+                w.compact()
+            except MemoryError:  # the log stays exact in int64
+                break
+        undo._extend(writes, {e.name: _alias(tensors_[e.name]) for e in parsed.entries},
+                     {e.name: e.target_digest for e in parsed.entries})
+
+
+def _undo_all(logs: list[list[_Write]]) -> None:
+    """Every write undone, each memory's newest first (groups are disjoint memories)."""
+    for log in logs:
+        while log:
+            log.pop().undo()
+
+
+def _check_shared_memory(tensors_: Mapping[str, torch.Tensor], entries: list[Entry],
+                         written: set[tuple]) -> DeltaError | None:
+    """Names that share memory with a written tensor (tied weights) are verified again once every write
+    is done: a payload whose records disagree about one memory must not leave an alias unverified."""
+    shared: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        key = _storage(tensors_[e.name])
+        if key in written:
+            shared.setdefault(key, []).append(e)
+    for group in shared.values():
+        if len(group) < 2:
+            continue
+        for e in group:
+            if digest_elements(e.dtype.name, e.shape, tensors.element_view(tensors_[e.name])) != e.target_digest:
+                return DeltaError("reconstruction does not match the target digest (a name sharing its memory "
+                                  "with another was written differently)", tensor=e.name)
+    return None
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    """Which memory a tensor lives in: names with the same key must not be written concurrently."""
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _alias(t: torch.Tensor) -> tuple:
+    """Which tensor (memory, offset, dtype, shape) a name is: tied names have the same key."""
+    return (_storage(t), t.data_ptr(), t.dtype, tuple(t.shape))

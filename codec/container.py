@@ -137,7 +137,8 @@ def _write_index(blobs, cols, dims, streams, shared, shared_cols):
     for i in range(cols.shape[0]):
         name_len, code, ndim, method, changes, params_len, nstreams = cols[i]
         n = put_uvarint(out, n, name_len)
-        out[n:n + name_len] = blobs[b:b + name_len]
+        for j in range(name_len):  # loops, not slice assignments (codec/_warmup.py says why)
+            out[n + j] = blobs[b + j]
         n += name_len
         b += name_len
         out[n] = code
@@ -147,11 +148,13 @@ def _write_index(blobs, cols, dims, streams, shared, shared_cols):
             d += 1
         out[n] = method
         n = put_uvarint(out, n + 1, changes)
-        out[n:n + 2 * DIGEST_SIZE] = blobs[b:b + 2 * DIGEST_SIZE]
+        for j in range(2 * DIGEST_SIZE):
+            out[n + j] = blobs[b + j]
         n += 2 * DIGEST_SIZE
         b += 2 * DIGEST_SIZE
         n = put_uvarint(out, n, params_len)
-        out[n:n + params_len] = blobs[b:b + params_len]
+        for j in range(params_len):
+            out[n + j] = blobs[b + j]
         n += params_len
         b += params_len
         n = put_uvarint(out, n, nstreams)
@@ -165,7 +168,8 @@ def _write_index(blobs, cols, dims, streams, shared, shared_cols):
     for k in range(shared_cols.shape[0]):
         out[n] = shared_cols[k, 0]
         n = put_uvarint(out, n + 1, shared_cols[k, 1])
-        out[n:n + shared_cols[k, 1]] = shared[b:b + shared_cols[k, 1]]
+        for j in range(shared_cols[k, 1]):
+            out[n + j] = shared[b + j]
         n += shared_cols[k, 1]
         b += shared_cols[k, 1]
     return out[:n]
@@ -219,7 +223,9 @@ def unpack(data: bytes | bytearray | memoryview) -> Payload:
 
 
 def _unpack(data: bytes | bytearray | memoryview) -> Payload:
-    view = memoryview(data)
+    # read-only whatever the caller's buffer (bytes, bytearray, mmap): the kernels' arrays over
+    # the streams then have one type, so no kernel compiles a second time for a writable buffer
+    view = memoryview(data).toreadonly()
     if len(view) < PREFIX_SIZE:
         raise DeltaError(f"truncated payload: {len(view)} bytes, the prefix alone is {PREFIX_SIZE}")
     magic, version, flags, index_len, declared = PREFIX.unpack(view[:PREFIX_SIZE])
@@ -290,7 +296,7 @@ def _entries_fast(raw_index: bytes, rest: memoryview, index_len: int) -> tuple[l
 _DTYPE_OK = np.array([code in tensors.BY_CODE for code in range(256)], np.bool_)
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(inline="always", cache=True)  # inlined: called with ten literal limits, it compiled ten times
 def _uvarint(raw, pos, limit):
     """(value, next position, ok) of the varint at raw[pos], ok only if it is complete, at most
     63 bits and <= limit (the Reader's checks)."""
@@ -360,7 +366,8 @@ def _scan_index(raw, body_len, dtype_ok):
                 if nd >= max_dims:
                     return 1, cols, dims, streams, shared
                 grown = np.empty(min(2 * nd + 16, max_dims), np.int64)
-                grown[:nd] = dims[:nd]
+                for j in range(nd):  # a loop, not a slice assignment (codec/_warmup.py says why)
+                    grown[j] = dims[j]
                 dims = grown
             dims[nd] = dim
             nd += 1
@@ -399,7 +406,9 @@ def _scan_index(raw, body_len, dtype_ok):
                 if ns >= max_streams:
                     return 1, cols, dims, streams, shared
                 more = np.empty((min(2 * ns + 16, max_streams), 4), np.int64)
-                more[:ns] = streams[:ns]
+                for j in range(ns):
+                    for c in range(4):
+                        more[j, c] = streams[j, c]
                 streams = more
             streams[ns, 0] = raw[pos]
             raw_len, pos, ok = _uvarint(raw, pos + 1, (1 << 63) - 1)

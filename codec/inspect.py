@@ -1,8 +1,10 @@
-"""Human-facing description of a payload without decoding it (for `deltarelay inspect`)."""
+"""What a payload says about itself without decoding it: `describe` (for `deltarelay inspect`) and
+`digests` (the trainer's digests it carries, for a publisher's record)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -48,3 +50,22 @@ def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.T
         "changed": sum(r["changed"] for r in rows),
         "elements": sum(e.numel for e in parsed.entries),
     }
+
+
+class TensorDigests(NamedTuple):
+    """One tensor of a payload: dtype name, shape, and the digests (hex, `codec.hashing.digest_elements`) of
+    its base and of its target, as encode computed them."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    base: str
+    target: str
+
+
+def digests(payload: bytes | bytearray | memoryview) -> dict[str, TensorDigests]:
+    """Per tensor, in payload order, what its index records: encode digests base and target while it
+    scans them, so a publisher writes its step's record from here instead of hashing the state again.
+    The payload's checksum and structure are checked (DeltaError); nothing is decoded."""
+    parsed = container.unpack(payload)
+    return {e.name: TensorDigests(e.dtype.name, e.shape, e.base_digest.hex(), e.target_digest.hex())
+            for e in parsed.entries}

@@ -65,11 +65,12 @@ data "aws_iam_policy_document" "trainer" {
 
   # Immutable objects are created with If-None-Match: * too, but not required to be here: a
   # snapshot shard is a multipart upload, and CreateMultipartUpload/UploadPart (also s3:PutObject)
-  # carry no such header, so the condition would refuse every large snapshot.
+  # carry no such header, so the condition would refuse every large snapshot. ListParts
+  # (s3:ListMultipartUploadParts) checks every part's stored size before the completion.
   statement {
     sid       = "WriteImmutableObjects"
     effect    = "Allow"
-    actions   = ["s3:PutObject", "s3:AbortMultipartUpload"]
+    actions   = ["s3:PutObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
     resources = local.origin_immutable_keys
   }
 
@@ -208,7 +209,7 @@ data "aws_iam_policy_document" "relay" {
   statement {
     sid       = "WriteRegionalImmutableObjects"
     effect    = "Allow"
-    actions   = ["s3:PutObject", "s3:AbortMultipartUpload"]
+    actions   = ["s3:PutObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
     resources = local.regional_immutable_keys
   }
 

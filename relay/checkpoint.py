@@ -10,15 +10,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from codec.tensors import dtype_of, element_view
 from relay.files import atomic_path
 from relay.manifest import INDEX_NAME
 
@@ -111,11 +116,76 @@ def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def index_bytes(tensors: dict[str, torch.Tensor], weight_map: dict[str, str], **metadata: Any) -> bytes:
+def index_bytes(tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str], **metadata: Any) -> bytes:
     """The Hugging Face index of a shard directory (`model.safetensors.index.json`): total size, any extra
     metadata, and the weight map. Deterministic, so two writers of one step write the same bytes."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()
+
+
+# safetensors writes tensors sorted by dtype, in descending order of its Rust `Dtype` enum, then by name
+# (safetensors' `prepare`); this is that enum's order, low to high, for every dtype both it and the codec know.
+_ST_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16",
+                   "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+_ST_RANK = {name: i for i, name in enumerate(_ST_DTYPE_ORDER)}
+STREAM_CHUNK = 16 << 20  # the largest piece a streamed file hands out (zero-copy views of tensor memory)
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes as a flat uint8 array: its own memory for a CPU contiguous tensor, else a host copy."""
+    return element_view(t).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class StreamedFile:
+    """A file as a byte stream: `head` (bytes), then each tensor's raw bytes in order. `size` is the total;
+    `chunks()` hands out the bytes again on every call, as zero-copy views of CPU contiguous tensors (others
+    are brought to the host one tensor at a time), so a shard never exists whole in memory."""
+
+    head: bytes
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def chunks(self, chunk: int = STREAM_CHUNK) -> Iterator[memoryview]:
+        yield memoryview(self.head)
+        for t in self.tensors:
+            if not t.numel():
+                continue
+            raw = _raw_bytes(t).data
+            for i in range(0, len(raw), chunk):
+                yield raw[i:i + chunk]
+
+
+def safetensors_stream(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+                       ) -> StreamedFile:
+    """The exact bytes `safetensors.torch.save(tensors, metadata)` writes, as a stream: the 8-byte
+    little-endian header length, the JSON header (`__metadata__` first, then each tensor's dtype, shape
+    and data_offsets in file order) padded with spaces to a multiple of 8, then the tensors' raw bytes in
+    that order (by dtype as safetensors ranks them, then by name). Deterministic, so two writers of one
+    snapshot write the same bytes (PROTOCOL §3.3). Names sharing storage (tied weights) are written as
+    the copies safetensors would need; ValueError for a dtype safetensors cannot store."""
+    entries = []
+    for name, t in tensors.items():
+        dt = dtype_of(t, name)
+        if dt.name not in _ST_RANK:
+            raise ValueError(f"tensor {name!r}: safetensors cannot store {dt.name} ({t.dtype})")
+        entries.append((-_ST_RANK[dt.name], name.encode("utf-8"), name, dt.name, t))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for _, _, name, dtype, t in entries:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    # serde_json's compact form: no spaces, non-ASCII as UTF-8, the same escapes as Python's json
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return StreamedFile(struct.pack("<Q", len(text)) + text, tuple(e[4] for e in entries))
 
 
 def write_dir(tensors: dict[str, torch.Tensor], directory: Path, layout: Layout) -> None:
@@ -158,3 +228,213 @@ def save(tensors: dict[str, torch.Tensor], path: str | os.PathLike, layout: Layo
     except BaseException:
         shutil.rmtree(tmpdir, ignore_errors=True)
         raise
+
+
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header over this is refused before it is read (safetensors' own cap)
+_READ_CHUNK = 16 << 20  # bytes per read: large enough for the disk, small enough to stay out of RSS
+
+
+class SafetensorsError(ValueError):
+    """A safetensors file that this reader refuses: the path and the reason."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise SafetensorsError(f"duplicate key {k[:100]!r} in the header")
+        out[k] = v
+    return out
+
+
+@dataclass
+class _Span:
+    name: str
+    dtype: Any  # codec.tensors.DType
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(fd: int, size: int, where: str) -> tuple[list[_Span], dict[str, str], int]:
+    """(tensors in file order, metadata, data start) of the safetensors file open at `fd` (`size` bytes).
+
+    Strict, since the file may come from anywhere: the header length (8 bytes, little-endian) is
+    capped before it is read; every entry needs a known dtype, a shape of non-negative integers and
+    data_offsets that match it; the tensors' bytes must tile the data exactly (sorted, no overlap, no
+    gap, nothing after), as safetensors itself requires.
+    """
+    from codec.tensors import DTYPES  # names as docs/FORMAT.md's table (safetensors' names)
+
+    by_name = {d.name: d for d in DTYPES}
+    if size < 8:
+        raise SafetensorsError(f"{where}: {size} bytes, too short for a safetensors header")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise SafetensorsError(f"{where}: header of {n} bytes (file {size} bytes, cap {MAX_HEADER_BYTES})")
+    try:
+        doc = json.loads(_pread_exact(fd, n, 8, where), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SafetensorsError(f"{where}: header is not valid JSON ({str(exc)[:200]})") from None
+    if not isinstance(doc, dict):
+        raise SafetensorsError(f"{where}: header is not a JSON object")
+    meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise SafetensorsError(f"{where}: __metadata__ must map strings to strings")
+    spans = []
+    for name, info in doc.items():
+        w = f"{where}: tensor {name[:100]!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise SafetensorsError(f"{w}: needs exactly dtype, shape and data_offsets")
+        dt = by_name.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dt is None:
+            raise SafetensorsError(f"{w}: unknown dtype {str(info['dtype'])[:40]!r}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise SafetensorsError(f"{w}: shape must be a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise SafetensorsError(f"{w}: data_offsets must be two integers, begin <= end")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * dt.itemsize:
+            raise SafetensorsError(f"{w}: data_offsets span {offsets[1] - offsets[0]} bytes, its dtype and shape "
+                                   f"need {numel * dt.itemsize}")
+        spans.append(_Span(name, dt, tuple(shape), offsets[0], offsets[1]))
+    spans.sort(key=lambda s: (s.begin, s.end))
+    at = 0
+    for s in spans:
+        if s.begin != at:
+            raise SafetensorsError(f"{where}: tensor {s.name[:100]!r} starts at {s.begin}, expected {at} "
+                                   f"(overlapping or missing data)")
+        at = s.end
+    if 8 + n + at != size:
+        raise SafetensorsError(f"{where}: data is {size - 8 - n} bytes, the tensors cover {at}")
+    return spans, dict(meta), 8 + n
+
+
+def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
+    out = bytearray(n)
+    _preadinto(fd, memoryview(out), offset, where)
+    return bytes(out)
+
+
+def _preadinto(fd: int, buf: memoryview, offset: int, where: str) -> None:
+    """Fill `buf` from `fd` at `offset` in chunks; a file that ends early is refused."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:done + _READ_CHUNK]], offset + done)
+        if got <= 0:
+            raise SafetensorsError(f"{where}: ends {len(buf) - done} bytes early")
+        done += got
+
+
+class SafetensorsFile:
+    """An open safetensors file (no links followed) with its strictly parsed header (`read_header`): `spans`
+    in file order, `metadata`; `read(span)` reads one tensor with plain chunked reads into a new tensor."""
+
+    def __init__(self, path: str | os.PathLike, where: str | None = None) -> None:
+        self.where = where or str(path)
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            self.spans, self.metadata, self.start = read_header(self.fd, os.fstat(self.fd).st_size, self.where)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read(self, span: _Span) -> torch.Tensor:
+        try:
+            t = torch.empty(span.shape, dtype=span.dtype.torch)
+        except RuntimeError as exc:  # torch's CPU allocator reports exhaustion as a RuntimeError
+            if "alloc" in str(exc).lower():
+                raise MemoryError(f"{self.where}: cannot allocate {span.name!r} ({exc})") from None
+            raise
+        if span.end > span.begin:
+            _preadinto(self.fd, t.view(-1).view(torch.uint8).numpy().data, self.start + span.begin,
+                       self.where)
+        return t
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_file_into(path: str | os.PathLike, where: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, read with plain chunked reads straight into new tensors
+    (no mmap, no intermediate bytes: resident memory is the tensors alone). Strict header (read_header);
+    SafetensorsError on a malformed file, FileNotFoundError if absent. Links are not followed."""
+    with SafetensorsFile(path, where) as f:
+        return {s.name: f.read(s) for s in f.spans}, f.metadata
+
+
+class StreamedWriter:
+    """A safetensors file written tensor by tensor, in the order of `spans` (names, dtypes, shapes, and
+    offsets that tile the data, as `read_header` returns them): the header first, then each tensor's
+    bytes as it comes, so a checkpoint is rewritten without holding it. Created exclusively (no links)."""
+
+    def __init__(self, path: str | os.PathLike, spans: list[_Span], metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self.spans = spans
+        self._next = 0
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        for s in spans:
+            header[s.name] = {"dtype": s.dtype.name, "shape": list(s.shape), "data_offsets": [s.begin, s.end]}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors pads
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        self.start = 8 + len(raw)
+        self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")  # bytes or a numpy array (both buffers)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:done + _READ_CHUNK], offset + done)
+
+    def write(self, t: torch.Tensor) -> None:
+        """The next span's tensor (its dtype and shape checked)."""
+        s = self.spans[self._next]
+        if t.dtype != s.dtype.torch or tuple(t.shape) != s.shape:
+            raise ValueError(f"{self.path}: {s.name!r} expects {s.dtype.name} {s.shape}")
+        if s.end > s.begin:
+            self._pwrite(t.detach().contiguous().view(-1).view(torch.uint8).numpy(), self.start + s.begin)
+        self._next += 1
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "StreamedWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        done = self._next == len(self.spans)
+        self.close()
+        if exc[0] is None and not done:
+            raise ValueError(f"{self.path}: closed after {self._next} of {len(self.spans)} tensors")
+
+
+def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata: Any) -> bytes:
+    """index_bytes from tensor descriptions (dtype names and shapes, relay.manifest.TensorInfo) instead of tensors."""
+    from codec.tensors import DTYPES
+
+    size = {d.name: d.itemsize for d in DTYPES}
+    total = 0
+    for info in infos.values():
+        n = size[info.dtype]
+        for d in info.shape:
+            n *= d
+        total += n
+    return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()

@@ -1,4 +1,4 @@
-"""`deltarelay publish | watch | rebase | gc | status`: the relay from the command line.
+"""`deltarelay publish | watch | dest | rebase | gc | status`: the relay from the command line.
 
 Store URLs take s3fs's usual environment (credentials, AWS_ENDPOINT_URL); `--storage-options JSON`
 passes fsspec options for that URL unchanged.
@@ -11,7 +11,8 @@ import fnmatch
 import json
 from typing import Callable
 
-from relay import checkpoint, ops
+from relay import checkpoint, dest, ops
+from relay.manifest import PERSIST_MODES
 from relay.cli_options import add_storage_options, add_trusted_key, add_writer_keys, storage_options
 from relay.publisher import Publisher
 from relay.watcher import SyncError, Watcher
@@ -40,7 +41,8 @@ def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
-                 trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors)) as w:
+                 trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors), persist=args.persist,
+                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps) as w:
         try:
             if args.once:
                 step = w.sync(timeout=args.timeout)
@@ -50,6 +52,12 @@ def _watch(args: argparse.Namespace) -> int:
         except SyncError as exc:
             held = "no step yet" if w.step is None else f"step {w.step}"
             raise SyncError(f"{exc}; {args.dest} stays on {held}") from None
+    return 0
+
+
+def _dest_materialize(args: argparse.Namespace) -> int:
+    step = dest.materialize(args.dest, args.out)
+    print(f"{args.out}: step {step} of {args.dest}")
     return 0
 
 
@@ -115,9 +123,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a partial replica: hold only the tensors matching this shell-style pattern (a plain name "
                         "matches itself; repeat for more); only the parts and snapshot files holding them are "
                         "downloaded, and DIR's relay-state.json says \"partial\"")
+    p.add_argument("--persist", choices=PERSIST_MODES, default="full",
+                   help="full: every step a complete checkpoint under the visible names (engines that reload "
+                        "from disk); journal: a base plus the verified deltas since, disk writes per step "
+                        "proportional to the delta (read it with relay.dest.open_head or `deltarelay dest "
+                        "materialize`)")
+    p.add_argument("--compact-fraction", type=float, default=0.5, metavar="F",
+                   help="journal mode: compact once the journal exceeds F times the model's bytes")
+    p.add_argument("--compact-steps", type=int, default=64, metavar="N",
+                   help="journal mode: compact once the journal holds more than N steps")
     add_trusted_key(p)
     add_storage_options(p)
     p.set_defaults(func=_watch)
+
+    p = subparsers.add_parser("dest", help="read a watcher's directory")
+    dsub = p.add_subparsers(dest="dest_command", required=True)
+    q = dsub.add_parser("materialize", help="write the step DEST holds (either persist mode) as a shard directory")
+    q.add_argument("dest", metavar="DEST")
+    q.add_argument("out", metavar="OUT", help="new directory (must not exist)")
+    q.set_defaults(func=_dest_materialize)
 
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
     p.add_argument("url")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -65,18 +66,35 @@ def write_atomic(path: str | os.PathLike, data: bytes, *, durable: bool = True) 
         tmp.write_bytes(data)
 
 
+def write_all(f: BinaryIO, data: bytes | bytearray | memoryview) -> None:
+    """Write every byte of `data` to the unbuffered file `f` (a raw write may take only part of it)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError(f"{getattr(f, 'name', f)}: the write took no bytes")
+        view = view[n:]
+
+
 def create_exclusive(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
     """Create `path` with `data` and `mode`, only if it does not exist (FileExistsError otherwise, the existing
     file untouched): written and fsynced under a temporary name, then link(2)ed into place, so the name
     never shows a partial file and two writers never both win."""
+    create_exclusive_with(path, lambda f: write_all(f, data), mode)
+
+
+def create_exclusive_with(path: str | os.PathLike, write: Callable[[BinaryIO], object], mode: int = 0o644) -> None:
+    """create_exclusive for content too large to hold: `write(f)` writes it into the temporary file (an
+    unbuffered binary file). Whatever `write` raises aborts the creation: the temporary is removed and
+    `path` never appears."""
     p = Path(path)
     with temporary_sibling(p, mode) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        with open(tmp, "r+b", buffering=0) as f:
+            write(f)
             os.fsync(f.fileno())
         os.link(tmp, p)
     fsync_dir(p.parent)
 
 
-__all__ = ["atomic_path", "write_atomic", "create_exclusive", "temporary_sibling", "fsync_dir"]
+__all__ = ["atomic_path", "write_atomic", "create_exclusive", "create_exclusive_with", "write_all", "temporary_sibling",
+           "fsync_dir"]

@@ -17,9 +17,11 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Set
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, Union
+
+Buffer = Union[bytes, bytearray, memoryview]  # one chunk of a streamed object
 
 MANIFEST_FORMAT = "deltarelay.manifest"
 RECORD_FORMAT = "deltarelay.record"
@@ -150,6 +152,21 @@ class ObjRef:
         import xxhash
 
         return cls(key, len(data), xxhash.xxh3_128_hexdigest(data), sha256_hex(data) if strong else None)
+
+    @classmethod
+    def of_chunks(cls, key: str, chunks: Iterable[Buffer], strong: bool = False) -> "ObjRef":
+        """`of` for an object given as a stream of byte chunks (hashed as they come, never joined)."""
+        import xxhash
+
+        tag = xxhash.xxh3_128()
+        sha = hashlib.sha256() if strong else None
+        size = 0
+        for chunk in chunks:
+            tag.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
+            size += memoryview(chunk).nbytes
+        return cls(key, size, tag.hexdigest(), None if sha is None else sha.hexdigest())
 
     def to_json(self) -> dict:
         out = {"key": self.key, "size": self.size, "xxh3": self.xxh3}
@@ -653,15 +670,65 @@ def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
     return tensors
 
 
+PERSIST_MODES = ("full", "journal")
+_JOURNAL_FILE = re.compile(r"journal/(\d{1,20})-(\d{1,9})\.drd")
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One verified delta payload a journal-mode DEST applies after its base (docs/PROTOCOL.md §6.1): the
+    step it reaches, the file (journal/<step>-<part>.drd) with its size and xxh3, and the tensors it covers
+    (None: all), as the manifest's part said."""
+
+    step: int
+    file: str
+    size: int
+    xxh3: str
+    tensors: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "file": self.file, "size": self.size, "xxh3": self.xxh3,
+                "tensors": None if self.tensors is None else list(self.tensors)}
+
+    @classmethod
+    def parse(cls, obj: Any, where: str) -> "JournalEntry":
+        _only(obj, {"step", "file", "size", "xxh3", "tensors"}, where)
+        for name in ("step", "file", "size", "xxh3", "tensors"):
+            if name not in obj:
+                raise ManifestError(f"{where}: missing field {name!r}")
+        step = _step_int(_need(obj, "step", int, where), f"{where}.step")
+        file = _need(obj, "file", str, where)
+        found = _JOURNAL_FILE.fullmatch(file)
+        if found is None or int(found.group(1)) != step:
+            raise ManifestError(f"{where}.file: {file[:100]!r} is not journal/<step>-<part>.drd of step {step}")
+        size = _step_int(_need(obj, "size", int, where), f"{where}.size")
+        xxh3 = _need(obj, "xxh3", str, where)
+        if not _HEX32.fullmatch(xxh3):
+            raise ManifestError(f"{where}.xxh3: expected 32 lower-case hex digits")
+        names = obj["tensors"]
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)
+                                  or len(set(names)) != len(names)):
+            raise ManifestError(f"{where}.tensors: null or a list of distinct tensor names")
+        return cls(step, file, size, xxh3, None if names is None else tuple(names))
+
+
 @dataclass
 class DestState:
     """DEST/relay-state.json: which step of which run a watcher's directory holds, with the record's
-    tensors of that step to check the files against (docs/schema/relay-state.schema.json)."""
+    tensors of that step to check the files against (docs/schema/relay-state.schema.json).
+
+    `persist` "full": the version holds that step's safetensors. "journal": the version holds a base
+    (the safetensors of step `base`, whose record tensors are `base_tensors`) and the verified payloads
+    of `journal`, applied in order, reach `step`; the state file is that mode's commit point."""
 
     run: str
     step: int
     url: str
     tensors: dict[str, TensorInfo]
+    persist: str = "full"
+    base: int | None = None
+    base_tensors: dict[str, TensorInfo] | None = None
+    journal: tuple[JournalEntry, ...] = ()
     partial: bool = False  # a partial replica: `tensors` is what it holds, not the whole step
 
     def to_bytes(self) -> bytes:
@@ -669,20 +736,48 @@ class DestState:
                                "tensors": _tensors_json(self.tensors)}
         if self.partial:  # written only for partial replicas, so a full DEST's file reads as before
             doc["partial"] = True
+        if self.persist != "full":  # a full-mode state file is written as before the journal existed
+            doc["persist"] = self.persist
+            doc["base"] = {"step": self.base, "tensors": _tensors_json(self.base_tensors or {})}
+            doc["journal"] = [e.to_json() for e in self.journal]
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str = "relay-state.json") -> "DestState":
         doc = _load_json(data, where, MAX_RECORD_BYTES)
-        _only(doc, {"run", "step", "url", "tensors", "partial"}, where)
+        _only(doc, {"run", "step", "url", "tensors", "partial", "persist", "base", "journal"}, where)
         partial = False
         if "partial" in doc:
             if doc["partial"] is not True:
                 raise ManifestError(f"{where}.partial: true when present")
             partial = True
-        return cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
-                   _step_int(_need(doc, "step", int, where), f"{where}.step"), _need(doc, "url", str, where),
-                   _tensor_infos(_need(doc, "tensors", dict, where), f"{where}.tensors"), partial)
+        state = cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
+                    _step_int(_need(doc, "step", int, where), f"{where}.step"), _need(doc, "url", str, where),
+                    _tensor_infos(_need(doc, "tensors", dict, where), f"{where}.tensors"), partial=partial)
+        persist = doc.get("persist", "full")
+        if persist not in PERSIST_MODES:
+            raise ManifestError(f"{where}.persist: {str(persist)[:40]!r} is not one of {PERSIST_MODES}")
+        if persist == "full":
+            if "base" in doc or "journal" in doc:
+                raise ManifestError(f"{where}: base and journal belong to persist \"journal\" only")
+            return state
+        base = _only(_need(doc, "base", dict, where), {"step", "tensors"}, f"{where}.base")
+        state.persist = persist
+        state.base = _step_int(_need(base, "step", int, f"{where}.base"), f"{where}.base.step")
+        state.base_tensors = _tensor_infos(_need(base, "tensors", dict, f"{where}.base"), f"{where}.base.tensors")
+        raw = _need(doc, "journal", list, where)
+        state.journal = tuple(JournalEntry.parse(e, f"{where}.journal[{i}]") for i, e in enumerate(raw))
+        steps = [e.step for e in state.journal]
+        if any(b < a for a, b in zip(steps, steps[1:])) or (steps and steps[0] <= state.base):
+            raise ManifestError(f"{where}.journal: steps must be above the base and never decrease")
+        if len({e.file for e in state.journal}) != len(state.journal):
+            raise ManifestError(f"{where}.journal: a file is named twice")
+        if (steps[-1] if steps else state.base) != state.step:
+            raise ManifestError(f"{where}: the journal ends at step {steps[-1] if steps else state.base}, "
+                                f"not at step {state.step}")
+        if set(state.base_tensors) != set(state.tensors):
+            raise ManifestError(f"{where}.base.tensors: the base and the head hold different tensor names")
+        return state
 
 
 def _dtype_names() -> frozenset[str]:

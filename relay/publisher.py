@@ -1,31 +1,42 @@
-"""Trainer side: publish each step as a delta (or a full snapshot) and commit it in the manifest.
+"""Trainer side: publish each step as delta parts (or a full snapshot) and commit it in the manifest.
 
 Order of writes for a step: the record and the delta object(s) first, then the manifest, with a
 conditional write, so a reader never sees a manifest naming an object that was not written, and
 two publishers never both extend a run (the loser gets ConflictError). Snapshots that are not
 needed to reach the step (a delta exists) upload in a background thread and join the manifest
 only once every file is in the store.
+
+Memory scales with the model once, not three times: the publisher holds one checkpoint, `prev`
+(the last committed step, the base of the next delta). A step is encoded straight from the
+trainer's tensors (publish is synchronous: they do not change during the call), the record's
+digests come from the encode, and prev is then brought to the new step in place, changed tensors
+only. Snapshot files are streamed from prev's tensors (never serialized whole). A background
+snapshot shares prev's tensors; one it has not written yet when prev moves on is handed to it
+(copy-on-write: the snapshot keeps the old tensor, prev gets a new one) and freed once written.
+Those superseded tensors are bounded (`snapshot_budget`): beyond it, publish waits for the
+snapshot to write more instead of allocating.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import logging
+import os
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from safetensors.torch import save as st_save
 
 import codec
-from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
+from relay.checkpoint import DEFAULT_SHARD_BYTES, StreamedFile, index_bytes, safetensors_stream, shard_plan
 from relay.commit import check_writable, extend_run, update_manifest, writer_keys
-from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, delta_key, record_key,
-                            snapshot_prefix, step_of_key, tensor_infos)
+from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
+                            delta_key, record_key, snapshot_prefix, step_of_key, tensor_infos)
 from relay.retry import Backoff
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
@@ -33,10 +44,14 @@ from relay.store import ConflictError, Store, open_store
 log = logging.getLogger(__name__)
 
 SNAPSHOT_BACKOFF = Backoff(0.5, 10.0)  # between tries of a background snapshot
+ADVANCE_MODES = ("copy", "apply")
+PutStream = Callable[[str, Callable[[], Iterable[Buffer]], int, str], None]  # Store.put_immutable_stream's shape
+# codec.apply_ gains a `workers` argument (another branch); pass it where it exists
+_APPLY_TAKES_WORKERS = "workers" in inspect.signature(codec.apply_).parameters
 
 
-def state_tensors(state: Any) -> dict[str, torch.Tensor]:
-    """A private CPU copy of a state_dict or nn.Module's tensors (the trainer keeps mutating its own)."""
+def live_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """The trainer's tensors by name, detached but not copied: publish only reads them, during the call."""
     if isinstance(state, torch.nn.Module):
         state = state.state_dict()
     if not isinstance(state, Mapping):
@@ -45,33 +60,162 @@ def state_tensors(state: Any) -> dict[str, torch.Tensor]:
     for name, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state entry {name!r} is a {type(t).__name__}, not a tensor")
-        out[name] = t.detach().to("cpu", copy=True).contiguous()
+        out[name] = t.detach()
     return out
 
 
-def snapshot_objects(step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str]) -> dict[str, bytes]:
-    """Key -> bytes of a full snapshot: safetensors shards plus a Hugging Face index, under snapshots/<step>/."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _private_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with storage of its own (never an alias of a tied weight)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it is a contiguous CPU tensor (what the codec reads in place), else a host copy."""
+    return t if t.is_cpu and t.is_contiguous() else _private_copy(t)
+
+
+def snapshot_files(step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str]
+                   ) -> dict[str, StreamedFile]:
+    """Key -> streamed bytes of a full snapshot under snapshots/<step>/: safetensors shards (exactly what
+    safetensors.torch.save writes, PROTOCOL §3.3) plus a Hugging Face index. Nothing is serialized here:
+    the shards hand out views of the tensors when read."""
     prefix = snapshot_prefix(step)
-    objects = {}
+    files = {}
     for shard in sorted(set(weight_map.values())):
         part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
-        objects[prefix + shard] = st_save(part, metadata={"step": str(step)})
-    objects[prefix + INDEX_NAME] = index_bytes(tensors, weight_map, step=step)
-    return objects
+        files[prefix + shard] = safetensors_stream(part, {"step": str(step)})
+    files[prefix + INDEX_NAME] = StreamedFile(index_bytes(tensors, weight_map, step=step))
+    return files
 
 
-def upload_snapshot(store: Store, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str],
-                    workers: int = 4, strong: bool = False,
-                    put: Callable[[str, bytes], None] | None = None) -> Snapshot:
-    """Write every snapshot file (in parallel, with `put`, default store.put_immutable), then return its
-    manifest entry (with SHA-256s when `strong`)."""
-    objects = snapshot_objects(step, tensors, weight_map)
-    put = put or store.put_immutable
-    with ThreadPoolExecutor(max(1, min(workers, len(objects)))) as pool:
-        list(pool.map(lambda kv: put(*kv), objects.items()))
-        refs = dict(zip(objects, pool.map(lambda kv: ObjRef.of(kv[0], kv[1], strong), objects.items())))
+def store_files(files: Mapping[str, StreamedFile], put: PutStream, workers: int = 4, strong: bool = False,
+                stored: dict[str, ObjRef] | None = None, written: Callable[[str], None] | None = None
+                ) -> dict[str, ObjRef]:
+    """Create every file (in parallel, streamed) and return key -> ObjRef, each computed by streaming over
+    the same chunks (with SHA-256s when `strong`). `stored` holds files an earlier attempt created (skipped)
+    and collects the new ones, so a retry writes only what is missing; `written(key)` is told as each file
+    lands (its tensors are no longer needed). The first failure is raised once the other files are done."""
+    stored = {} if stored is None else stored
+    todo = [k for k in files if k not in stored]
+
+    def one(key: str) -> None:
+        f = files[key]
+        ref = ObjRef.of_chunks(key, f.chunks(), strong)
+        put(key, f.chunks, ref.size, ref.xxh3)
+        stored[key] = ref
+        if written is not None:
+            written(key)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        for _ in pool.map(one, todo):
+            pass
+    return stored
+
+
+def _snapshot_entry(step: int, refs: Mapping[str, ObjRef]) -> Snapshot:
     index_key = snapshot_prefix(step) + INDEX_NAME
-    return Snapshot(step, refs.pop(index_key), tuple(refs[k] for k in sorted(refs)))
+    return Snapshot(step, refs[index_key], tuple(refs[k] for k in sorted(refs) if k != index_key))
+
+
+def upload_snapshot(store: Store, step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str],
+                    workers: int = 4, strong: bool = False, put: PutStream | None = None) -> Snapshot:
+    """Write every snapshot file (in parallel, streamed with `put`, default store.put_immutable_stream), then
+    return its manifest entry (with SHA-256s when `strong`). Memory: a few chunks per file in flight, never
+    a serialized shard."""
+    refs = store_files(snapshot_files(step, tensors, weight_map), put or store.put_immutable_stream, workers, strong)
+    return _snapshot_entry(step, refs)
+
+
+class _Superseded:
+    """A tensor prev no longer holds, kept alive by the snapshots that still have to write it."""
+
+    __slots__ = ("holders", "size")
+
+    def __init__(self, size: int, holders: int) -> None:
+        self.size = size
+        self.holders = holders
+
+
+class _SnapshotJob:
+    """A background snapshot of one step: its files, and the tensors it has not written yet (shared with
+    prev until prev moves on; then the job holds the old tensor alone, `owned`)."""
+
+    def __init__(self, step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str]) -> None:
+        self.step = step
+        self.files = snapshot_files(step, tensors, weight_map)
+        prefix = snapshot_prefix(step)
+        self.names: dict[str, list[str]] = {}  # file key -> the tensors it holds
+        for name, shard in weight_map.items():
+            self.names.setdefault(prefix + shard, []).append(name)
+        self.unwritten: dict[str, torch.Tensor] = dict(tensors)
+        self.owned: dict[str, _Superseded] = {}
+        self.stored: dict[str, ObjRef] = {}  # files in the store, kept across attempts
+
+
+class _CopyOnWrite:
+    """Which tensors pending snapshots still have to write, and the memory of those prev has moved past.
+
+    One lock for everything: `take` (the publisher, before it overwrites a tensor of prev) and
+    `written`/`finish` (snapshot threads) never hold it while doing I/O or copying, and a snapshot never
+    waits for the publisher, so the publisher's wait always ends: by a file written, or the job ending
+    (done, failed, or the publisher closing)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.jobs: list[_SnapshotJob] = []
+        self.held = 0  # bytes of superseded tensors alive only for snapshots
+
+    def add(self, job: _SnapshotJob) -> None:
+        with self.cond:
+            self.jobs.append(job)
+
+    def _drop(self, job: _SnapshotJob, names: Iterable[str]) -> None:
+        for name in names:
+            job.unwritten.pop(name, None)
+            token = job.owned.pop(name, None)
+            if token is not None:
+                token.holders -= 1
+                if not token.holders:
+                    self.held -= token.size
+
+    def written(self, job: _SnapshotJob, key: str) -> None:
+        """File `key` of `job` is in the store: its tensors are the job's no longer."""
+        with self.cond:
+            job.files.pop(key, None)
+            self._drop(job, job.names.get(key, ()))
+            self.cond.notify_all()
+
+    def finish(self, job: _SnapshotJob) -> None:
+        """The job is over (committed or given up): it holds nothing any more."""
+        with self.cond:
+            job.files.clear()
+            self._drop(job, list(job.unwritten))
+            if job in self.jobs:
+                self.jobs.remove(job)
+            self.cond.notify_all()
+
+    def take(self, name: str, current: torch.Tensor, budget: int) -> bool:
+        """Called before prev's `current` tensor for `name` is overwritten in place: True if a pending
+        snapshot still has to write it (the snapshot keeps it; the caller gives prev a new tensor), False
+        if it may be overwritten. Waits while handing it over would take the superseded tensors past
+        `budget` bytes, until the snapshot writes it or frees others."""
+        with self.cond:
+            while True:
+                holders = [j for j in self.jobs if j.unwritten.get(name) is current]
+                if not holders:
+                    return False
+                size = _nbytes(current)
+                if self.held + size <= budget:
+                    token = _Superseded(size, len(holders))
+                    for j in holders:
+                        j.owned[name] = token
+                    self.held += size
+                    return True
+                self.cond.wait()
 
 
 class Publisher:
@@ -79,7 +223,16 @@ class Publisher:
 
     snapshot_every: a full snapshot when the step number is this far past the last one.
     snapshot_fraction: also snapshot when the delta bytes since the last snapshot exceed this fraction of it.
-    max_shard_bytes: size cap of one snapshot file. background: upload deferrable snapshots in a thread.
+    max_shard_bytes: size cap of one snapshot file; each step's delta has one part per snapshot file
+    (`deltas/<step>-<i>.drd` covers the tensors of file i), a single part when there is one file.
+    background: upload deferrable snapshots in a thread.
+    workers: encode threads (the codec's compiled kernels release the GIL); default min(cores, 8).
+    advance: how the publisher's copy of the last step moves to the new one: "copy" copies the changed
+    tensors after the commit; "apply" applies the step's own delta parts with codec.apply_ before the
+    commit, which proves they rebuild the trainer's tensors before any manifest names them (a decode and
+    a digest pass more; a failure after it makes the next step a snapshot).
+    snapshot_budget: the memory superseded tensors held for pending background snapshots may take, as a
+    fraction of the model's bytes; beyond it publish waits for the snapshot to write them.
     resume: attach to an existing run at its head (its state is read back, waiting at most resume_timeout
     seconds for objects that are not there yet) and take it over: the manifest then names this
     publisher as the run's writer, and any earlier publisher of the run (a trainer thought dead, a
@@ -102,20 +255,31 @@ class Publisher:
                  effort: str = "default", background: bool = True, upload_workers: int = 4,
                  resume_timeout: float | None = 600.0, keep_snapshots: int | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, adopt_unsigned: bool = False,
-                 snapshot_attempts: int = 3) -> None:
+                 snapshot_attempts: int = 3, workers: int | None = None, advance: str = "copy",
+                 snapshot_budget: float = 0.25) -> None:
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
             raise ValueError("snapshot_fraction must be > 0")
         if snapshot_attempts < 1:
             raise ValueError("snapshot_attempts must be >= 1")
+        if advance not in ADVANCE_MODES:
+            raise ValueError(f"advance must be one of {ADVANCE_MODES}, got {advance!r}")
+        if not snapshot_budget >= 0:
+            raise ValueError("snapshot_budget must be >= 0 (a fraction of the model's bytes)")
+        if workers is not None and workers < 1:
+            raise ValueError("workers must be >= 1")
         self.url = url
         self.store = open_store(url, storage_options)
+        codec.warm_up(("encode",))  # a fresh host compiles the encoder while its first snapshot uploads
         self.snapshot_every = snapshot_every
         self.snapshot_fraction = snapshot_fraction
         self.max_shard_bytes = max_shard_bytes
         self.effort = effort
         self.upload_workers = upload_workers
+        self.workers = workers or min(os.cpu_count() or 1, 8)
+        self.advance = advance
+        self.snapshot_budget = snapshot_budget
         self.resume_timeout = resume_timeout
         self.snapshot_attempts = snapshot_attempts
         if keep_snapshots is not None and keep_snapshots < 1:
@@ -127,12 +291,13 @@ class Publisher:
         self._commit_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
+        self._cow = _CopyOnWrite()
         self._errors: list[BaseException] = []  # background snapshot failures not yet handed to flush()
         self._snapshot_retry = False  # a background snapshot failed: take the next step's instead
         self.snapshot_failures = 0
         self.last_snapshot_error: str | None = None
         self._closed = False
-        self.prev: dict[str, torch.Tensor] | None = None
+        self.prev: dict[str, torch.Tensor] | None = None  # the last committed step: ours alone, contiguous, CPU
         self.step: int | None = None  # last step published (committed) by this publisher
         self._head: int | None = None  # the head of our last commit (what every later commit builds on)
         self._last_snapshot_step = 0  # meaningful once self.prev is set: both are set together
@@ -178,7 +343,11 @@ class Publisher:
 
     # -- publishing ---------------------------------------------------------------------------
     def publish(self, state: Any, step: int) -> None:
-        """Publish `state` (state_dict or nn.Module) as `step`; returns once the step is in the manifest."""
+        """Publish `state` (state_dict or nn.Module) as `step`; returns once the step is in the manifest.
+
+        The state's tensors are read during the call only (the trainer must not change them until it
+        returns); they are never copied whole, except at a step that needs a full snapshot (the first one,
+        or a change of the tensor set), whose state becomes the publisher's base."""
         if self._closed:
             raise RuntimeError("publisher is closed")
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
@@ -186,53 +355,162 @@ class Publisher:
         if self.step is not None and step <= self.step:
             raise ValueError(f"step {step} does not increase (last published step is {self.step})")
         self._collect_background()
-        tensors = state_tensors(state)
-        record = Record(self.run, step, tensor_infos(tensors), shard_plan(tensors, self.max_shard_bytes))
-        payload = None
+        live = live_tensors(state)
+        weight_map = shard_plan(live, self.max_shard_bytes)
         if self.prev is not None:
             try:
-                payload = codec.encode(self.prev, tensors, effort=self.effort)
+                codec.check_structure(self.prev, live)
             except codec.CheckpointMismatchError as exc:
                 log.info("%s: step %d changes the tensor set (%s); publishing a full snapshot", self.url, step, exc)
+            else:
+                self._publish_delta(live, step, weight_map)
+                return
+        self._publish_snapshot(live, step, weight_map)
+
+    def _parts(self, live: dict[str, torch.Tensor], weight_map: dict[str, str]) -> list[list[str]]:
+        """The tensor names of each delta part: one part per snapshot file, in file order."""
+        by_file: dict[str, list[str]] = {}
+        for name in live:
+            by_file.setdefault(weight_map[name], []).append(name)
+        return [by_file[f] for f in sorted(by_file)]
+
+    def _publish_delta(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> None:
+        prev = self.prev
+        if prev is None:
+            raise AssertionError("internal: a delta step without a base")
         strong = self.signer is not None
-        record_bytes = record.to_bytes()
+        budget = int(self.snapshot_budget * sum(_nbytes(t) for t in live.values()))
+        parts = self._parts(live, weight_map)
+        payloads: list[bytes] = []
+        digests: dict[str, codec.TensorDigests] = {}
+        try:
+            for names in parts:
+                target = {k: _on_host(live[k]) for k in names}  # host copies (device, strided): one part at a time
+                payload = codec.encode({k: prev[k] for k in names}, target, effort=self.effort, workers=self.workers)
+                del target
+                found = codec.digests(payload)
+                if self.advance == "apply":  # the payload must rebuild the trainer's tensors: proven before commit
+                    self._apply(payload, found, budget)
+                payloads.append(payload)
+                digests.update(found)
+        except BaseException:
+            if payloads and self.advance == "apply":
+                self.prev = None  # partly moved to an uncommitted step: the next step starts from a snapshot
+            raise
+        record = Record(self.run, step, {k: TensorInfo(digests[k].dtype, digests[k].shape, digests[k].target)
+                                         for k in live}, weight_map)
+        try:
+            record_bytes = record.to_bytes()
+            rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
+            self._put(rec_ref.key, record_bytes)
+            refs = []
+            for i, payload in enumerate(payloads):
+                ref = ObjRef.of(delta_key(step, i), payload, strong)
+                self._put(ref.key, payload)
+                refs.append(ref)
+            entry = Step(step, rec_ref, self.step, tuple(Part(ref, None if len(parts) == 1 else tuple(names))
+                                                         for ref, names in zip(refs, parts)))
+            due = (self._snapshot_retry or step - self._last_snapshot_step >= self.snapshot_every
+                   or self._chain_bytes + entry.delta_bytes > self.snapshot_fraction * self._last_snapshot_bytes)
+            self._commit(entry, None)
+        except BaseException:
+            if self.advance == "apply":
+                self.prev = None  # holds the uncommitted step: the next step starts from a snapshot
+            raise
+        self.step = step
+        self._chain_bytes += entry.delta_bytes
+        if self.advance == "copy":
+            try:
+                for name, d in digests.items():
+                    if d.base != d.target:
+                        self._copy_into_prev(name, live[name], budget)
+            except BaseException:
+                self.prev = None  # partly moved to the committed step: the next step starts from a snapshot
+                raise
+        if due:
+            self._snapshot(step, weight_map, strong)
+
+    def _copy_into_prev(self, name: str, src: torch.Tensor, budget: int) -> None:
+        """prev[name] := src, in place unless a pending snapshot still has to write the old tensor."""
+        if self.prev is None:
+            raise AssertionError("internal: no base to advance")
+        current = self.prev[name]
+        if self._cow.take(name, current, budget):
+            self.prev[name] = _private_copy(src)
+        else:
+            current.copy_(src)
+
+    def _apply(self, payload: bytes, found: Mapping[str, codec.TensorDigests], budget: int) -> None:
+        """Apply one part to prev in place (verified by codec.apply_, or prev unchanged and DeltaError);
+        tensors a pending snapshot still has to write are applied to copies that replace them in prev."""
+        if self.prev is None:
+            raise AssertionError("internal: no base to advance")
+        target = {}
+        for name, d in found.items():
+            current = self.prev[name]
+            changed = d.base != d.target
+            target[name] = current.clone() if changed and self._cow.take(name, current, budget) else current
+        options: dict[str, Any] = {"workers": self.workers} if _APPLY_TAKES_WORKERS else {}
+        codec.apply_(target, payload, **options)
+        self.prev.update(target)
+
+    def _publish_snapshot(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> None:
+        """A step only a snapshot reaches: its state becomes the publisher's own copy (the base of the next
+        delta), hashed for the record, uploaded before the manifest names the step."""
+        self._wait_background()  # (they hold the old base's tensors)
+        self.prev = None  # the old base goes before the new one is copied: one checkpoint in memory
+        strong = self.signer is not None
+        prev = {k: _private_copy(t) for k, t in live.items()}
+        record_bytes = Record(self.run, step, tensor_infos(prev), weight_map).to_bytes()
         rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
         self._put(rec_ref.key, record_bytes)
-        if payload is not None:
-            ref = ObjRef.of(delta_key(step, 0), payload, strong)
-            self._put(ref.key, payload)
-            entry = Step(step, rec_ref, self.step, (Part(ref),))
-            self._chain_bytes += len(payload)
+        snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream)
+        self._commit(Step(step, rec_ref), snap)
+        self.prev, self.step = prev, step
+        self._snapshot_done(step, prev)
+
+    def _snapshot_done(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A snapshot of `step` is committed or under way: the next one is counted from here."""
+        self._snapshot_retry = False
+        self._last_snapshot_step = step
+        self._last_snapshot_bytes = sum(_nbytes(t) for t in tensors.values())
+        self._chain_bytes = 0
+
+    def _snapshot(self, step: int, weight_map: dict[str, str], strong: bool) -> None:
+        """The snapshot of the step just committed (prev is that step): in the background, or now."""
+        if self.prev is None:
+            return  # prev was lost to a failure: the next step is a snapshot anyway
+        if self._pool is None:
+            self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers, strong,
+                                               put=self._put_stream))
         else:
-            entry = Step(step, rec_ref)
-        due = (payload is None or self._snapshot_retry or step - self._last_snapshot_step >= self.snapshot_every
-               or self._chain_bytes > self.snapshot_fraction * self._last_snapshot_bytes)
-        if payload is None:  # only a snapshot reaches this step: upload it before the manifest names the step
-            self._wait_background()
-            snap = upload_snapshot(self.store, step, tensors, record.weight_map, self.upload_workers, strong,
-                                   put=self._put)
-            self._commit(entry, snap)
-        else:
-            self._commit(entry, None)
-            if due:
-                if self._pool is None:
-                    self._commit(None, upload_snapshot(self.store, step, tensors, record.weight_map,
-                                                       self.upload_workers, strong, put=self._put))
-                else:
-                    self._pending.append(self._pool.submit(self._background_snapshot, step, tensors, record.weight_map))
-        if due:
-            self._snapshot_retry = False
-            self._last_snapshot_step = step
-            self._last_snapshot_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            self._chain_bytes = 0
-        self.prev, self.step = tensors, step
+            try:
+                job = _SnapshotJob(step, self.prev, weight_map)
+            except Exception as exc:  # noqa: BLE001 - the step is committed: reported like an upload failure
+                self._snapshot_failed(step, exc)
+                return
+            self._cow.add(job)
+            try:
+                self._pending.append(self._pool.submit(self._background_snapshot, job))
+            except BaseException:
+                self._cow.finish(job)
+                raise
+        self._snapshot_done(step, self.prev)
 
     def _put(self, key: str, data: bytes) -> None:
-        """Create an immutable object. An object of another content under the key of a step we have not
-        committed is a leftover of a crashed or fenced publisher: replaced once the manifest shows this
-        publisher still owns the run (only the owner commits, so no manifest names such an object)."""
+        """Create an immutable object (see _create)."""
+        self._create(key, lambda: self.store.put_immutable(key, data))
+
+    def _put_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
+        """Create a streamed immutable object (see _create)."""
+        self._create(key, lambda: self.store.put_immutable_stream(key, chunks, size, xxh3))
+
+    def _create(self, key: str, write: Callable[[], None]) -> None:
+        """Create an immutable object with `write`. An object of another content under the key of a step we
+        have not committed is a leftover of a crashed or fenced publisher: replaced once the manifest shows
+        this publisher still owns the run (only the owner commits, so no manifest names such an object)."""
         try:
-            self.store.put_immutable(key, data)
+            write()
             return
         except ConflictError:
             step = step_of_key(key)
@@ -247,27 +525,32 @@ class Publisher:
         log.warning("%s/%s: replacing a leftover of an uncommitted step (a crashed or fenced publisher wrote it)",
                     self.url, key)
         self.store.delete([key])
-        self.store.put_immutable(key, data)
+        write()
 
-    def _background_snapshot(self, step: int, tensors: dict[str, torch.Tensor], weight_map: dict[str, str]) -> None:
-        """Upload and commit a snapshot, retrying; a final failure is reported, and the next step snapshots."""
-        for attempt in range(1, self.snapshot_attempts + 1):
-            try:
-                self._commit(None, upload_snapshot(self.store, step, tensors, weight_map, self.upload_workers,
-                                                   self.signer is not None, put=self._put))
-                log.info("%s: snapshot %d committed", self.url, step)
-                return
-            except ConflictError as exc:  # fenced, or the step was collected: retrying cannot help
-                self._snapshot_failed(step, exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - reported below, never lost
-                if attempt == self.snapshot_attempts:
-                    self._snapshot_failed(step, exc)
+    def _background_snapshot(self, job: _SnapshotJob) -> None:
+        """Upload and commit a snapshot, retrying what is missing; a final failure is reported, and the next
+        step snapshots. Whatever happens, the job's tensors are let go at the end."""
+        try:
+            for attempt in range(1, self.snapshot_attempts + 1):
+                try:
+                    store_files(job.files, self._put_stream, self.upload_workers, self.signer is not None,
+                                job.stored, lambda key: self._cow.written(job, key))
+                    self._commit(None, _snapshot_entry(job.step, job.stored))
+                    log.info("%s: snapshot %d committed", self.url, job.step)
                     return
-                delay = SNAPSHOT_BACKOFF.delay(attempt)
-                log.warning("%s: snapshot %d failed (attempt %d of %d: %s); retrying in %.1fs", self.url, step, attempt,
-                            self.snapshot_attempts, exc, delay)
-                time.sleep(delay)
+                except ConflictError as exc:  # fenced, or the step was collected: retrying cannot help
+                    self._snapshot_failed(job.step, exc)
+                    return
+                except Exception as exc:  # noqa: BLE001 - reported below, never lost
+                    if attempt == self.snapshot_attempts:
+                        self._snapshot_failed(job.step, exc)
+                        return
+                    delay = SNAPSHOT_BACKOFF.delay(attempt)
+                    log.warning("%s: snapshot %d failed (attempt %d of %d: %s); retrying in %.1fs", self.url,
+                                job.step, attempt, self.snapshot_attempts, exc, delay)
+                    time.sleep(delay)
+        finally:
+            self._cow.finish(job)
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         self.snapshot_failures += 1

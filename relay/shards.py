@@ -117,6 +117,16 @@ def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
     try:
         header = json.loads(bytes(data[8:8 + n]))
         meta = header.get("__metadata__") or {}
+    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
+        raise ShardError([ref], f"{where}: unreadable safetensors metadata ({type(exc).__name__}: {exc})") from None
+    return metadata_rows(meta, ref)
+
+
+def metadata_rows(meta: Any, ref: ObjRef) -> dict[str, tuple[int, int]]:
+    """The row ranges in a snapshot file's safetensors metadata (the `__metadata__` mapping, as
+    relay.checkpoint's strict reader returns it): {} for a file of whole tensors."""
+    where = ref.key
+    try:
         raw = json.loads(meta[ROWS_KEY]) if ROWS_KEY in meta else {}
     except (ValueError, AttributeError, TypeError, RecursionError) as exc:
         raise ShardError([ref], f"{where}: unreadable safetensors metadata ({type(exc).__name__}: {exc})") from None
@@ -133,20 +143,30 @@ def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
 
 def assemble(files: list[tuple[ObjRef, bytes]], infos: Mapping[str, TensorInfo],
              want: Selector | None = None) -> dict[str, torch.Tensor]:
-    """The tensors a snapshot's files hold (those `want` selects), row slices put together into whole
-    tensors shaped as the record says. ShardError, blaming every file given, when a tensor appears
-    twice, slices overlap, leave a gap, or do not fit the record; the digests are the caller's check."""
+    """assemble_read over files given as their bytes (safetensors)."""
     from safetensors.torch import load as st_load
 
-    refs = [r for r, _ in files]
-    whole: dict[str, torch.Tensor] = {}
-    pieces: dict[str, list[tuple[int, int, torch.Tensor, str]]] = {}
+    read = []
     for ref, data in files:
         rows = file_rows(data, ref)
         try:
             held = st_load(bytes(data))
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
             raise ShardError([ref], f"{ref.key}: not a safetensors file ({exc})") from None
+        read.append((ref, rows, held))
+    return assemble_read(read, infos, want)
+
+
+def assemble_read(files: list[tuple[ObjRef, dict[str, tuple[int, int]], dict[str, torch.Tensor]]],
+                  infos: Mapping[str, TensorInfo], want: Selector | None = None) -> dict[str, torch.Tensor]:
+    """The tensors a snapshot's files hold (those `want` selects), row slices put together into whole
+    tensors shaped as the record says. Each file is given read: (its reference, its metadata's rows
+    (metadata_rows), its tensors). ShardError, blaming every file given, when a tensor appears
+    twice, slices overlap, leave a gap, or do not fit the record; the digests are the caller's check."""
+    refs = [r for r, _, _ in files]
+    whole: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[int, int, torch.Tensor, str]]] = {}
+    for ref, rows, held in files:
         if set(rows) - set(held):
             raise ShardError([ref], f"{ref.key}: metadata gives rows of tensors it does not hold "
                                     f"{sorted(set(rows) - set(held))[:5]}")
@@ -207,5 +227,5 @@ def index_files(data: bytes, snap: Snapshot) -> dict[str, set[str]]:
     return out
 
 
-__all__ = ["ShardError", "selector", "needs_part", "check_tiling", "part_targets", "file_rows", "assemble",
-           "index_files", "ROWS_KEY", "SLICES_KEY"]
+__all__ = ["ShardError", "selector", "needs_part", "check_tiling", "part_targets", "file_rows", "metadata_rows",
+           "assemble", "assemble_read", "index_files", "ROWS_KEY", "SLICES_KEY"]

@@ -3,36 +3,45 @@ a conditional commit of the manifest, so two publishers can never fork a run.
 
 Three backends, chosen by protocol:
   * s3://   -- s3fs; the manifest commit is PutObject with If-None-Match: * (first) or If-Match:
-               ETag (later); immutable objects are created with If-None-Match: *. The manifest is
-               read with a plain GetObject (conditional on its ETag when polling), never a LIST,
-               so s3fs's listing cache never serves a stale view.
+               ETag (later); immutable objects are created with If-None-Match: * (large ones by a
+               multipart upload whose completion carries it). The manifest is read with a plain
+               GetObject (conditional on its ETag when polling), never a LIST, so s3fs's listing
+               cache never serves a stale view. Large objects are read in ranged GETs If-Match
+               the first answer's ETag.
   * file:// -- local paths; commit is an atomic rename under an flock, objects are created
-               exclusively with link(2).
+               exclusively with link(2) of a fsynced temporary.
   * anything else fsspec knows (memory:// included) -- check-and-write under a process-wide
                lock. That is exact for memory:// (one process owns it); for other remote stores
                it only protects publishers inside this process, and says so in the log.
 
-`storage_options` are handed to fsspec unchanged.
+Large objects (put_new_stream, put_immutable_stream, iter_chunks, download) never sit whole in
+memory; `Transfer` bounds what they hold (docs/PROTOCOL.md §3). `storage_options` are handed to
+fsspec unchanged, except the relay's own key "transfer" (the fields of a Transfer).
 """
 
 from __future__ import annotations
 
 import abc
+import concurrent.futures as cf
 import enum
 import errno
 import fcntl
+import hashlib
+import io
 import logging
 import os
+import re
 import threading
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, fields
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Final, Literal, Union, overload
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, BinaryIO, Final, Literal, Union, overload
 
 import fsspec
 import xxhash
 
-from relay.files import create_exclusive, write_atomic
+from relay.files import create_exclusive, create_exclusive_with, write_all, write_atomic
 from relay.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -44,6 +53,13 @@ LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")  # every immutable objec
 BODY_ATTEMPTS = 5  # S3 GETs whose body breaks off after the headers (s3fs retries only the request)
 BODY_BACKOFF = Backoff(0.1, 2.0, 1.7)  # s3fs's own growth between those re-fetches
 UNSURE_BACKOFF = Backoff(0.1, 2.0)  # before re-reading after a manifest write whose outcome was not told
+PART_ATTEMPTS = 5  # uploads of one multipart part (on top of s3fs's and botocore's own retries of the request)
+PART_BACKOFF = Backoff(0.2, 5.0)
+MiB = 1 << 20
+S3_MIN_PART = 5 * MiB  # S3's limits on multipart uploads: every part but the last at least this
+S3_MAX_PART = 5 << 30  # ... at most this (also the largest single PutObject)
+S3_MAX_PARTS = 10_000
+S3_MAX_OBJECT = 5 << 40
 
 
 class ConflictError(RuntimeError):
@@ -60,6 +76,14 @@ class ObjectMissing(FileNotFoundError):
 
 class ObjectExists(FileExistsError):
     """A create-only write found the key already present."""
+
+
+class ObjectChanged(OSError):
+    """An object changed between the ranged reads of one download (someone replaced an immutable key):
+    what was read is discarded. A new read sees one version whole, which the caller verifies as always."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
 
 
 class NotModified(enum.Enum):
@@ -84,6 +108,120 @@ class ManifestRead:
 def content_tag(data: bytes) -> str:
     """Hex xxh3-128 of bytes: object integrity in the manifest and ETag for stores without one."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How large objects move, so that memory stays bounded whatever their size.
+
+    S3 creates an object larger than `multipart_threshold` by a multipart upload of `part_size` parts
+    (raised when 10,000 parts would not hold it), `threads` at a time, at most `threads + 1` parts in
+    memory (one being filled); it downloads one in ranges of `part_size`, `threads` at a time. Every
+    read holds at most `chunk_size` bytes per thread, and `iter_chunks` yields pieces of that size.
+    Set per store with `open_store(..., transfer=Transfer(...))` or the storage option
+    `{"transfer": {"part_size": ...}}` (taken out before the options reach fsspec).
+    """
+
+    multipart_threshold: int = 64 * MiB
+    part_size: int = 64 * MiB
+    threads: int = 4
+    chunk_size: int = 8 * MiB
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if type(value) is not int:  # bool is an int subclass, and refused here
+                raise ValueError(f"transfer option {f.name}: an integer, not {value!r}")
+        if not 0 <= self.multipart_threshold <= S3_MAX_PART:
+            raise ValueError(f"transfer option multipart_threshold: 0 to {S3_MAX_PART} bytes (S3's largest single "
+                             f"PutObject), not {self.multipart_threshold}")
+        if not S3_MIN_PART <= self.part_size <= S3_MAX_PART:
+            raise ValueError(f"transfer option part_size: {S3_MIN_PART} to {S3_MAX_PART} bytes (S3's part limits), "
+                             f"not {self.part_size}")
+        if not 1 <= self.threads <= 64:
+            raise ValueError(f"transfer option threads: 1 to 64, not {self.threads}")
+        if not 4096 <= self.chunk_size <= 1 << 30:
+            raise ValueError(f"transfer option chunk_size: 4096 bytes to 1 GiB, not {self.chunk_size}")
+
+    @classmethod
+    def from_options(cls, value: object) -> Transfer:
+        """The Transfer a storage option `{"transfer": {...}}` asks for; ValueError naming a bad field."""
+        if not isinstance(value, dict):
+            raise ValueError(f"storage option 'transfer': an object of {sorted(f.name for f in fields(cls))}, "
+                             f"not {value!r}")
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"storage option 'transfer': unknown field(s) {unknown}; known: "
+                             f"{sorted(f.name for f in fields(cls))}")
+        return cls(**value)
+
+    def part_size_for(self, size: int) -> int:
+        """The part size of a multipart upload of `size` bytes: `part_size`, raised in whole MiB until
+        S3's 10,000 parts hold the object (at most 525 MiB, for S3's largest object of 5 TiB);
+        ValueError past that limit."""
+        if size > S3_MAX_OBJECT:
+            raise ValueError(f"{size} bytes: larger than S3's largest object ({S3_MAX_OBJECT} bytes)")
+        part = self.part_size
+        if size > part * S3_MAX_PARTS:
+            part = -(-size // (S3_MAX_PARTS * MiB)) * MiB
+        return part
+
+
+DEFAULT_TRANSFER = Transfer()
+
+
+def _as_bytes_view(chunk: Buffer) -> memoryview:
+    """A chunk as a flat memoryview of bytes (a tensor's buffer may come typed or shaped)."""
+    view = memoryview(chunk)
+    if view.format != "B" or view.ndim != 1:
+        if not view.c_contiguous:
+            raise ValueError("a streamed chunk must be a contiguous buffer")
+        view = view.cast("B")
+    return view
+
+
+class _Checked:
+    """The chunks of a stream as byte views, held to the size its writer declared (and, when `hashed`, to
+    its xxh3): a stream that runs past `size` stops at the first chunk beyond it; `finish()` refuses one
+    that ended short or whose bytes hash to another tag. A writer creates nothing before `finish()`."""
+
+    def __init__(self, where: str, chunks: Iterable[Buffer], size: int, xxh3: str | None, hashed: bool) -> None:
+        if size < 0:
+            raise ValueError(f"{where}: a negative size ({size})")
+        self.where, self.chunks, self.size, self.xxh3 = where, chunks, size, xxh3
+        self.count = 0
+        self.hash = xxhash.xxh3_128() if hashed and xxh3 is not None else None
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for chunk in self.chunks:
+            view = _as_bytes_view(chunk)
+            self.count += len(view)
+            if self.count > self.size:
+                raise ValueError(f"{self.where}: the stream gave more than the declared {self.size} bytes; "
+                                 f"nothing was created")
+            if self.hash is not None:
+                self.hash.update(view)
+            yield view
+
+    def finish(self, digest: str | None = None) -> None:
+        """Raise unless the whole declared stream came (and hashed, here or as `digest`, to the declared tag)."""
+        if self.count != self.size:
+            raise ValueError(f"{self.where}: the stream gave {self.count} bytes, declared {self.size}; "
+                             f"nothing was created")
+        got = digest if digest is not None else (self.hash.hexdigest() if self.hash is not None else None)
+        if self.xxh3 is not None and got is not None and got != self.xxh3:
+            raise ValueError(f"{self.where}: the stream's bytes hash to {got}, declared {self.xxh3} (the source "
+                             f"changed while it was read?); nothing was created")
+
+
+def _pwrite_all(fd: int, data: Buffer, offset: int) -> None:
+    """os.pwrite of every byte (a positional write may take only part of it)."""
+    view = _as_bytes_view(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if not n:
+            raise OSError(errno.EIO, f"fd {fd}: a write at offset {offset} took no bytes")
+        view, offset = view[n:], offset + n
 
 
 class Store(abc.ABC):
@@ -148,20 +286,27 @@ class Store(abc.ABC):
         the new ETag. ConflictError when another writer got there first; the manifest is then unchanged."""
 
     # -- large objects: streamed, never whole in memory ------------------------------------------
-    def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int) -> None:
+    # Every backend overrides these with bounded-memory versions (tests/test_store_conformance.py);
+    # the fallbacks below, for other Store implementations, hold the object whole.
+    transfer: Transfer = DEFAULT_TRANSFER
+
+    def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
         """Create `key` from `chunks` (exactly `size` bytes in all), atomically: a reader sees the whole
-        object or none. ObjectExists if the key is present. Implementations hold a bounded amount of it
-        in memory (a file buffer, a few multipart parts); this fallback joins the chunks."""
-        data = b"".join(chunks)
-        if len(data) != size:
-            raise ValueError(f"{self.url}/{key}: the stream gave {len(data)} bytes, expected {size}")
+        object or none. ObjectExists if the key is present (then the stream may not be read at all).
+        ValueError, creating nothing, if the stream gives another number of bytes or (with `xxh3`) bytes
+        of another content tag: what is created is exactly what was declared. Implementations hold a
+        bounded amount of it in memory (a file buffer, a few multipart parts); this fallback joins the chunks."""
+        checked = _Checked(f"{self.url}/{key}", chunks, size, xxh3, hashed=True)
+        data = b"".join(bytes(view) for view in checked)
+        checked.finish()
         self.put_new(key, data)
 
     def put_immutable_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
-        """put_immutable for a streamed object: `chunks()` gives its bytes (called once per attempt); an
+        """put_immutable for a streamed object: `chunks()` gives its bytes (called once per attempt); the
+        object is created only if they are `size` bytes hashing to `xxh3` (ValueError otherwise); an
         existing object is accepted only if its size and xxh3 (the content tag) are these, else ConflictError."""
         try:
-            self.put_new_stream(key, chunks(), size)
+            self.put_new_stream(key, chunks(), size, xxh3=xxh3)
         except ObjectExists:
             try:
                 tag = self.content_tag_of(key)
@@ -183,19 +328,22 @@ class Store(abc.ABC):
         return size, h.hexdigest()
 
     def iter_chunks(self, key: str) -> Iterator[bytes]:
-        """The object's bytes in order, a bounded chunk at a time; ObjectMissing if absent. This fallback
+        """The object's bytes in order, at most `transfer.chunk_size` at a time; ObjectMissing (at the first
+        next()) if absent; an error, never a short object, if the read cannot be completed. This fallback
         reads it whole."""
         yield self.get(key)
 
     def download(self, key: str, fd: int, size: int | None = None) -> int:
-        """Write the object's bytes into the open file descriptor `fd` from offset 0 (positional writes,
-        so large objects may arrive in parallel ranges); returns the byte count. ObjectMissing if absent;
-        ValueError if `size` is given and the object has another size (nothing is trusted beyond it)."""
+        """Write the object's bytes into the open file descriptor `fd` (opened for writing, not O_APPEND)
+        from offset 0 (positional writes, so large objects may arrive in parallel ranges); returns the byte
+        count. ObjectMissing if absent; ValueError if `size` is given and the object has another size,
+        raised before any byte past `size` is written. On any error `fd` holds an unspecified prefix:
+        the caller discards the file. The caller verifies the content (its xxh3) as for any read."""
         offset = 0
         for chunk in self.iter_chunks(key):
             if size is not None and offset + len(chunk) > size:
                 raise ValueError(f"{self.url}/{key}: larger than the expected {size} bytes")
-            os.pwrite(fd, chunk, offset)
+            _pwrite_all(fd, chunk, offset)
             offset += len(chunk)
         if size is not None and offset != size:
             raise ValueError(f"{self.url}/{key}: {offset} bytes, expected {size}")
@@ -221,9 +369,10 @@ class Store(abc.ABC):
 class LocalStore(Store):
     """file:// prefix: exclusive create via link(2), manifest swap via rename under flock."""
 
-    def __init__(self, url: str, root: str) -> None:
+    def __init__(self, url: str, root: str, *, transfer: Transfer = DEFAULT_TRANSFER) -> None:
         self.url = url
         self.root = Path(root)
+        self.transfer = transfer
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -239,6 +388,73 @@ class LocalStore(Store):
             create_exclusive(self._path(key), data)
         except FileExistsError:
             raise ObjectExists(f"{self.url}/{key}: exists") from None
+
+    def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
+        """Written chunk by chunk into a dot-named temporary file, fsynced, then link(2)ed into place (as
+        put_new): memory holds one chunk; the temporary is removed on any failure."""
+        path = self._path(key)
+        if path.exists():  # the authoritative check is link(2)'s; this one spares reading the stream
+            raise ObjectExists(f"{self.url}/{key}: exists")
+        checked = _Checked(f"{self.url}/{key}", chunks, size, xxh3, hashed=True)
+
+        def write(f: BinaryIO) -> None:
+            for view in checked:
+                write_all(f, view)
+            checked.finish()
+
+        try:
+            create_exclusive_with(path, write)
+        except FileExistsError:
+            raise ObjectExists(f"{self.url}/{key}: exists") from None
+
+    def _open(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb", buffering=0)
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        with self._open(key) as f:
+            size = os.fstat(f.fileno()).st_size
+            done = 0
+            while done < size:
+                data = os.pread(f.fileno(), min(self.transfer.chunk_size, size - done), done)
+                if not data:
+                    raise OSError(errno.EIO, f"{self.url}/{key}: ended after {done} of {size} bytes "
+                                             f"(truncated while read)")
+                done += len(data)
+                yield data
+
+    def download(self, key: str, fd: int, size: int | None = None) -> int:
+        """A kernel copy (copy_file_range: no user-space buffer, a reflink where the filesystem can) of the
+        size the object has when opened; pread/pwrite in chunks where the kernel cannot copy."""
+        with self._open(key) as f:
+            src = f.fileno()
+            total = os.fstat(src).st_size
+            if size is not None and total != size:
+                raise ValueError(f"{self.url}/{key}: {total} bytes, expected {size}")
+            done = 0
+            kernel = hasattr(os, "copy_file_range")
+            while done < total:
+                n = 0
+                if kernel:
+                    try:
+                        n = os.copy_file_range(src, fd, total - done, done, done)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
+                                             errno.EBADF, errno.EPERM):
+                            raise
+                        kernel = False
+                        continue
+                else:
+                    data = os.pread(src, min(self.transfer.chunk_size, total - done), done)
+                    _pwrite_all(fd, data, done)
+                    n = len(data)
+                if not n:
+                    raise OSError(errno.EIO, f"{self.url}/{key}: ended after {done} of {total} bytes "
+                                             f"(truncated while read)")
+                done += n
+        return total
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
@@ -280,10 +496,11 @@ _PROCESS_LOCK = threading.Lock()
 class FsspecStore(Store):
     """Any other fsspec filesystem; conditional writes are check-then-write under a process lock."""
 
-    def __init__(self, url: str, fs: Any, root: str) -> None:
+    def __init__(self, url: str, fs: Any, root: str, *, transfer: Transfer = DEFAULT_TRANSFER) -> None:
         self.url = url
         self.fs = fs
         self.root = root.rstrip("/")
+        self.transfer = transfer
         if fs.protocol not in ("memory",) and "memory" not in (fs.protocol if isinstance(fs.protocol, tuple) else ()):
             log.warning("%s: store has no conditional write; manifest commits are only exclusive within this process",
                         url)
@@ -305,6 +522,72 @@ class FsspecStore(Store):
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # no-op on flat stores, needed on others
             self.fs.pipe_file(path, data)
 
+    def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
+        """Streamed into a dot-named temporary object (fs.open, the filesystem's own buffering), checked,
+        then moved into place after an exists-check under the process lock (as put_new). On memory:// the
+        object lives in RAM anyway, and the move copies it once."""
+        path = self._path(key)
+        if self.fs.exists(path):
+            raise ObjectExists(f"{self.url}/{key}: exists")
+        checked = _Checked(f"{self.url}/{key}", chunks, size, xxh3, hashed=True)
+        parent, _, name = path.rpartition("/")
+        tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"  # never listed (list skips dot-names), never a key
+        self.fs.makedirs(parent, exist_ok=True)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                for view in checked:
+                    f.write(view)
+            checked.finish()
+            stored = int(self.fs.info(tmp).get("size") or 0)
+            if stored != size:
+                raise OSError(errno.EIO, f"{self.url}/{key}: the store took {stored} of {size} bytes; nothing was "
+                                         f"created")
+            with _PROCESS_LOCK:
+                if self.fs.exists(path):
+                    raise ObjectExists(f"{self.url}/{key}: exists")
+                self.fs.mv(tmp, path)
+        finally:
+            try:
+                self.fs.rm_file(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _size(self, key: str) -> int:
+        try:
+            return int(self.fs.info(self._path(key)).get("size") or 0)
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        """Ranged reads (cat_file with start/end) of the size the object had at the first read."""
+        yield from self._chunks(key, self._size(key))
+
+    def download(self, key: str, fd: int, size: int | None = None) -> int:
+        """iter_chunks written at their offsets, after the object's size is checked against `size`."""
+        total = self._size(key)
+        if size is not None and total != size:
+            raise ValueError(f"{self.url}/{key}: {total} bytes, expected {size}")
+        offset = 0
+        for chunk in self._chunks(key, total):
+            _pwrite_all(fd, chunk, offset)
+            offset += len(chunk)
+        return total
+
+    def _chunks(self, key: str, size: int) -> Iterator[bytes]:
+        path = self._path(key)
+        done = 0
+        while done < size:
+            end = min(done + self.transfer.chunk_size, size)
+            try:
+                data = self.fs.cat_file(path, start=done, end=end)
+            except FileNotFoundError:
+                raise ObjectMissing(f"{self.url}/{key}: removed while read", key) from None
+            if len(data) != end - done:
+                raise ObjectChanged(f"{self.url}/{key}: bytes {done}-{end - 1} of {size} came as {len(data)} bytes "
+                                    f"(changed while read)")
+            done = end
+            yield data
+
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             try:
@@ -319,8 +602,8 @@ class FsspecStore(Store):
         except FileNotFoundError:
             return {}
         root = self.root.strip("/") + "/"
-        return {p.lstrip("/")[len(root):]: int(info.get("size") or 0)
-                for p, info in found.items() if info.get("type", "file") == "file"}
+        return {p.lstrip("/")[len(root):]: int(info.get("size") or 0) for p, info in found.items()
+                if info.get("type", "file") == "file" and not p.rpartition("/")[2].startswith(".")}
 
     def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
         with _PROCESS_LOCK:
@@ -383,14 +666,71 @@ def unsure_write(url: str, exc: Exception, tries: int) -> int:
     return tries + 1
 
 
+_RESENDABLE = ("BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch", "InvalidChecksum")  # a part arrived damaged
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
+class _PartBody(io.RawIOBase):
+    """A part's buffer as a seekable file, so botocore and aiohttp read it in small pieces (a bytes body is
+    copied whole two or three times on its way to the socket) and rewind it for a retry."""
+
+    def __init__(self, buf: bytearray) -> None:
+        super().__init__()
+        self._view = memoryview(buf)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = min(max(base + offset, 0), len(self._view))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(self._pos + size, len(self._view))
+        out = bytes(self._view[self._pos:end])
+        self._pos = end
+        return out
+
+
+class _BodyEnded(Exception):
+    """A response body ended before the bytes its headers promised."""
+
+
+def _multipart_etag(part_etags: list[str]) -> str | None:
+    """The ETag S3 gives a multipart object (MD5 of the parts' MD5s, '-', the count), when every part's ETag
+    is an MD5; None otherwise (SSE-KMS, other stores)."""
+    digests = [e.strip('"') for e in part_etags]
+    if not digests or not all(re.fullmatch(r"[0-9a-f]{32}", d) for d in digests):
+        return None
+    return f'"{hashlib.md5(bytes.fromhex("".join(digests)), usedforsecurity=False).hexdigest()}-{len(digests)}"'
+
+
 class S3Store(Store):
     """s3:// prefix through s3fs (same endpoint and credentials as the storage_options give)."""
 
-    def __init__(self, url: str, fs: Any, root: str) -> None:
+    def __init__(self, url: str, fs: Any, root: str, *, transfer: Transfer = DEFAULT_TRANSFER) -> None:
         self.url = url
         self.fs = fs
         self.root = root.strip("/")
         self.bucket, _, self.prefix = self.root.partition("/")
+        self.transfer = transfer
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -434,7 +774,7 @@ class S3Store(Store):
         except FileNotFoundError:
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
-    def put_new(self, key: str, data: bytes) -> None:
+    def put_new(self, key: str, data: bytes | bytearray) -> None:
         try:
             self.fs.pipe_file(self._path(key), data, mode="create")
         except FileExistsError:
@@ -444,6 +784,313 @@ class S3Store(Store):
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 raise ObjectExists(f"{self.url}/{key}: exists ({code or status})") from None
             raise
+
+    # -- large objects ---------------------------------------------------------------------------
+    def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
+        """Up to `transfer.multipart_threshold` bytes: gathered (once, in one buffer) and created as put_new
+        does, PutObject If-None-Match: *. Larger: a multipart upload that only its conditional completion
+        makes visible (_multipart)."""
+        where = f"{self.url}/{key}"
+        if size <= self.transfer.multipart_threshold:
+            checked = _Checked(where, chunks, size, xxh3, hashed=True)
+            buf = bytearray(size)
+            at = 0
+            for view in checked:
+                buf[at:at + len(view)] = view
+                at += len(view)
+            checked.finish()
+            self.put_new(key, buf)
+            return
+        self._multipart(key, _Checked(where, chunks, size, xxh3, hashed=False), size)
+
+    def _multipart(self, key: str, checked: _Checked, size: int) -> None:
+        """CreateMultipartUpload; parts filled from the stream and uploaded on `threads` threads; each part's
+        stored size and ETag checked (ListParts); CompleteMultipartUpload If-None-Match: *, so the object
+        appears whole or not at all and never replaces another (412/409: ObjectExists). Any failure, the
+        stream's own included, aborts the upload: nothing visible, no parts left behind."""
+        where = f"{self.url}/{key}"
+        if self._etag(key) is not None:  # the completion's condition decides; this spares uploading in vain
+            raise ObjectExists(f"{where}: exists")
+        part = self.transfer.part_size_for(size)
+        uid = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self._key(key))["UploadId"]
+        etags: dict[int, str] = {}
+        try:
+            digest = self._upload_parts(key, uid, checked, size, part, etags)
+            checked.finish(digest)
+            self._check_parts(key, uid, size, part, etags)
+            self._complete(key, uid, etags)
+        except BaseException:
+            self._abort(key, uid)
+            raise
+        finally:
+            self.fs.invalidate_cache(self._path(key))
+
+    def _upload_parts(self, key: str, uid: str, checked: _Checked, size: int, part: int,
+                      etags: dict[int, str]) -> str | None:
+        """Copy the stream into part buffers (the bytes hashed are the bytes sent) and upload each on the
+        pool; at most `threads` parts in flight plus the one being filled. Returns the stream's xxh3 when
+        one was declared."""
+        threads = self.transfer.threads
+        digest = xxhash.xxh3_128() if checked.xxh3 is not None else None
+        spare: list[bytearray] = []
+        inflight: set[cf.Future[bytearray]] = set()
+        number, fill = 0, 0
+        buf: bytearray | None = None
+        pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="s3-part")
+        try:
+            for view in checked:
+                while view:
+                    if buf is None:
+                        while len(inflight) >= threads:
+                            done, _ = cf.wait(inflight, return_when=cf.FIRST_COMPLETED)
+                            for fut in done:
+                                inflight.discard(fut)
+                                spare.append(fut.result())  # a part that failed for good raises here
+                        length = min(part, size - number * part)
+                        buf = spare.pop() if spare and len(spare[-1]) == length else bytearray(length)
+                        if length < part:
+                            spare.clear()  # the last part: no full buffer is needed again
+                        fill = 0
+                    n = min(len(view), len(buf) - fill)
+                    buf[fill:fill + n] = view[:n]
+                    fill, view = fill + n, view[n:]
+                    if fill == len(buf):
+                        number += 1
+                        if digest is not None:
+                            digest.update(buf)
+                        inflight.add(pool.submit(self._upload_part, key, uid, number, buf, etags))
+                        buf = None
+            for fut in cf.as_completed(inflight):
+                fut.result()
+        finally:
+            # on a failure no further part starts; those in flight end before the caller aborts the upload
+            # (S3 keeps a part that lands after the abort)
+            pool.shutdown(wait=True, cancel_futures=True)
+        return digest.hexdigest() if digest is not None else None
+
+    def _upload_part(self, key: str, uid: str, number: int, body: bytearray, etags: dict[int, str]) -> bytearray:
+        """UploadPart, sent again on a transient failure or a body the store says arrived damaged (the part
+        is in memory, so resending is safe). Returns the buffer for reuse."""
+        for attempt in range(1, PART_ATTEMPTS + 1):
+            try:
+                with _PartBody(body) as reader:
+                    resp = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self._key(key), UploadId=uid,
+                                           PartNumber=number, Body=reader, ContentLength=len(body))
+            except Exception as exc:
+                if attempt == PART_ATTEMPTS or not (transient(exc) or _client_error(exc)[0] in _RESENDABLE):
+                    raise
+                log.info("%s/%s: part %d failed (%s); sending it again", self.url, key, number, exc)
+                PART_BACKOFF.sleep(attempt)
+                continue
+            etags[number] = resp["ETag"]
+            return body
+        raise AssertionError("unreachable")
+
+    def _check_parts(self, key: str, uid: str, size: int, part: int, etags: dict[int, str]) -> None:
+        """ListParts against what was sent: a part stored with another size or ETag (a body torn on the way
+        by a path without checksums) must never become part of an object, which no one could then repair."""
+        stored: dict[int, tuple[int, str]] = {}
+        marker: dict[str, int] = {}
+        while True:
+            resp = self.fs.call_s3("list_parts", Bucket=self.bucket, Key=self._key(key), UploadId=uid, **marker)
+            for p in resp.get("Parts", []):
+                stored[int(p["PartNumber"])] = (int(p["Size"]), p["ETag"].strip('"'))
+            if not resp.get("IsTruncated"):
+                break
+            marker = {"PartNumberMarker": int(resp["NextPartNumberMarker"])}
+        for number in range(1, len(etags) + 1):
+            sent = (min(part, size - (number - 1) * part), etags[number].strip('"'))
+            if stored.get(number) != sent:
+                raise OSError(errno.EIO, f"{self.url}/{key}: multipart part {number} is stored as {stored.get(number)} "
+                                         f"(size, ETag), sent {sent}: torn on the way; nothing was created")
+
+    def _complete(self, key: str, uid: str, etags: dict[int, str]) -> None:
+        parts: list[dict[str, Any]] = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
+        try:
+            self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self._key(key), UploadId=uid,
+                            MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except OSError as exc:
+            code, status = _client_error(exc)
+            if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
+                    "PreconditionFailed", "ConditionalRequestConflict"):
+                if self._etag(key) == _multipart_etag([etags[n] for n in sorted(etags)]):
+                    # a completion retried after the first one landed unanswered: the object is this upload
+                    log.info("%s/%s: the multipart completion had landed before its retry", self.url, key)
+                    return
+                raise ObjectExists(f"{self.url}/{key}: exists ({code or status} on completion)") from None
+            raise
+
+    def _abort(self, key: str, uid: str) -> None:
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self._key(key), UploadId=uid)
+        except FileNotFoundError:
+            pass  # NoSuchUpload: already gone
+        except Exception as exc:  # noqa: BLE001 - the original failure is what the caller must see
+            log.warning("%s/%s: could not abort multipart upload %s (%s); its parts are invisible but billed until "
+                        "a lifecycle rule (AbortIncompleteMultipartUpload) removes them", self.url, key, uid, exc)
+
+    def _etag(self, key: str) -> str | None:
+        """The object's ETag, None if there is none (HeadObject)."""
+        try:
+            return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._key(key))["ETag"]
+        except FileNotFoundError:
+            return None
+
+    def _ranged(self, key: str, start: int, end: int, etag: str, total: int) -> dict:
+        """GetObject of bytes [start, end) of the object's version `etag` (If-Match), its range checked."""
+        try:
+            resp = self._get_object(key, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: removed while read", key) from None
+        except OSError as exc:
+            code, status = _client_error(exc)
+            if status == 412 or code == "PreconditionFailed":
+                raise ObjectChanged(f"{self.url}/{key}: replaced while read (its ETag is no longer {etag})") from None
+            raise
+        got = resp.get("ContentRange") or ""
+        if got != f"bytes {start}-{end - 1}/{total}" or int(resp.get("ContentLength", -1)) != end - start:
+            resp["Body"].close()
+            raise ObjectChanged(f"{self.url}/{key}: asked for bytes {start}-{end - 1}/{total}, the store answered "
+                                f"{got or 'no range'} ({resp.get('ContentLength')} bytes)")
+        return resp
+
+    def _piece(self, body: Any, n: int) -> bytes:
+        """Up to `n` bytes of a response body (fewer only where it ended)."""
+        import fsspec.asyn
+
+        async def read() -> bytes:
+            pieces, got = [], 0
+            while got < n:
+                data = await body.read(n - got)
+                if not data:
+                    break
+                pieces.append(data)
+                got += len(data)
+            return b"".join(pieces)
+
+        return fsspec.asyn.sync(self.fs.loop, read)
+
+    def _span(self, key: str, start: int, end: int, etag: str, total: int,
+              resp: dict | None = None) -> Generator[tuple[int, bytes], None, None]:
+        """(offset, bytes) pieces of [start, end) of the version `etag`, at most chunk_size each, starting
+        with the body of `resp` if given (already checked to cover the span). A body that breaks off (a reset,
+        a read timeout, a truncated response) is asked for again from where it stopped, If-Match the same
+        ETag; after BODY_ATTEMPTS breaks, an error: never a short span, never bytes of two versions."""
+        from botocore.exceptions import IncompleteReadError
+        from s3fs.core import S3_RETRYABLE_ERRORS
+
+        pos, breaks = start, 0
+        try:
+            while pos < end:
+                if resp is None:
+                    resp = self._ranged(key, pos, end, etag, total)
+                try:
+                    while pos < end:
+                        want = min(self.transfer.chunk_size, end - pos)
+                        data = self._piece(resp["Body"], want)
+                        if data:
+                            yield pos, data
+                            pos += len(data)
+                        if len(data) < want:
+                            raise _BodyEnded(f"the body ended at byte {pos}, the range at {end}")
+                except (*S3_RETRYABLE_ERRORS, IncompleteReadError, _BodyEnded) as exc:
+                    breaks += 1
+                    if breaks >= BODY_ATTEMPTS:
+                        raise OSError(errno.EIO, f"{self.url}/{key}: bytes {pos}-{end - 1} of {total}: the body broke "
+                                                 f"off {breaks} times (last: {exc})") from exc
+                    log.info("%s/%s: the response body broke off at byte %d (%s); fetching the rest again",
+                             self.url, key, pos, exc)
+                    BODY_BACKOFF.sleep(breaks)
+                finally:
+                    resp["Body"].close()
+                    resp = None
+        finally:
+            if resp is not None:
+                resp["Body"].close()
+
+    def iter_chunks(self, key: str) -> Iterator[bytes]:
+        """One GetObject streamed in chunk_size pieces; a body that breaks off continues with ranged GETs
+        If-Match its ETag (_span)."""
+        try:
+            resp = self._get_object(key)
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+        total = int(resp["ContentLength"])
+        for _, data in self._span(key, 0, total, resp["ETag"], total, resp):
+            yield data
+
+    def _first_range(self, key: str, span: int) -> tuple[dict, int, int]:
+        """The first range's response, the object's size and where that response's body ends. The size
+        comes from its Content-Range (an empty object, which has no range, from a plain GET; a store that
+        ignores Range sends the whole body, and its Content-Length is the size)."""
+        try:
+            try:
+                resp = self._get_object(key, Range=f"bytes=0-{span - 1}")
+            except OSError as exc:
+                code, status = _client_error(exc)
+                if isinstance(exc, FileNotFoundError) or not (status == 416 or code == "InvalidRange"):
+                    raise
+                resp = self._get_object(key)  # 416: no byte 0, so the object is empty
+                if int(resp["ContentLength"]) != 0:
+                    resp["Body"].close()
+                    raise ObjectChanged(f"{self.url}/{key}: refused bytes 0-{span - 1} as out of range, yet has "
+                                        f"{resp['ContentLength']} bytes") from None
+                return resp, 0, 0
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+        got = resp.get("ContentRange")
+        if not got:
+            total = int(resp["ContentLength"])
+            return resp, total, total
+        m = _CONTENT_RANGE.fullmatch(got)
+        total = int(m.group(3)) if m else -1
+        if m is None or int(m.group(1)) != 0 or int(m.group(2)) != min(span, total) - 1 or \
+                int(resp.get("ContentLength", -1)) != min(span, total):
+            resp["Body"].close()
+            raise OSError(errno.EIO, f"{self.url}/{key}: asked for bytes 0-{span - 1}, the store answered {got!r} "
+                                     f"({resp.get('ContentLength')} bytes)")
+        return resp, total, min(span, total)
+
+    def download(self, key: str, fd: int, size: int | None = None) -> int:
+        """Ranges of `transfer.part_size`, `threads` at a time, each written with pwrite at its offset as
+        it arrives (at most chunk_size per thread in memory). The first range's answer gives the object's
+        size and ETag: another size than `size` is refused before anything is written, and every later
+        range is asked If-Match that ETag, so an object replaced meanwhile is an error (ObjectChanged)."""
+        t = self.transfer
+        resp, total, first_end = self._first_range(key, t.part_size)
+        if size is not None and total != size:
+            resp["Body"].close()
+            raise ValueError(f"{self.url}/{key}: {total} bytes, expected {size}")
+        etag = resp["ETag"]
+        stop = threading.Event()
+
+        def fetch(start: int, end: int, first: dict | None) -> None:
+            pieces = self._span(key, start, end, etag, total, first)
+            try:
+                for pos, data in pieces:
+                    if stop.is_set():
+                        return
+                    _pwrite_all(fd, data, pos)
+            finally:
+                pieces.close()
+
+        rest = [(a, min(a + t.part_size, total)) for a in range(first_end, total, t.part_size)]
+        if not rest:
+            fetch(0, first_end, resp)
+            return total
+        with cf.ThreadPoolExecutor(min(t.threads, 1 + len(rest)), thread_name_prefix="s3-range") as pool:
+            futures = [pool.submit(fetch, 0, first_end, resp)] + [pool.submit(fetch, a, b, None) for a, b in rest]
+            try:
+                for fut in cf.as_completed(futures):
+                    fut.result()
+            except BaseException:
+                stop.set()
+                for fut in futures:
+                    fut.cancel()
+                if futures[0].cancelled():
+                    resp["Body"].close()
+                raise
+        return total
 
     def delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):
@@ -505,19 +1152,28 @@ class S3Store(Store):
         return resp["ETag"]
 
 
-def open_store(url: str, storage_options: dict | None = None) -> Store:
-    """The Store for a run prefix such as 's3://bucket/run', 'file:///path/run' or 'memory://run'."""
+def open_store(url: str, storage_options: dict | None = None, *, transfer: Transfer | None = None) -> Store:
+    """The Store for a run prefix such as 's3://bucket/run', 'file:///path/run' or 'memory://run'.
+
+    `storage_options` go to fsspec, except `"transfer"`: the fields of a Transfer (how large objects
+    move), used unless `transfer` is given."""
     if "://" not in url:
         url = "file://" + os.path.abspath(url)
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    options = dict(storage_options or {})
+    if "transfer" in options:
+        asked = Transfer.from_options(options.pop("transfer"))
+        transfer = transfer or asked
+    transfer = transfer or DEFAULT_TRANSFER
+    fs, root = fsspec.core.url_to_fs(url, **options)
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     url = url.rstrip("/")
     if "s3" in protocols or "s3a" in protocols:
-        return S3Store(url, fs, root)
+        return S3Store(url, fs, root, transfer=transfer)
     if "file" in protocols or "local" in protocols:
-        return LocalStore(url, root)
-    return FsspecStore(url, fs, root)
+        return LocalStore(url, root, transfer=transfer)
+    return FsspecStore(url, fs, root, transfer=transfer)
 
 
-__all__ = ["Store", "open_store", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError", "ObjectMissing",
-           "ObjectExists", "ManifestRead", "NOT_MODIFIED", "NotModified", "MANIFEST_KEY", "content_tag"]
+__all__ = ["Store", "open_store", "Transfer", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError",
+           "ObjectMissing", "ObjectExists", "ObjectChanged", "ManifestRead", "NOT_MODIFIED", "NotModified",
+           "MANIFEST_KEY", "content_tag"]

@@ -2,9 +2,13 @@
 
 Reader plans the cheapest way from what is held to the head (apply the chain, or start from a
 snapshot), downloads it in parallel, applies it and checks every step against the trainer's
-record. Watcher persists the result: a new version directory under DIR/.versions, then one
-atomic symlink swap of DIR/.current; the visible names in DIR are symlinks through .current, so a
-reader (or a crash) sees the old step or the new one, never a mix.
+record. A chain is applied to the held tensors in place (codec.UndoLog takes it back exactly on
+any failure: no copy of the model); a snapshot is spooled to disk, verified there, and read
+straight into tensors. Watcher persists the result (docs/PROTOCOL.md §6.1): in "full" mode a new
+version directory under DIR/.versions, then one atomic symlink swap of DIR/.current; in
+"journal" mode the step's verified payloads and a new state file in the held version (the state
+file's rename is the commit point), compacted into a new base in the background. A reader (or a
+crash) sees the old step or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -15,23 +19,27 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Set
+from collections.abc import Collection, Set
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, overload
 
 import torch
-from safetensors import SafetensorError
 
 import codec
+import xxhash
+
 from relay import checkpoint, shards
-from relay.manifest import (DestState, Manifest, ManifestError, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            mismatches, safe_shard_name)
-from relay.files import fsync_dir
+from relay import dest as dest_mod
+from relay.dest import JOURNAL_DIR
+from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
+                            Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name)
+from relay.files import atomic_path, fsync_dir, temporary_sibling
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
 from relay.store import NOT_MODIFIED, ObjectMissing, Store, open_store
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 
 STATE_NAME = "relay-state.json"
 _TMP_PATTERNS = (".current.tmp-*", ".link.tmp-*")  # what a crash mid-swap leaves in DEST
+_HASH_CHUNK = 8 << 20  # bytes per read when checking a downloaded file's tags
 _VERSION_NAME = re.compile(r"[0-9]+-[0-9a-f]{8}")  # .versions/<step>-<nonce>, as _persist names them
 LOCK_NAME = ".lock"  # flock'ed for a Watcher's lifetime: one watcher per DEST
 
@@ -60,8 +69,11 @@ class HotLoadError(SyncError):
     """The module could not take the held step; it stays entirely at its previous one, retried next sync."""
 
 
-class _BadVersion(Exception):
-    """A local version proven damaged (state file, shards, digests): the only kind start-up deletes."""
+class _Abandoned(Exception):
+    """A compaction stopped because the watcher is closing."""
+
+
+_RANK_FILE = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}-[0-9]{5}\.safetensors")  # a sharded trainer's (§5.4)
 
 
 class _Reselect(Exception):
@@ -103,6 +115,25 @@ class Plan:
         if self.steps:  # intermediate steps are checked by the payloads' own target digests
             refs.append(self.steps[-1].record)
         return refs
+
+
+@dataclass
+class Trail:
+    """What a successful reach() used, for a caller that persists it as is (the watcher's journal mode):
+    the snapshot it started from (with its record and its files, verified, in the spool) and every delta
+    part it applied, in order, with the payload's bytes (checked against the manifest). `files` is empty
+    when the snapshot's tensors were assembled (row slices, or a partial replica's selection): they are
+    then not the record's layout and cannot become a version's files as they are."""
+
+    snapshot: Snapshot | None = None
+    snapshot_record: Record | None = None
+    index: bytes | None = None
+    files: list[Path] = field(default_factory=list)
+    parts: list[tuple[Step, Part, bytes]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.snapshot = self.snapshot_record = self.index = None
+        self.files, self.parts = [], []
 
 
 def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *,
@@ -162,6 +193,62 @@ class _Failure:
     retry_at: float
 
 
+def _file_matches(fd: int, ref: ObjRef) -> str | None:
+    """None if the file open at `fd` holds exactly `ref`'s object (size, xxh3 and, when set, SHA-256), read back
+    in chunks (memory stays small whatever the object's size); else what differs."""
+    import hashlib
+
+    import xxhash
+
+    size = os.fstat(fd).st_size
+    if size != ref.size:
+        return f"{size} bytes, manifest says {ref.size}"
+    tag = xxhash.xxh3_128()
+    strong = hashlib.sha256() if ref.sha256 is not None else None
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while offset < size:
+        got = os.preadv(fd, [view[:min(_HASH_CHUNK, size - offset)]], offset)
+        if got <= 0:
+            return f"ends at {offset} bytes, manifest says {ref.size}"
+        tag.update(view[:got])
+        if strong is not None:
+            strong.update(view[:got])
+        offset += got
+    if tag.hexdigest() != ref.xxh3:
+        return f"xxh3 {tag.hexdigest()}, manifest says {ref.xxh3}"
+    if strong is not None and strong.hexdigest() != ref.sha256:
+        return f"sha256 {strong.hexdigest()}, manifest says {ref.sha256}"
+    return None
+
+
+def _head_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, TensorInfo],
+                     verified: dict[str, bytes]) -> list[str]:
+    """Names whose dtype, shape or digest differ from `expected`, the head's record (or a partial replica's
+    selection of it), plus missing and extra names.
+
+    A tensor the chain's last apply_ verified against the payload's target digest (`verified`, from the
+    UndoLog) is compared by that digest: hashing the whole model again would cost a full pass per step.
+    The others are hashed."""
+    if set(tensors) != set(expected):
+        return sorted(set(tensors) ^ set(expected))
+    bad = []
+    rest = {}
+    for name, info in expected.items():
+        t = tensors[name]
+        d = verified.get(name)
+        if d is None or info.slices is not None:  # a sliced tensor's digest is made of its slices' (hashed)
+            rest[name] = t
+            continue
+        dt = codec.tensors.BY_TORCH.get(t.dtype)
+        if dt is None or dt.name != info.dtype or tuple(t.shape) != info.shape or d.hex() != info.digest:
+            bad.append(name)
+    if rest:
+        bad += mismatches(rest, {k: expected[k] for k in rest})
+    return bad
+
+
 class Reader:
     """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet.
 
@@ -177,11 +264,12 @@ class Reader:
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
                  reroute_after: float | None = 300.0, trusted_keys: Any = None,
                  failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
-                 tensors: Any = None) -> None:
+                 tensors: Any = None, apply_workers: int = 2) -> None:
         self.store = store
         self.want = shards.selector(tensors)
         self._names = None if tensors is None or callable(tensors) else frozenset(tensors)
         self._indexes: dict[ObjRef, dict[str, set[str]]] = {}  # snapshot index -> its files' tensors (partial)
+        self.apply_workers = apply_workers  # codec.apply_ threads (its kernels release the GIL)
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.reroute_after = reroute_after
         self.workers = workers
@@ -194,6 +282,7 @@ class Reader:
         self.bytes_downloaded = 0
         self._count_lock = threading.Lock()
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
+        self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
 
@@ -228,6 +317,34 @@ class Reader:
         with ThreadPoolExecutor(max(1, min(self.workers, len(refs)))) as pool:
             return dict(zip((r.key for r in refs), pool.map(self._fetch_one, refs)))
 
+    def _spool_one(self, ref: ObjRef, spool: Path) -> Path:
+        """Download `ref` into spool/<its file name> and check it (size, xxh3, SHA-256 when the manifest
+        gives one) by reading it back in chunks, before any of its bytes is used. The file is removed if
+        the check fails; a verified file is reused for the same reference within one reach()."""
+        path = spool / ref.key.rsplit("/", 1)[-1]
+        if self._spooled.get(ref) == path and path.is_file() and not path.is_symlink():
+            return path
+        self._spooled.pop(ref, None)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                got = self.store.download(ref.key, fd, ref.size)
+            except ValueError as exc:  # another size than the manifest's: nothing beyond it is trusted
+                raise _VerifyError([ref], f"{ref.key}: {exc}") from None
+            with self._count_lock:
+                self.bytes_downloaded += got
+            problem = _file_matches(fd, ref)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        if problem:
+            path.unlink(missing_ok=True)
+            raise _VerifyError([ref], f"{ref.key}: {problem}")
+        self._spooled[ref] = path
+        return path
+
     def _record(self, data: bytes, ref: ObjRef, run: str, step: int) -> Record:
         key = ref.key
         try:
@@ -238,46 +355,118 @@ class Reader:
             raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
-    def _execute(self, m: Manifest, plan: Plan,
-                 held: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], Record]:
-        got = self._fetch(plan.keys(m))
-        if plan.snapshot is not None:
-            snap = plan.snapshot
-            rec_ref = m.step_of_snapshot(snap).record
-            rec = self._record(got[rec_ref.key], rec_ref, m.run, snap.step)
-            files = snap.files if plan.files is None else plan.files
+    def _load_snapshot(self, m: Manifest, snap: Snapshot, spool: Path, trail: Trail,
+                       files: tuple[ObjRef, ...] | None = None) -> tuple[dict[str, torch.Tensor], Record]:
+        """The snapshot's tensors (a partial replica's selection), checked against its step's record. Its
+        files (`files`: the ones a partial replica needs; default all) are downloaded into `spool` (verified
+        from disk before use), then read straight into new tensors: one copy of the model in memory, never
+        the files' bytes as well. A sharded trainer's row slices are put together into whole tensors; only
+        a full snapshot of whole tensors in the record's layout keeps its files for the version (trail)."""
+        rec_ref = m.step_of_snapshot(snap).record
+        rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
+        self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
+        names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
+        # A sharded trainer's snapshot (one set of files per rank: row slices, or whole tensors by owner) and a
+        # partial replica's selection are assembled and written in the record's layout; any other snapshot's
+        # files become the version's files as they are, so they must be exactly the record's layout.
+        sharded = (any(info.slices is not None for info in rec.tensors.values())
+                   or (bool(names) and all(_RANK_FILE.fullmatch(n) for n in names)))
+        direct = not sharded and self.want is None and files is None
+        if not sharded and sorted(names) != sorted(layout):
+            raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
+                                                 f"record's layout {sorted(layout)[:5]}")
+        fetch = snap.files if files is None else files
+        with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
+            paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
+        tensors: dict[str, torch.Tensor] = {}
+        read = []
+        for f, path in zip(fetch, paths):
+            try:
+                part, meta = checkpoint.read_file_into(path, f.key)
+            except checkpoint.SafetensorsError as exc:
+                raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
+            if direct:
+                if set(part) != layout[path.name]:
+                    raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
+                tensors.update(part)
+            else:
+                try:
+                    read.append((f, shards.metadata_rows(meta, f), part))
+                except shards.ShardError as exc:
+                    raise _VerifyError(exc.refs, str(exc)) from None
+        if not direct:
             try:  # row slices of a sharded trainer's files put together; whole tensors as they are
-                tensors = shards.assemble([(f, got[f.key]) for f in files], rec.tensors, self.want)
+                tensors = shards.assemble_read(read, rec.tensors, self.want)
             except shards.ShardError as exc:
                 raise _VerifyError(exc.refs, str(exc)) from None
-            bad = mismatches(tensors, self.expected(rec))
-            if bad:
-                # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
-                # good one (typically the head's) must stay usable for the chain from another snapshot.
-                raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
-                                                     f"(tensors {bad[:5]})")
+        bad = mismatches(tensors, self.expected(rec))
+        if bad:
+            # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
+            # good one (typically the head's) must stay usable for the chain from another snapshot.
+            raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
+                                                 f"(tensors {bad[:5]})")
+        trail.snapshot, trail.snapshot_record = snap, rec
+        if direct:
+            trail.files = paths
+            trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
+        return tensors, rec
+
+    def _apply_step(self, s: Step, parts: list[Part], tensors: dict[str, torch.Tensor], got: dict[str, bytes],
+                    undo: codec.UndoLog) -> None:
+        """Apply `parts` (those of step `s` this reader needs) to `tensors` in place (each verifies the tensors
+        it covers and changes nothing if one fails; `undo` logs what they overwrote); the step's parts must
+        cover every held tensor exactly once, whole or by row ranges that tile it (checked before any write).
+        A part with rows is applied to views of the held tensors' rows; a partial replica applies only the
+        records of the tensors it holds (`only`)."""
+        try:
+            shards.check_tiling(s.step, s.delta_parts, tensors)
+        except shards.ShardError as exc:
+            raise _VerifyError(exc.refs, str(exc)) from None
+        covered: set[str] = set()
+        for part in parts:
+            target = shards.part_targets(part, tensors)  # row ranges: views into the held tensors
+            if self.want is None and part.tensors is not None and len(target) != len(part.tensors):
+                raise _VerifyError([part.ref], f"{part.ref.key}: names tensors that are not held")
+            only = set(target) if self.want is not None else None
+            try:
+                codec.apply_(target, got[part.ref.key], workers=self.apply_workers, undo=undo, only=only)
+            except codec.DeltaError as exc:
+                raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
+            covered.update(target)
+        if covered != set(tensors):
+            raise _VerifyError([p.ref for p in s.delta_parts],
+                               f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
+
+    def _execute(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None, undo: codec.UndoLog,
+                 spool: Path, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
+        """Run `plan`: from the snapshot (new tensors) or from `held` itself, applied in place. Whatever fails,
+        `held` is back to its exact bits (from `undo`) before the exception leaves."""
+        try:
+            return self._execute_logged(m, plan, held, undo, spool, trail)
+        except BaseException:
+            undo.revert()  # a snapshot plan wrote only into its own tensors: then there is nothing logged for held
+            raise
+
+    def _execute_logged(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None, undo: codec.UndoLog,
+                        spool: Path, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
+        rec: Record | None = None
+        trail.reset()  # what this attempt used, only
+        if plan.snapshot is not None:
+            tensors, rec = self._load_snapshot(m, plan.snapshot, spool, trail, plan.files)
+            chain_log = codec.UndoLog()  # the snapshot's tensors are new: a failure just drops them
         else:
             if held is None:
                 raise SyncError("internal: chain plan without a held state")
-            tensors = {k: v.clone() for k, v in held.items()}
-            rec = None
+            tensors, chain_log = held, undo
+        refs = [p.ref for s in plan.steps for p in plan.parts(s)]
+        if plan.steps:
+            refs.append(plan.steps[-1].record)
+        got = self._fetch(refs)
         for s in plan.steps:
-            covered: set[str] = set()
-            try:  # every held tensor covered exactly once, whole or by row ranges (no overlap, no gap)
-                shards.check_tiling(s.step, s.delta_parts, tensors)
-            except shards.ShardError as exc:
-                raise _VerifyError(exc.refs, str(exc)) from None
-            for part in plan.parts(s):
-                target = shards.part_targets(part, tensors)  # row ranges: views into the held tensors
-                try:  # verifies every tensor it covers, or changes nothing
-                    codec.apply_(target, got[part.ref.key], subset=self.want is not None)
-                except codec.DeltaError as exc:
-                    raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
-                covered.update(target)
-            if covered != set(tensors):
-                raise _VerifyError([p.ref for p in s.delta_parts],
-                                   f"step {s.step}: parts leave tensors unverified "
-                                   f"{sorted(set(tensors) - covered)[:5]}")
+            self._apply_step(s, plan.parts(s), tensors, got, chain_log)
+            if chain_log is not undo:
+                chain_log.accept()  # the snapshot's own tensors: nothing to take back, only the digests to keep
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
@@ -285,12 +474,16 @@ class Reader:
             if plan.snapshot is None and set(expected) != set(tensors):
                 raise _Reselect(f"step {last.step}: this replica's selection is {len(expected)} tensors, it "
                                 f"holds {len(tensors)}; starting from a snapshot")
-            bad = mismatches(tensors, expected)
+            # a digest apply_ verified for a row range is the slice's, not the tensor's: those are hashed
+            rowed = {n for p in plan.parts(last) for n in (p.rows or {})}
+            verified = {k: d for k, d in chain_log.verified().items() if k not in rowed}
+            bad = _head_mismatches(tensors, expected, verified)
             if bad:
                 raise _VerifyError([p.ref for s in plan.steps for p in s.delta_parts] + [last.record],
                                    f"step {last.step} does not match its record (tensors {bad[:5]})")
         if rec is None:  # plan_path never plans nothing: held is below the head, so a chain plan has steps
             raise SyncError("internal: chain plan without steps")
+        trail.parts = [(s, p, got[p.ref.key]) for s in plan.steps for p in plan.parts(s)]
         return tensors, rec
 
     def expected(self, rec: Record) -> dict[str, TensorInfo]:
@@ -346,16 +539,44 @@ class Reader:
 
     # With nothing held the head is always new: the tensors and their record come back.
     @overload
-    def reach(self, held_step: None, held: None, *, run: str | None = None,
-              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
+    def reach(self, held_step: None, held: None, *, run: str | None = None, timeout: float | None = None,
+              undo: codec.UndoLog | None = None, spool: str | os.PathLike | None = None,
+              trail: Trail | None = None) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
 
     @overload
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
-              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
+              timeout: float | None = None, undo: codec.UndoLog | None = None,
+              spool: str | os.PathLike | None = None, trail: Trail | None = None
+              ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
-              timeout: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
-        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older)."""
+              timeout: float | None = None, undo: codec.UndoLog | None = None,
+              spool: str | os.PathLike | None = None, trail: Trail | None = None
+              ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
+        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older).
+
+        A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
+        `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
+        MemoryError), `held` is back to its exact bits before the exception leaves. With `undo` (an empty
+        codec.UndoLog), a successful in-place reach leaves there what it overwrote, so the caller can still
+        take the step back (its persist failed, say). A snapshot plan returns new tensors, `held` untouched.
+        Snapshot files are downloaded into `spool` (a directory the caller owns and cleans; the watcher
+        passes its next version's) or, without one, a temporary directory removed before returning.
+        `trail`, if given, is filled with what the successful plan used (Trail).
+        """
+        if undo is None:
+            undo = codec.UndoLog()
+        elif len(undo):
+            raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
+        trail = Trail() if trail is None else trail
+        if spool is not None:
+            return self._reach(held_step, held, run, timeout, undo, Path(spool), trail)
+        with tempfile.TemporaryDirectory(prefix=".deltarelay-spool-") as tmp:
+            return self._reach(held_step, held, run, timeout, undo, Path(tmp), trail)
+
+    def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
+               timeout: float | None, undo: codec.UndoLog, spool: Path, trail: Trail
+               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
         refetched: set[ObjRef] = set()
@@ -388,7 +609,7 @@ class Reader:
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
                     try:
-                        tensors, rec = self._execute(m, plan, held)
+                        tensors, rec = self._execute(m, plan, held, undo, spool, trail)
                     except _Reselect as exc:  # a partial replica whose held tensors are not its selection
                         log.warning("%s", exc)
                         held_step, held = None, None
@@ -406,6 +627,7 @@ class Reader:
                     except _VerifyError as exc:
                         for ref in exc.refs:
                             self._cache.pop(ref, None)
+                            self._spooled.pop(ref, None)
                         if any(r not in refetched and r not in self._failures for r in exc.refs):
                             refetched.update(exc.refs)
                             log.warning("verification failed, discarding and refetching: %s", exc)
@@ -427,6 +649,7 @@ class Reader:
                 time.sleep(delay)
         finally:
             self._cache.clear()
+            self._spooled.clear()
 
 
 def _remove_entry(p: Path) -> None:
@@ -447,7 +670,11 @@ class Watcher:
     Contract for readers of `dest`: ignoring names that begin with '.', and following symlinks,
     it shows exactly one complete, verified step (safetensors in the published layout plus
     relay-state.json), or nothing before the first sync. It never moves to an older step.
-    on_update(step, tensors) runs after each persisted step; `module` is updated in place too.
+    on_update(step, tensors) runs after each persisted step with the live held tensors (updated in place
+    by the next sync: valid until then); `module` is updated in place too. `persist` is "full" (every step a
+    complete checkpoint under the visible names) or "journal" (a base plus the verified deltas since, only
+    relay-state.json visible; read with relay.dest.open_head), compacted past compact_fraction of the
+    model's bytes or compact_steps steps. `apply_workers` threads apply each delta (codec.apply_).
     With `trusted_keys` (PEM paths or Ed25519 public keys) only manifests signed by one of them are
     acted on, and every object is checked against the SHA-256 the signed manifest gives it (without
     keys a signed run is followed unchecked, with one warning).
@@ -467,25 +694,48 @@ class Watcher:
                  module: torch.nn.Module | None = None, workers: int = 8, retry_initial: float = 0.2,
                  retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None,
                  failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
-                 tensors: Any = None) -> None:
+                 tensors: Any = None, persist: str = "full", compact_fraction: float = 0.5,
+                 compact_steps: int = 64, apply_workers: int = 2) -> None:
+        if persist not in PERSIST_MODES:
+            raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
+        if compact_fraction <= 0 or compact_steps < 1:
+            raise ValueError("need compact_fraction > 0 and compact_steps >= 1")
+        if persist == "journal" and tensors is not None:
+            # a journal replays whole payloads over its base (relay.dest); a partial DEST holds only some of
+            # their tensors, which dest's replay and compaction do not select yet
+            raise ValueError("a partial replica (tensors=...) needs persist=\"full\"")
         self.url = url
         self.dest = Path(dest)
+        self.persist = persist
+        self.compact_fraction = compact_fraction  # journal bytes over this fraction of the model: compact
+        self.compact_steps = compact_steps  # or more journaled steps than this
+        self.apply_workers = apply_workers
         self.poll_interval = poll_interval
         self.on_update = on_update
         self.module = module
         self.store = open_store(url, storage_options)
+        codec.warm_up(("apply_",))  # a fresh host compiles the decoder while its first snapshot downloads
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
                              reroute_after=reroute_after, trusted_keys=trusted_keys,
                              failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max,
-                             tensors=tensors)
+                             tensors=tensors, apply_workers=apply_workers)
         self._stop = threading.Event()
         self.step: int | None = None
         self.run_id: str | None = None
         self.tensors: dict[str, torch.Tensor] | None = None
         self.module_step: int | None = None  # the step `module` holds (set by a successful hot-load)
         self.delivered_step: int | None = None  # the last step on_update accepted
-        self._module_tensors: dict[str, torch.Tensor] | None = None  # what the module holds, to restore from
+        self._module_tensors: dict[str, torch.Tensor] | None = None  # the dict the module took its step from
+        # ... and the undo logs of the in-place syncs that have moved that dict on since (restore = revert them)
+        self._module_logs: list[codec.UndoLog] = []
         self._held_partial = False  # the loaded version's relay-state.json says "partial"
+        self._state: DestState | None = None  # the held version's state file, and the version itself
+        self._version: Path | None = None
+        self._dest_lock = threading.Lock()  # the sync thread and a compaction never write DEST at once
+        self._compactor: threading.Thread | None = None
+        self._compacting: str | None = None  # the compaction's temporary version name (cleanup spares it)
+        self.compactions = 0
+        self.last_compaction_error: BaseException | None = None
         self.dest.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock()
         try:
@@ -518,8 +768,11 @@ class Watcher:
         return f
 
     def close(self) -> None:
-        """Stop run() and release DEST's lock; the Watcher cannot sync afterwards. Idempotent."""
+        """Stop run() and any compaction, and release DEST's lock; the Watcher cannot sync afterwards. Idempotent."""
         self._stop.set()
+        compactor = getattr(self, "_compactor", None)
+        if compactor is not None:
+            compactor.join()  # it gives up at its next batch once _stop is set
         lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()  # closing the descriptor releases the flock
@@ -540,9 +793,10 @@ class Watcher:
 
         Links are never followed while cleaning up: a symlinked .versions, a symlinked entry in it, or a
         .current naming anything but .versions/<version> is unlinked as a link (with a warning), so a
-        planted link cannot make start-up delete or load a directory outside DEST. Only a proven-bad
-        version (see _load_version) is removed; any other failure to load it (MemoryError, an I/O error)
-        is raised and nothing is deleted.
+        planted link cannot make start-up delete or load a directory outside DEST. In journal mode the
+        journal files the state file does not name (a torn tail) are removed before the base and the
+        journal are loaded and verified. Only a proven-bad version (dest.BadVersion) is removed; any other
+        failure to load it (MemoryError, an I/O error) is raised and nothing is deleted.
         """
         versions = self.dest / ".versions"
         if versions.is_symlink():
@@ -553,14 +807,18 @@ class Watcher:
         keep = None
         if name is not None:
             try:
-                self.step, self.run_id, self.tensors = self._load_version(versions / name)
+                self._tidy_journal(versions / name)
+                state, self.tensors = dest_mod.load_version(versions / name, workers=self.apply_workers)
+                self.step, self.run_id = state.step, state.run
+                self._state, self._version = state, versions / name
                 keep = name
-                log.info("%s: holding step %d", self.dest, self.step)
+                self._held_partial = state.partial
+                log.info("%s: holding step %d (persist %s)", self.dest, self.step, state.persist)
                 if not self._holds_selection(self.tensors):  # shown until the first sync replaces it, not built on
                     log.warning("%s: step %d holds %s than this watcher selects; starting from a snapshot", self.dest,
                                 self.step, "other tensors" if self.reader.want else "only some tensors")
                     self.step = self.run_id = self.tensors = None
-            except _BadVersion as exc:
+            except dest_mod.BadVersion as exc:
                 log.warning("%s: held step unusable (%s); removing it and starting fresh", self.dest, exc)
         self.module_step = self.delivered_step = self.step  # a held step counts as delivered (as before)
         if versions.is_dir():  # a real directory: the link case is gone above
@@ -570,9 +828,30 @@ class Watcher:
         for pattern in _TMP_PATTERNS:
             for p in self.dest.glob(pattern):
                 _remove_entry(p)
-        if keep is not None:
-            self._link_visible(versions / keep, strict=False)
-        self._drop_dangling()
+        shown = None
+        if keep is not None and self._state is not None:
+            journal = self._state.persist == "journal"
+            self._link_visible(versions / keep, strict=False, journal=journal)
+            shown = self._visible_names(versions / keep, journal)
+        self._drop_dangling(shown)
+
+    def _tidy_journal(self, version: Path) -> None:
+        """Remove the journal files of a journal-mode version that its state file does not name: a step
+        written but not committed (a crash, a failed persist). Never follows a link."""
+        state = dest_mod.read_state(version)
+        journal = version / JOURNAL_DIR
+        if state.persist != "journal" or not os.path.lexists(journal):
+            return
+        if journal.is_symlink() or not journal.is_dir():
+            _remove_entry(journal)
+            if state.journal:
+                raise dest_mod.BadVersion(f"{JOURNAL_DIR} is not a directory")
+            return
+        named = {e.file for e in state.journal}
+        for f in journal.iterdir():
+            if f"{JOURNAL_DIR}/{f.name}" not in named:
+                log.info("%s: removing %s, a journal file the committed state does not name", self.dest, f.name)
+                _remove_entry(f)
 
     def _holds_selection(self, tensors: dict[str, torch.Tensor]) -> bool:
         """Whether a loaded version is this watcher's kind: full for a full watcher; for a partial one,
@@ -599,45 +878,32 @@ class Watcher:
             return None  # a planted link is unlinked by the cleanup; a missing version is simply not held
         return name
 
-    def _load_version(self, path: Path) -> tuple[int, str, dict[str, torch.Tensor]]:
-        """(step, run, tensors) of a version directory, checked against its state file.
-
-        _BadVersion only when the version is proven bad: its state file is missing or not valid, a shard
-        is missing or not parseable by safetensors, or the digests differ from the state file. Anything
-        else (MemoryError, an OSError other than a missing file) propagates: the version may be fine.
-        """
-        try:
-            state = DestState.parse((path / STATE_NAME).read_bytes(), str(path / STATE_NAME))
-        except FileNotFoundError:
-            raise _BadVersion(f"no {STATE_NAME}") from None
-        except ManifestError as exc:  # not JSON, or not the schema
-            raise _BadVersion(f"{STATE_NAME} is not valid ({exc})") from None
-        step, run, expected = state.step, state.run, state.tensors
-        self._held_partial = state.partial
-        try:
-            tensors, _ = checkpoint.load(path)
-        except FileNotFoundError as exc:
-            raise _BadVersion(f"missing file ({exc})") from None
-        except (SafetensorError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise _BadVersion(f"unreadable checkpoint ({exc!r})") from None
-        bad = mismatches(tensors, expected)
-        if bad:
-            raise _BadVersion(f"tensors {bad[:5]} do not match the state file")
-        return step, run, tensors
-
-    def _drop_dangling(self) -> None:
+    def _drop_dangling(self, visible: Collection[str] | None = None, dangling: bool = True) -> None:
+        """Remove visible links that dangle (unless not `dangling`: before a swap the new ones do), and, given
+        the held version's `visible` names, the watcher's own links (.current/<name>) to anything else: a
+        journal version holds its base's safetensors, and a link left from a full-mode version would show
+        that older step under the visible names."""
         for p in self.dest.iterdir():
-            if p.is_symlink() and not p.name.startswith(".") and not p.exists():
+            if not p.is_symlink() or p.name.startswith("."):
+                continue
+            if (dangling and not p.exists()) or (visible is not None and p.name not in visible
+                                                 and os.readlink(p) == os.path.join(".current", p.name)):
                 p.unlink()
 
-    def _link_visible(self, version: Path, strict: bool = True) -> None:
+    def _visible_names(self, version: Path, journal: bool) -> list[str]:
+        """The names DEST shows for a version: its files (full mode), or the state file alone (journal)."""
+        return [STATE_NAME] if journal else sorted(f.name for f in version.iterdir() if not f.is_dir())
+
+    def _link_visible(self, version: Path, strict: bool = True, journal: bool = False) -> None:
         """Make each visible name of `version` exactly the link the watcher creates: .current/<name>.
 
-        A missing name is created; a symlink pointing anywhere else (a Hugging Face hub download links into
-        its blob cache) is replaced atomically (temporary link + rename), its target never touched; a name
-        that is not a symlink stops the update (SyncError) when `strict`, else it is only logged.
+        Visible are the version's files (full mode) or relay-state.json alone (journal mode: the base's
+        safetensors hold an older step, and a loader reading them through visible names would silently get
+        it). A missing name is created; a symlink pointing anywhere else (a Hugging Face hub download links
+        into its blob cache) is replaced atomically (temporary link + rename), its target never touched; a
+        name that is not a symlink stops the update (SyncError) when `strict`, else it is only logged.
         """
-        names = sorted(f.name for f in version.iterdir())
+        names = self._visible_names(version, journal)
         for name in names:
             link = self.dest / name
             if os.path.lexists(link) and not link.is_symlink():
@@ -670,82 +936,309 @@ class Watcher:
         versions.mkdir(exist_ok=True)
         return versions
 
-    def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor]) -> None:
+    def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], trail: Trail,
+                 in_place: bool) -> None:
+        """Make the reached step DEST's: in journal mode, on the held journal version, the step's payloads and a
+        new state file (`_append_journal`); otherwise a new version directory and the .current swap."""
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
         covers = set(rec.weight_map) >= set(tensors) if self.reader.want else set(rec.weight_map) == set(tensors)
         if bad or not covers:  # Record.parse refuses these; never write outside DEST
             raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} "
                             f"in {self.dest}")
-        versions = self._versions_dir()
-        name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
-        try:
-            self._write_version(m, rec, tensors, versions, name)
-        except BaseException:
-            # A failed write (disk full, I/O error) must not leave a partial version behind: it would hold
-            # the space the next attempt needs until a restart. Past the swap the new version is DEST's.
-            if os.path.realpath(self.dest / ".current") != os.path.realpath(versions / name):
-                shutil.rmtree(versions / f".{name}.tmp", ignore_errors=True)
-                shutil.rmtree(versions / name, ignore_errors=True)
-                for pattern in _TMP_PATTERNS:
-                    for p in self.dest.glob(pattern):
-                        p.unlink(missing_ok=True)
-                self._drop_dangling()
-            raise
+        with self._dest_lock:
+            if (self.persist == "journal" and in_place and trail.parts and self._version is not None
+                    and self._state is not None and self._state.persist == "journal"
+                    and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)):
+                self._append_journal(m, rec, trail)
+                return
+            versions = self._versions_dir()
+            name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
+            try:
+                self._write_version(m, rec, tensors, versions, name, trail)
+            except BaseException:
+                # A failed write (disk full, I/O error) must not leave a partial version behind: it would hold
+                # the space the next attempt needs until a restart. Past the swap the new version is DEST's.
+                if os.path.realpath(self.dest / ".current") != os.path.realpath(versions / name):
+                    shutil.rmtree(versions / f".{name}.tmp", ignore_errors=True)
+                    shutil.rmtree(versions / name, ignore_errors=True)
+                    for pattern in _TMP_PATTERNS:
+                        for p in self.dest.glob(pattern):
+                            p.unlink(missing_ok=True)
+                    self._drop_dangling()
+                raise
 
     def _write_version(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], versions: Path,
-                       name: str) -> None:
-        """Write the step as .versions/<name>, then make it DEST's step with one atomic swap of .current."""
+                       name: str, trail: Trail) -> None:
+        """Write the step as .versions/<name>, then make it DEST's step with one atomic swap of .current.
+
+        Full mode: the step's safetensors, written from memory, or the snapshot's files as downloaded when the
+        step is a snapshot (verified: they are the step, in the record's layout). Journal mode: the snapshot's
+        files as the base plus the chain's payloads as the journal; or, with no snapshot in the plan (a DEST
+        switching modes), the held state written from memory as the base with an empty journal."""
         tmp = versions / f".{name}.tmp"
         tmp.mkdir()
-        checkpoint.write_dir(tensors, tmp, checkpoint.Layout(True, rec.weight_map, {"step": str(rec.step)}))
+        journal = self.persist == "journal"
+        # a journal replays whole payloads (relay.dest): a chain with row-range parts is persisted as a new base
+        rowless = not any(p.rows for _, p, _ in trail.parts)
+        from_snapshot = (trail.snapshot is not None and trail.snapshot_record is not None and bool(trail.files)
+                         and rowless)
+        if from_snapshot and (journal or not trail.parts):
+            for f in trail.files:  # verified in the spool (same filesystem): moved, not rewritten
+                os.rename(f, tmp / f.name)
+            (tmp / INDEX_NAME).write_bytes(trail.index or b"")
+        else:
+            checkpoint.write_dir(tensors, tmp, checkpoint.Layout(True, rec.weight_map, {"step": str(rec.step)}))
         partial = self.reader.want is not None  # then only the selected tensors, in their files of the layout
         infos = {k: rec.tensors[k] for k in tensors} if partial else rec.tensors
-        (tmp / STATE_NAME).write_bytes(DestState(m.run, rec.step, self.url, infos, partial).to_bytes())
+        if not journal:
+            state = DestState(m.run, rec.step, self.url, infos, partial=partial)
+        elif from_snapshot and trail.snapshot_record is not None:
+            (tmp / JOURNAL_DIR).mkdir()
+            entries = [self._write_journal_file(tmp, s, p, data) for s, p, data in trail.parts]
+            state = DestState(m.run, rec.step, self.url, rec.tensors, "journal", trail.snapshot_record.step,
+                              trail.snapshot_record.tensors, tuple(entries))
+        else:
+            (tmp / JOURNAL_DIR).mkdir()
+            state = DestState(m.run, rec.step, self.url, rec.tensors, "journal", rec.step, rec.tensors, ())
+        (tmp / STATE_NAME).write_bytes(state.to_bytes())
         for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if journal:
+            fsync_dir(tmp / JOURNAL_DIR)
         fsync_dir(tmp)
         final = versions / name
         os.rename(tmp, final)
         fsync_dir(versions)
-        self._link_visible(final)  # visible names: symlinks through .current (dangling until the swap)
+        self._link_visible(final, journal=journal)  # visible names: symlinks through .current (dangling until the swap)
+        if journal:  # links to a full version's shards must be gone before .current can lead into a base
+            self._drop_dangling([STATE_NAME], dangling=False)
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
         fsync_dir(self.dest)
-        self._drop_dangling()
+        self._state, self._version = state, final
+        self._drop_dangling(self._visible_names(final, journal))
         for v in versions.iterdir():
-            if v.name != name:
+            if v.name != name and v.name != self._compacting:
                 _remove_entry(v)
+
+    def _write_journal_file(self, version: Path, s: Step, part: Part, data: bytes) -> JournalEntry:
+        """Write one verified payload as version/journal/<step>-<part>.drd (temporary, fsync, rename)."""
+        key_name = part.ref.key.rsplit("/", 1)[-1]  # deltas/<step>-<part>.drd: the manifest's own name
+        file = f"{JOURNAL_DIR}/{key_name}"
+        with atomic_path(version / file, durable=False) as tmp:  # the directory is fsynced with the state file
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        return JournalEntry(s.step, file, len(data), xxhash.xxh3_128_hexdigest(data), part.tensors)
+
+    def _append_journal(self, m: Manifest, rec: Record, trail: Trail) -> None:
+        """Journal mode, a chain applied to the held state: write the steps' payloads into the held version's
+        journal, then a new state file naming them (temporary, fsync, rename: the commit point). Nothing else
+        is written: disk writes are the delta and the state file. A failure before the rename removes the
+        payloads written (the old state does not name them; a crash leaves them for start-up to remove)."""
+        version, state = self._version, self._state
+        if version is None or state is None or state.base is None:
+            raise SyncError("internal: journal append without a held journal version")
+        journal = version / JOURNAL_DIR
+        if journal.is_symlink() or not journal.is_dir():
+            raise SyncError(f"{journal}: not the watcher's journal directory")
+        written: list[Path] = []
+        try:
+            entries = []
+            for s, p, data in trail.parts:
+                entries.append(self._write_journal_file(version, s, p, data))
+                written.append(version / entries[-1].file)
+            fsync_dir(journal)
+            new = DestState(m.run, rec.step, self.url, rec.tensors, "journal", state.base, state.base_tensors,
+                            state.journal + tuple(entries))
+            self._commit_state(version, new)
+        except BaseException:
+            if self._state is state:  # not committed: what it wrote is a torn tail, removed now
+                for f in written:
+                    f.unlink(missing_ok=True)
+            raise
+
+    def _commit_state(self, version: Path, state: DestState) -> None:
+        """Replace the version's state file (temporary sibling, fsync, rename): a journal step's commit point."""
+        with temporary_sibling(version / STATE_NAME, 0o644) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(state.to_bytes())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, version / STATE_NAME)  # the commit point
+            self._state = state
+        try:
+            fsync_dir(version)
+        except OSError as exc:  # committed already: the rename is visible; the next commit fsyncs again
+            log.warning("%s: fsync after committing step %d failed: %s", version, state.step, exc)
+
+    # -- compaction (journal mode) ------------------------------------------------------------------
+    def _journal_bytes(self) -> int:
+        return sum(e.size for e in self._state.journal) if self._state is not None else 0
+
+    def _model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.tensors or {}).values())
+
+    def _maybe_compact(self) -> None:
+        """Start a background compaction when the journal has grown past compact_fraction of the model or
+        past compact_steps steps (and none is running)."""
+        state = self._state
+        if self.persist != "journal" or state is None or state.persist != "journal" or not state.journal:
+            return
+        if self._compactor is not None and self._compactor.is_alive():
+            return
+        steps = len({e.step for e in state.journal})
+        if self._journal_bytes() <= self.compact_fraction * self._model_bytes() and steps <= self.compact_steps:
+            return
+        version = self._version
+        if version is None:
+            return
+        self._compactor = threading.Thread(target=self._compact_logged, args=(version, state),
+                                           name=f"deltarelay-compact-{self.dest.name}", daemon=True)
+        self._compactor.start()
+
+    def _compact_logged(self, version: Path, state: DestState) -> None:
+        try:
+            if self._compact(version, state):
+                self.compactions += 1
+        except BaseException as exc:  # noqa: BLE001 - a background thread: logged, counted, retried later
+            self.last_compaction_error = exc
+            log.error("%s: compaction of step %d failed (the journal version stays DEST's): %s", self.dest,
+                      state.step, exc)
+
+    def compact(self) -> bool:
+        """Compact now, in the calling thread (tools, tests): True if a new base was swapped in."""
+        if self._compactor is not None:
+            self._compactor.join()
+        if self._state is None or self._version is None or self._state.persist != "journal":
+            return False
+        return self._compact(self._version, self._state)
+
+    def _compact(self, version: Path, state: DestState) -> bool:
+        """Materialise the journal version's head as a new base (streamed from its files, verified against
+        the state's digests: never from the live state, which syncs mutate in place), then, under the DEST
+        lock, carry over the journal entries committed meanwhile and swap it in with the atomic .current
+        swap. Returns False if DEST moved to another version meanwhile (nothing is swapped)."""
+        versions = version.parent
+        name = f"{state.step}-{uuid.uuid4().hex[:8]}"
+        tmp = versions / f".{name}.tmp"
+        with self._dest_lock:
+            if self._version != version:
+                return False
+            self._compacting = tmp.name
+            tmp.mkdir()
+        try:
+            def progress() -> None:
+                if self._stop.is_set():
+                    raise _Abandoned()
+
+            try:
+                dest_mod.materialize_into(version, state, tmp, progress=progress)
+            except _Abandoned:
+                return False
+            with self._dest_lock:
+                current = self._state
+                if self._version != version or current is None or current.journal[:len(state.journal)] != \
+                        state.journal:
+                    return False
+                return self._swap_compacted(version, tmp, name, state, current)
+        finally:
+            with self._dest_lock:
+                self._compacting = None
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _swap_compacted(self, version: Path, tmp: Path, name: str, base: DestState, current: DestState) -> bool:
+        """(Under the DEST lock) finish the compacted version: the entries journaled after `base` (linked, the
+        files are immutable), the state file, fsync, rename, swap .current, remove the old version."""
+        (tmp / JOURNAL_DIR).mkdir()
+        extra = current.journal[len(base.journal):]
+        for e in extra:
+            try:
+                os.link(version / e.file, tmp / e.file)
+            except OSError:  # a filesystem without hard links: a copy
+                shutil.copyfile(version / e.file, tmp / e.file)
+        state = DestState(current.run, current.step, current.url, current.tensors, "journal", base.step,
+                          base.tensors, extra)
+        (tmp / STATE_NAME).write_bytes(state.to_bytes())
+        for f in [*tmp.iterdir(), *(tmp / JOURNAL_DIR).iterdir()]:
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        fsync_dir(tmp / JOURNAL_DIR)
+        fsync_dir(tmp)
+        final = tmp.parent / name
+        os.rename(tmp, final)
+        fsync_dir(tmp.parent)
+        self._link_visible(final, journal=True)
+        swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
+        os.symlink(os.path.join(".versions", name), swap)
+        os.replace(swap, self.dest / ".current")  # the commit point
+        fsync_dir(self.dest)
+        self._state, self._version = state, final
+        self._drop_dangling([STATE_NAME])
+        _remove_entry(version)
+        log.info("%s: compacted: base is now step %d (%d journal entries carried over)", self.dest, base.step,
+                 len(extra))
+        return True
 
     # -- syncing ------------------------------------------------------------------------------
     def sync(self, timeout: float | None = None) -> int:
         """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError).
 
-        DEST is persisted first; then the module and on_update get the held step unless they already have
-        it, so one that failed (HotLoadError, or on_update's own exception, raised here) is retried by the
-        next sync even when the manifest has not changed.
+        A chain is applied to the held tensors in place; if persisting the step fails, they are reverted
+        exactly (from the sync's undo log), so `tensors` and DEST always hold the same step. DEST is persisted
+        first; then the module and on_update get the held step unless they already have it, so one that
+        failed (HotLoadError, or on_update's own exception, raised here) is retried by the next sync even
+        when the manifest has not changed. In journal mode a compaction may start afterwards (background).
         """
         if self._lock is None:
             raise SyncError(f"{self.dest}: this watcher is closed (it no longer holds {self.dest / LOCK_NAME})")
-        m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout)
-        if tensors is not None:
+        versions = self._versions_dir()
+        spool = versions / f".spool-{uuid.uuid4().hex[:8]}.tmp"  # snapshot files land here, then in a version
+        spool.mkdir()
+        try:
+            self._sync_once(timeout, spool)
+        finally:
+            shutil.rmtree(spool, ignore_errors=True)
+        self._deliver()
+        self._maybe_compact()
+        if self.step is None:  # reach() returns nothing only when a step is held, and else the tensors we took
+            raise SyncError("internal: no step held after a sync")
+        return self.step
+
+    def _sync_once(self, timeout: float | None, spool: Path) -> None:
+        undo = codec.UndoLog()
+        trail = Trail()
+        m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
+                                            spool=spool, trail=trail)
+        if tensors is None:
+            return
+        in_place = tensors is self.tensors
+        try:
             if rec is None:  # reach() returns the tensors with their record, or neither
                 raise SyncError("internal: tensors without a record")
             if self.step is not None and (rec.step <= self.step or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
-            self._persist(m, rec, tensors)
-            self.step, self.run_id, self.tensors = rec.step, m.run, tensors
-            self._held_partial = self.reader.want is not None
-            log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
-        self._deliver()
-        if self.step is None:  # reach() returns nothing only when a step is held, and else the tensors we took
-            raise SyncError("internal: no step held after a sync")
-        return self.step
+            self._persist(m, rec, tensors, trail, in_place)
+        except BaseException:
+            undo.revert()  # the held tensors are back at self.step, which DEST still shows
+            raise
+        if self.module is not None and in_place and self._module_tensors is tensors and self.module_step != rec.step:
+            self._module_logs.append(undo)  # the module's step is this dict before these logs: kept to restore it
+        self.step, self.run_id, self.tensors = rec.step, m.run, tensors
+        self._held_partial = self.reader.want is not None
+        log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
 
     def _deliver(self) -> None:
-        """Hand the held step to the module and to on_update, each unless it already has it."""
+        """Hand the held step to the module and to on_update, each unless it already has it.
+
+        on_update(step, tensors) gets the watcher's live held state: valid until the next sync, which updates
+        those tensors in place (copy what must outlive it)."""
         failure: BaseException | None = None
         if self.module is not None and self.step is not None and self.module_step != self.step:
             try:
@@ -765,12 +1258,26 @@ class Watcher:
         if failure is not None:
             raise failure
 
+    def _module_previous(self, name: str) -> torch.Tensor:
+        """The module's step of tensor `name`: the dict it took it from, with the in-place syncs since undone
+        in a copy (the dict itself is the live held state)."""
+        if self._module_tensors is None:
+            raise SyncError("internal: no step the module took")
+        previous = self._module_tensors[name]
+        if not self._module_logs:
+            return previous
+        old = previous.detach().clone()
+        for undo in reversed(self._module_logs):
+            undo.revert_copy(name, old)
+        return old
+
     def _hot_load(self) -> None:
         """Copy the held step into the module, all or nothing.
 
         Every name, shape and dtype is checked first (exact: a broadcasting copy_ is refused), then the
-        tensors are copied; if a copy fails anyway, those already copied are restored from the tensors the
-        module held (when the watcher loaded them), so the module never mixes two steps.
+        tensors are copied; if a copy fails anyway, those already copied are restored to the module's step
+        (the tensors it took, with the in-place syncs since undone from their logs), so the module never
+        mixes two steps.
         """
         if self.module is None or self.tensors is None:  # _deliver calls this with a module and a held step
             raise SyncError("internal: hot-load without a module or a held step")
@@ -792,16 +1299,15 @@ class Watcher:
                     live[k].copy_(new[k])
                     done.append(k)
         except Exception as exc:
-            previous = self._module_tensors
-            if previous is None:
+            if self._module_tensors is None:
                 raise HotLoadError(f"{self.dest}: module update to step {self.step} failed copying {k} ({exc}); "
                                    f"the module never took a step from this watcher, so the {len(done)} tensors "
                                    f"already copied cannot be restored") from exc
             with torch.no_grad():
                 for d in done:
-                    live[d].copy_(previous[d])
+                    live[d].copy_(self._module_previous(d))
             raise HotLoadError(f"{where} (copying {k} failed: {exc}; {len(done)} copied tensors restored)") from exc
-        self.module_step, self._module_tensors = self.step, new
+        self.module_step, self._module_tensors, self._module_logs = self.step, new, []
 
     def run(self, sync_timeout: float | None = None) -> None:
         """Poll forever (until stop()): one conditional manifest read per interval, a sync when it changed.

@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -429,7 +430,8 @@ class Oracle:
             link = os.path.join(path, n)
             if not os.path.islink(link) or os.readlink(link) != os.path.join(".current", n):
                 self.violations.append(f"{path}/{n} does not lead into .current")
-        if set(resolving) != files | {"relay-state.json", checkpoint.INDEX_NAME}:
+        expect = {"relay-state.json"} if not files else files | {"relay-state.json", checkpoint.INDEX_NAME}
+        if set(resolving) != expect:
             self.violations.append(f"{path} shows {sorted(resolving)} for step {step}, expected {sorted(files)}")
         if step not in self.states:
             self.violations.append(f"{path} holds step {step}, never published")
@@ -451,6 +453,16 @@ class Oracle:
         try:
             with open(os.path.join(current, "relay-state.json")) as f:
                 state = json.load(f)
+            if state.get("persist") == "journal":  # base + journal: only relay-state.json is visible
+                from relay import dest
+
+                try:
+                    _, tensors = dest.load_version(Path(current))
+                except dest.BadVersion:
+                    if os.path.isdir(current):
+                        raise
+                    return "vanished"
+                return resolving, current, state["step"], set(), tensors
             with open(os.path.join(current, checkpoint.INDEX_NAME)) as f:
                 files = set(json.load(f)["weight_map"].values())
             tensors, _ = checkpoint.load(current)

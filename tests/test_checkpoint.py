@@ -181,3 +181,81 @@ def test_tied_weights_from_a_live_state_dict(tmp_path, sharded):
     checkpoint.save(state, path, layout)
     assert_bit_exact(checkpoint.load(path)[0], want)
     assert _leftovers(tmp_path) == []
+
+
+# --- the strict reader the watcher loads snapshots and DEST with (no mmap) -----------------------------------
+
+def _st_file(tmp_path, header: dict, data: bytes, name: str = "x.safetensors", raw_len: int | None = None):
+    import json as _json
+
+    raw = _json.dumps(header).encode()
+    p = tmp_path / name
+    p.write_bytes((raw_len if raw_len is not None else len(raw)).to_bytes(8, "little") + raw + data)
+    return p
+
+
+def test_read_file_into_matches_safetensors_for_every_dtype(tmp_path):
+    from codec_cases import edge_pair
+    from safetensors.torch import save_file as st_save_file
+
+    base, _ = edge_pair(seed=2)
+    st_save_file(base, str(tmp_path / "e.safetensors"), metadata={"step": "4"})
+    got, meta = checkpoint.read_file_into(tmp_path / "e.safetensors")
+    assert meta == {"step": "4"}
+    assert_bit_exact(got, base)
+
+
+@pytest.mark.parametrize("case", ["unknown-dtype", "overlap", "gap", "past-end", "short-span", "header-too-big",
+                                  "not-json", "duplicate", "negative-shape", "trailing-bytes", "truncated"])
+def test_read_file_into_refuses_malformed_headers(tmp_path, case):
+    t = {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}
+    u = {"dtype": "BF16", "shape": [4], "data_offsets": [8, 16]}
+    header, data, raw_len = {"a": t, "b": u}, bytes(16), None
+    if case == "unknown-dtype":
+        header["a"] = {**t, "dtype": "F4"}
+    elif case == "overlap":
+        header["b"] = {**u, "data_offsets": [4, 12]}
+    elif case == "gap":
+        header["b"] = {**u, "data_offsets": [10, 18]}
+        data = bytes(18)
+    elif case == "past-end":
+        header["b"] = {**u, "data_offsets": [8, 24], "shape": [8]}
+    elif case == "short-span":
+        header["a"] = {**t, "data_offsets": [0, 6]}
+    elif case == "header-too-big":
+        raw_len = checkpoint.MAX_HEADER_BYTES + 1
+    elif case == "negative-shape":
+        header["a"] = {**t, "shape": [-4]}
+    elif case == "trailing-bytes":
+        data = bytes(20)
+    if case == "not-json":
+        p = tmp_path / "x.safetensors"
+        p.write_bytes((5).to_bytes(8, "little") + b"{nope" + bytes(16))
+    elif case == "duplicate":
+        raw = b'{"a": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}, ' \
+              b'"a": {"dtype": "BF16", "shape": [4], "data_offsets": [8, 16]}}'
+        p = tmp_path / "x.safetensors"
+        p.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(16))
+    elif case == "truncated":
+        p = _st_file(tmp_path, header, data)
+        p.write_bytes(p.read_bytes()[:-3])
+    else:
+        p = _st_file(tmp_path, header, data, raw_len=raw_len)
+    with pytest.raises(checkpoint.SafetensorsError, match="x.safetensors"):
+        checkpoint.read_file_into(p)
+
+
+def test_streamed_writer_round_trips(tmp_path):
+    from codec_cases import edge_pair
+    from safetensors.torch import save_file as st_save_file
+
+    base, _ = edge_pair(seed=3)
+    st_save_file(base, str(tmp_path / "src.safetensors"))
+    with checkpoint.SafetensorsFile(tmp_path / "src.safetensors") as src, \
+            checkpoint.StreamedWriter(tmp_path / "out.safetensors", src.spans, {"step": "9"}) as out:
+        for s in src.spans:
+            out.write(src.read(s))
+    got, meta = checkpoint.read_file_into(tmp_path / "out.safetensors")
+    assert meta == {"step": "9"}
+    assert_bit_exact(got, base)
+    assert_bit_exact(checkpoint.load(tmp_path / "out.safetensors")[0], base)  # safetensors reads it too

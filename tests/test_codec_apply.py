@@ -16,6 +16,7 @@ from torch import nn
 
 import codec
 from codec import container
+from relay.manifest import tensor_infos
 from codec_cases import (
     FORMAT_VERSIONS,
     assert_bit_exact,
@@ -303,3 +304,137 @@ def test_extra_memory_is_an_undo_log_not_a_copy():
     small_total, small_peak = _apply_peak(4)
     big_total, big_peak = _apply_peak(32)
     assert big_peak - small_peak < (big_total - small_total) / 4, (small_peak, big_peak, big_total - small_total)
+
+
+# --- chains: UndoLog, workers, only --------------------------------------------------------------------------
+
+def _chain(n_steps: int, seed: int = 5, fraction: float = 0.03):
+    """States 0..n_steps of a small BF16 model plus the payloads between consecutive ones."""
+    base, _ = model_pair(n_tensors=4, shape=(64, 64), fraction=fraction, seed=seed)
+    rng = np.random.default_rng(seed)
+    states = [clone_all(base)]
+    for _ in range(n_steps):
+        states.append({k: rl_step(v, fraction, rng) if v.dtype is torch.bfloat16 else v.clone()
+                       for k, v in states[-1].items()})
+    payloads = [codec.encode(a, b) for a, b in zip(states, states[1:])]
+    return states, payloads
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_undo_log_reverts_three_steps_bit_exactly(workers):
+    states, payloads = _chain(3)
+    live = clone_all(states[0])
+    objects = {k: v for k, v in live.items()}
+    undo = codec.UndoLog()
+    for p, want in zip(payloads, states[1:]):
+        codec.apply_(live, p, workers=workers, undo=undo)
+        assert_bit_exact(live, want)
+    changes = sum(int((bits_of(a[k]) != bits_of(b[k])).sum()) for a, b in zip(states, states[1:]) for k in a)
+    assert len(undo) > 0 and 0 < undo.nbytes <= 6 * changes  # int32 positions and BF16 old values, nothing more
+    assert {k: d.hex() for k, d in undo.verified().items()} == {k: v.digest for k, v in tensor_infos(states[3]).items()}
+    undo.revert()
+    assert_bit_exact(live, states[0])
+    assert all(live[k] is objects[k] for k in live) and len(undo) == 0
+
+
+def test_undo_log_after_a_failed_third_step():
+    """Steps 1 and 2 logged, step 3 forged: apply_ restores its own writes and logs nothing; reverting the log
+    then gives step 0 exactly."""
+    states, payloads = _chain(3, seed=6)
+    live = clone_all(states[0])
+    undo = codec.UndoLog()
+    codec.apply_(live, payloads[0], undo=undo)
+    codec.apply_(live, payloads[1], undo=undo)
+    logged = len(undo)
+    name = _changed_names(states[2], states[3])[-1]
+    with pytest.raises(codec.DeltaError, match=name.replace(".", r"\.")):
+        codec.apply_(live, _forge(payloads[2], name, _bad_digest), workers=2, undo=undo)
+    assert_bit_exact(live, states[2]) and len(undo) == logged
+    undo.revert()
+    assert_bit_exact(live, states[0])
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+def test_every_dtype_in_place_with_workers_and_undo(version):
+    """edge_pair holds every dtype codec knows (NaN payloads, -0.0, empty and 0-d tensors): two workers give
+    the same bits, and the undo log takes them back."""
+    base, target = edge_pair(seed=9)
+    payload = codec.encode(base, target, format_version=version)
+    live = clone_all(base)
+    undo = codec.UndoLog()
+    codec.apply_(live, payload, workers=2, undo=undo)
+    assert_bit_exact(live, target)
+    undo.revert()
+    assert_bit_exact(live, base)
+
+
+@pytest.mark.parametrize("version", FORMAT_VERSIONS)
+@pytest.mark.parametrize("damage", ["digest", "stream"])
+def test_hostile_records_with_two_workers_touch_nothing(version, damage):
+    """Every changed record forged in turn, decoded and written on two threads: refused naming it, every bit
+    as before (the writes of tensors done on the other thread are undone too)."""
+    base, target = edge_pair(seed=10)
+    payload = codec.encode(base, target, format_version=version)
+    for name in [k for k in _changed_names(base, target) if base[k].numel()][:6]:
+        forged = _forge(payload, name, _bad_digest if damage == "digest" else _bad_stream)
+        live = clone_all(base)
+        before = snapshot(live)
+        undo = codec.UndoLog()
+        with pytest.raises(codec.DeltaError) as err:
+            codec.apply_(live, forged, workers=2, undo=undo)
+        assert name in str(err.value) and len(undo) == 0
+        _assert_untouched(live, before)
+
+
+def test_tied_weights_revert_and_revert_copy():
+    """Names sharing memory are written one after another; reverting the log gives the old bits through both
+    names, and revert_copy rebuilds the old bits of one name in a copy without touching the live tensor."""
+    torch.manual_seed(3)
+    trainer, rollout = _Tied().to(torch.bfloat16), _Tied().to(torch.bfloat16)
+    rollout.load_state_dict(trainer.state_dict())
+    base = clone_all(trainer.state_dict())
+    rng = np.random.default_rng(3)
+    with torch.no_grad():
+        trainer.embed.weight.copy_(rl_step(trainer.embed.weight, 0.05, rng))
+    target = clone_all(trainer.state_dict())
+    payload = codec.encode(base, target)
+    live = rollout.state_dict()
+    undo = codec.UndoLog()
+    codec.apply_(live, payload, workers=2, undo=undo)
+    assert_bit_exact(rollout.state_dict(), target)
+    copy = live["head.weight"].detach().clone()
+    undo.revert_copy("head.weight", copy)
+    assert torch.equal(copy.view(torch.int16), base["head.weight"].view(torch.int16))
+    assert_bit_exact(rollout.state_dict(), target)  # the live state is untouched by revert_copy
+    undo.revert()
+    assert_bit_exact(rollout.state_dict(), base)
+    assert rollout.head.weight is rollout.embed.weight
+
+
+def test_tied_names_written_differently_are_refused():
+    """A forged payload that moves one of two tied names and says the other is unchanged: the alias no longer
+    matches its record once the write is done, so the call is refused and both names restored."""
+    torch.manual_seed(4)
+    m = _Tied().to(torch.bfloat16)
+    base = clone_all(m.state_dict())
+    rng = np.random.default_rng(4)
+    target = clone_all(base)
+    target["embed.weight"] = rl_step(base["embed.weight"], 0.05, rng)  # head.weight stays: impossible if tied
+    payload = codec.encode(base, target)
+    live = m.state_dict()
+    before = snapshot(live)
+    with pytest.raises(codec.DeltaError, match="head.weight|embed.weight"):
+        codec.apply_(live, payload)
+    _assert_untouched(live, before)
+
+
+def test_only_applies_the_named_records():
+    """`only` applies and verifies the named records alone, over a mapping that holds just those tensors
+    (streaming a checkpoint); a name the payload lacks is refused."""
+    states, payloads = _chain(1, seed=7)
+    names = list(states[0])
+    one = {names[1]: states[0][names[1]].clone()}
+    codec.apply_(one, payloads[0], only=[names[1]])
+    assert_bit_exact(one, {names[1]: states[1][names[1]]})
+    with pytest.raises(codec.DeltaError, match="does not name"):
+        codec.apply_({names[1]: states[0][names[1]].clone()}, payloads[0], only=["nope"])

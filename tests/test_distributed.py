@@ -287,7 +287,10 @@ def test_partial_replica_of_a_sharded_run(s3_run, tmp_path):
     with Watcher(s3_run.url, tmp_path / "part", storage_options=s3_run.options, tensors=[wanted]) as w:
         fetched: list[str] = []
         get = w.reader.store.get
+        download = w.reader.store.download  # snapshot files are spooled to disk, not read with get
         w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        w.reader.store.download = (  # type: ignore[method-assign]
+            lambda key, fd, size=None: fetched.append(key) or download(key, fd, size))
         assert w.sync(timeout=20) == 4
         assert set(w.tensors) == {wanted} and same_bits(w.tensors, {wanted: full_state(4)[wanted]})
     snap = m.snapshots[-1]
@@ -319,12 +322,18 @@ def test_partial_replica_of_a_single_process_run(s3_run, tmp_path):
     with Watcher(s3_run.url, tmp_path / "dest", storage_options=s3_run.options, tensors=lambda k: k in wanted) as w:
         fetched: list[str] = []
         get = w.reader.store.get
+        download = w.reader.store.download  # snapshot files are spooled to disk, not read with get
         w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        w.reader.store.download = (  # type: ignore[method-assign]
+            lambda key, fd, size=None: fetched.append(key) or download(key, fd, size))
         assert w.sync(timeout=20) == 4
         assert same_bits(w.tensors, {k: full_state(4)[k] for k in wanted})
     assert {k for k in fetched if k.endswith(".safetensors")} == holding
     assert len(m.snapshots[-1].files) > len(holding)
-    assert "deltas/4-0.drd" in fetched
+    # one delta part per snapshot file: only the parts listing a selected tensor are downloaded
+    head = Manifest.parse(store.read_manifest().data).step(4)
+    needed = {p.ref.key for p in head.delta_parts if p.tensors is None or set(p.tensors) & set(wanted)}
+    assert needed and {k for k in fetched if k.startswith("deltas/")} == needed
 
 
 def test_partial_replica_restarts_on_its_own_dest(file_run, tmp_path):
@@ -481,8 +490,8 @@ def test_sliced_digest_is_the_protocols():
     assert mismatches({"embed.weight": other}, {"embed.weight": info}) == ["embed.weight"]
 
 
-def test_apply_subset_updates_only_the_tensors_held():
-    """codec.apply_(subset=True): a partial replica applies a part covering more tensors than it holds."""
+def test_apply_only_updates_only_the_tensors_held():
+    """codec.apply_(only=...): a partial replica applies a part covering more tensors than it holds."""
     import codec
 
     base, target = full_state(0), full_state(1)
@@ -490,10 +499,10 @@ def test_apply_subset_updates_only_the_tensors_held():
     held = {"layer.0.weight": base["layer.0.weight"].clone()}
     with pytest.raises(codec.DeltaError):
         codec.apply_(dict(held), payload)
-    codec.apply_(held, payload, subset=True)
+    codec.apply_(held, payload, only=held)
     assert same_bits(held, {"layer.0.weight": target["layer.0.weight"]})
     with pytest.raises(codec.DeltaError):  # a tensor the payload does not name is still an error
-        codec.apply_({"nope": torch.zeros(3)}, payload, subset=True)
+        codec.apply_({"nope": torch.zeros(3)}, payload, only={"nope"})
 
 
 def test_whole_infos_refuses_ranks_that_do_not_tile():

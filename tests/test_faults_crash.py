@@ -11,6 +11,7 @@ watcher must clean up what the crash left and reach the head.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -70,7 +71,7 @@ if _spec:
 # (label, event, function, caller, count, step DEST must show after the kill: "old" or "new")
 KILL_POINTS = [
     ("download: between object GETs", "call", "_fetch_one", "*", 2, "old"),
-    ("apply: codec.apply_ of the delta", "call", "apply_", "_execute", 1, "old"),
+    ("apply: codec.apply_ of the delta", "call", "apply_", "_apply_step", 1, "old"),
     ("persist: writing the shards", "call", "save_file", "write_dir", 1, "old"),
     ("persist: fsync of the new version", "c_call", "fsync", "_persist|_write_version", 1, "old"),
     ("persist: rename of the finished version", "c_call", "rename", "_persist|_write_version", 1, "old"),
@@ -81,9 +82,29 @@ KILL_POINTS = [
 ]
 
 
-def watch_cmd(url: str, dest: Path, options: dict) -> list[str]:
+# Journal mode (persist="journal"): one step is its payload files and a new state file in the held version;
+# compaction (here after more than one journaled step) writes a new base and swaps it in. DEST must show the
+# step it held until the state file's rename, the new one from then on, whatever compaction is doing.
+JOURNAL_KILL_POINTS = [
+    ("journal: writing the step's payload", "call", "_write_journal_file", "*", 1, "old"),
+    ("journal: fsync of the payload", "c_call", "fsync", "_write_journal_file", 1, "old"),
+    ("journal: rename of the payload", "c_call", "replace", "atomic_path", 1, "old"),
+    ("journal: fsync of the journal directory", "call", "fsync_dir", "_append_journal", 1, "old"),
+    ("journal: state file written, before its rename", "c_call", "replace", "_commit_state", 1, "old"),
+    ("journal: just after the state file's rename", "c_return", "replace", "_commit_state", 1, "new"),
+]
+COMPACTION_KILL_POINTS = [
+    ("compaction: streaming the new base", "call", "write", "materialize_into", 1, "new"),
+    ("compaction: rename of the new version", "c_call", "rename", "_swap_compacted", 1, "new"),
+    ("compaction: just before the .current swap", "c_call", "replace", "_swap_compacted", 1, "new"),
+    ("compaction: just after the .current swap", "c_return", "replace", "_swap_compacted", 1, "new"),
+    ("compaction: removing the old version", "call", "_remove_entry", "_swap_compacted", 1, "new"),
+]
+
+
+def watch_cmd(url: str, dest: Path, options: dict, extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "relay.cli", "watch", url, "--dest", str(dest), "--poll-interval", "0.05",
-            "--storage-options", json.dumps(options)]
+            "--storage-options", json.dumps(options), *extra]
 
 
 def leftovers(dest: Path) -> list[str]:
@@ -95,6 +116,14 @@ def leftovers(dest: Path) -> list[str]:
         out += [f".versions/{v.name}" for v in versions.iterdir() if v.name != current]
     out += [p.name for p in dest.glob(".current.tmp-*")]
     out += [p.name for p in dest.iterdir() if p.is_symlink() and not p.name.startswith(".") and not p.exists()]
+    current = dest / ".current"
+    state_path = current / "relay-state.json"
+    if current.is_symlink() and state_path.exists():
+        state = json.loads(state_path.read_bytes())
+        if state.get("persist") == "journal":  # a torn tail: journal files the committed state does not name
+            named = {e["file"] for e in state["journal"]}
+            out += [f"journal/{p.name}" for p in (current / "journal").iterdir() if f"journal/{p.name}" not in named]
+            out += [p.name for p in dest.iterdir() if not p.name.startswith(".") and p.name != "relay-state.json"]
     return sorted(out)
 
 
@@ -103,33 +132,32 @@ def run(s3_run):
     return s3_run
 
 
-@pytest.mark.slow
-def test_sigkill_at_each_point_of_download_apply_persist(run, trainer, tmp_path, record_property):
-    """For each point of a sync (a GET, the delta's apply, the shard writes, fsync, rename, symlinks, just before
-    and after the atomic swap, the cleanup), a watcher process holding step k is SIGKILLed there while reaching
-    k+1: DEST shows k before the swap and k+1 after it, complete and bit-exact; a restart tidies and converges."""
+def _kill_at_each_point(run, trainer, tmp_path, points, persist: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """Watchers holding step 1 (one DEST per point, in `persist` mode) are each SIGKILLed at their point while
+    reaching step 2; each DEST must show the step its point expects, complete and bit-exact, and a restarted
+    watcher must leave nothing behind and reach step 2. Returns a row per point."""
     oracle, t = Oracle(), trainer(seed=30, width=WIDTH)
     hook_dir = tmp_path / "hook"
-    hook_dir.mkdir()
+    hook_dir.mkdir(parents=True)
     (hook_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook_dir), str(ROOT)])}
     pub = relay.Publisher(run.url, storage_options=run.options, snapshot_every=100, background=False)
     for step in range(2):
         oracle.published(step, state := t.step())
         pub.publish(state, step)
-    dests = [tmp_path / f"dest{i}" for i in range(len(KILL_POINTS))]
+    dests = [tmp_path / f"dest{i}" for i in range(len(points))]
     for dest in dests:
-        relay.Watcher(run.url, dest, storage_options=run.options).sync()  # each holds step 1
+        relay.Watcher(run.url, dest, storage_options=run.options, persist=persist).sync()  # each holds step 1
     oracle.published(2, state := t.step())
     pub.publish(state, 2)
     rows = []
-    for batch in range(0, len(KILL_POINTS), 3):  # three processes at a time: independent DESTs, one head
+    for batch in range(0, len(points), 3):  # three processes at a time: independent DESTs, one head
         procs = {}
-        for i in range(batch, min(batch + 3, len(KILL_POINTS))):
-            label, event, name, caller, count, _ = KILL_POINTS[i]
+        for i in range(batch, min(batch + 3, len(points))):
+            label, event, name, caller, count, _ = points[i]
             procs[i] = subprocess.Popen(
-                watch_cmd(run.url, dests[i], run.options), cwd=ROOT, stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE, text=True,
+                watch_cmd(run.url, dests[i], run.options, ("--persist", persist, *extra)), cwd=ROOT,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env={**env, "RELAY_KILL_AT": f"{event}:{name}:{caller}:{count}",
                      "RELAY_KILL_MARK": str(tmp_path / f"killed{i}")})
         for i, proc in procs.items():
@@ -138,20 +166,46 @@ def test_sigkill_at_each_point_of_download_apply_persist(run, trainer, tmp_path,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 _, err = proc.communicate()
-            label = KILL_POINTS[i][0]
+            label = points[i][0]
             assert proc.returncode == -signal.SIGKILL and (tmp_path / f"killed{i}").exists(), \
                 (label, proc.returncode, err[-2000:])
-    for i, (label, *_, expect) in enumerate(KILL_POINTS):
+    for i, (label, *_, expect) in enumerate(points):
         dest = dests[i]
         shown = oracle.dest(dest, allowed={1 if expect == "old" else 2})
         left = leftovers(dest)
-        w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.hook(f"dest{i}"))
+        w = relay.Watcher(run.url, dest, storage_options=run.options, on_update=oracle.hook(f"dest{i}"),
+                          persist=persist)
         assert leftovers(dest) == [] and w.step == shown, (label, leftovers(dest))
         assert w.sync() == 2 and oracle.dest(dest) == 2
+        w.close()
         rows.append(f"{label}: showed {shown}, left {len(left)}")
     pub.close()
     oracle.ok()
+    return rows
+
+
+@pytest.mark.slow
+def test_sigkill_at_each_point_of_download_apply_persist(run, trainer, tmp_path, record_property):
+    """For each point of a sync (a GET, the delta's apply, the shard writes, fsync, rename, symlinks, just before
+    and after the atomic swap, the cleanup), a watcher process holding step k is SIGKILLed there while reaching
+    k+1: DEST shows k before the swap and k+1 after it, complete and bit-exact; a restart tidies and converges."""
+    rows = _kill_at_each_point(run, trainer, tmp_path, KILL_POINTS, "full")
     record_property("injected", f"SIGKILL at {len(KILL_POINTS)} points of one sync")
+    record_property("observed", "; ".join(rows))
+
+
+@pytest.mark.slow
+def test_sigkill_at_each_point_of_a_journal_step_and_compaction(run, trainer, tmp_path, record_property):
+    """Journal mode: SIGKILL at each point of a step's journal write (the payload, its fsync and rename, the
+    journal directory's fsync, the state file before and after its rename) and of a compaction (streaming the
+    new base, its rename, just before and after the .current swap, removing the old version): DEST shows the
+    old step until the state file's rename and the new one after, never a mix; a restart removes the torn
+    tail and any partial base, and converges."""
+    rows = _kill_at_each_point(run, trainer, tmp_path / "journal", JOURNAL_KILL_POINTS, "journal")
+    rows += _kill_at_each_point(dataclasses.replace(run, url=f"{run.url}-compaction"), trainer,
+                                tmp_path / "compaction", COMPACTION_KILL_POINTS, "journal", ("--compact-steps", "1"))
+    record_property("injected", f"SIGKILL at {len(JOURNAL_KILL_POINTS)} points of a journal step and "
+                                f"{len(COMPACTION_KILL_POINTS)} of a compaction")
     record_property("observed", "; ".join(rows))
 
 

@@ -379,7 +379,10 @@ def test_manifest_bit_flips(origin, trainer, record_property):
     for _ in range(60):
         proxy.add("flip", methods=("GET",), key=r"/manifest\.json$", times=1)
         try:
-            got, tensors, rec = reader.reach(3, state3, run=run, timeout=2)
+            held = {k: v.clone() for k, v in state3.items()}  # reach() applies a chain to what it is given
+            got, tensors, rec = reader.reach(3, held, run=run, timeout=2)
+            if tensors is None or tensors is not held:  # a failure (or a snapshot path) left it untouched
+                assert same_bits(held, state3), "a refused sync left the held state changed"
             if tensors is None:
                 outcome = "reader stayed on step 3"
             else:

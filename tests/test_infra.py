@@ -570,8 +570,8 @@ def _check_writer(sts: list[dict], side: str) -> None:
 
 def test_trainer_writes_only_the_origin_with_conditional_manifest_commits():
     sts = statements(load_module(ROOT_DIR)["data"]["data.aws_iam_policy_document.trainer"])
-    allowed = {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload", "s3:DeleteObject",
-               "kms:GenerateDataKey", "kms:Decrypt"}
+    allowed = {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload",
+               "s3:ListMultipartUploadParts", "s3:DeleteObject", "kms:GenerateDataKey", "kms:Decrypt"}
     for st in sts:
         assert st["effect"] == "Allow" and st["actions"] <= allowed, st
         targets = {t for t in stmt_refs(st) if not t.startswith("var.")}
@@ -595,8 +595,8 @@ def test_relay_reads_origin_and_writes_every_region():
             assert targets == every_region, f"relay statement {st['sid']} reaches {targets}"
             regional.append(st)
     actions = set().union(*(st["actions"] for st in regional))
-    assert actions == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload", "s3:DeleteObject",
-                       "kms:GenerateDataKey", "kms:Decrypt"}
+    assert actions == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload",
+                       "s3:ListMultipartUploadParts", "s3:DeleteObject", "kms:GenerateDataKey", "kms:Decrypt"}
     _check_writer(regional, "regional")
 
 

@@ -44,9 +44,14 @@ def run_docs(file_run, trainer, tmp_path) -> dict:
     m = Manifest.parse(store.read_manifest().data)
     with Watcher(file_run.url, tmp_path / "dest", trusted_keys=[pub]) as w:
         w.sync(timeout=10)
+    journal = f"file://{tmp_path}/journal-run"  # a journal-mode DEST: a snapshot, then two journaled steps
+    publish_steps(journal, trainer, 3)  # one snapshot (step 0): steps 1 and 2 are journaled
+    with Watcher(journal, tmp_path / "jdest", persist="journal") as w:
+        w.sync(timeout=10)
     return {"manifest": json.loads(store.read_manifest().data),
             "records": [json.loads(store.get(s.record.key)) for s in m.steps],
-            "state": json.loads((tmp_path / "dest" / "relay-state.json").read_bytes())}
+            "state": json.loads((tmp_path / "dest" / "relay-state.json").read_bytes()),
+            "journal_state": json.loads((tmp_path / "jdest" / "relay-state.json").read_bytes())}
 
 
 def test_what_the_code_writes_follows_the_schemas(run_docs, file_run, trainer, tmp_path):
@@ -56,6 +61,9 @@ def test_what_the_code_writes_follows_the_schemas(run_docs, file_run, trainer, t
         validator("record").validate(rec)
     validator("relay-state").validate(run_docs["state"])
     DestState.parse(json.dumps(run_docs["state"]).encode())
+    assert run_docs["journal_state"]["persist"] == "journal" and len(run_docs["journal_state"]["journal"]) == 2
+    validator("relay-state").validate(run_docs["journal_state"])
+    DestState.parse(json.dumps(run_docs["journal_state"]).encode())
     unsigned = f"file://{tmp_path}/unsigned"
     publish_steps(unsigned, trainer, 2)
     validator("manifest").validate(json.loads(open_store(unsigned).read_manifest().data))
@@ -91,15 +99,24 @@ STATE_MUTATIONS = [
     lambda s: next(iter(s["tensors"].values())).update(digest="0"),
 ]
 
+JOURNAL_STATE_MUTATIONS = [
+    lambda s: s.update(persist="mirror"), lambda s: s.pop("base"), lambda s: s["base"].update(step=-1),
+    lambda s: s["base"].update(extra=1), lambda s: s["journal"][0].update(file="../../x.drd"),
+    lambda s: s["journal"][0].update(file="journal/1-0.bin"), lambda s: s["journal"][0].update(xxh3="0"),
+    lambda s: s["journal"][0].pop("tensors"), lambda s: s["journal"][0].update(tensors=["a", "a"]),
+    lambda s: s["journal"][0].update(size=-1), lambda s: s.update(journal={}),
+]
+
 # (schema, document of the run, parser, mutations)
 CASES = [("manifest", lambda d: d["manifest"], Manifest.parse, MANIFEST_MUTATIONS),
          ("record", lambda d: d["records"][-1], Record.parse, RECORD_MUTATIONS),
-         ("relay-state", lambda d: d["state"], DestState.parse, STATE_MUTATIONS)]
+         ("relay-state", lambda d: d["state"], DestState.parse, STATE_MUTATIONS),
+         ("relay-state", lambda d: d["journal_state"], DestState.parse, JOURNAL_STATE_MUTATIONS)]
 
 
 @pytest.mark.parametrize("schema, pick, parse, mutate",
                          [(name, pick, parse, m) for name, pick, parse, ms in CASES for m in ms],
-                         ids=[f"{name}-{i}" for name, _, _, ms in CASES for i in range(len(ms))])
+                         ids=[f"{name}-{j}-{i}" for j, (name, _, _, ms) in enumerate(CASES) for i in range(len(ms))])
 def test_schemas_refuse_what_the_parsers_refuse(run_docs, schema, pick, parse, mutate):
     doc = json.loads(json.dumps(pick(run_docs)))
     mutate(doc)

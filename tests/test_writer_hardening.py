@@ -15,7 +15,7 @@ import torch
 from relay import ops
 from relay.cli import main as cli_main
 from relay.manifest import Manifest, ObjRef, Record, Snapshot, Step, record_key, tensor_infos
-from relay.publisher import Publisher, snapshot_objects
+from relay.publisher import Publisher, snapshot_files
 from relay.signing import SignatureError, TrustedKeys, generate_keypair
 from relay.store import ConflictError, LocalStore, open_store
 from relay.verify import verify
@@ -35,7 +35,7 @@ def plant_step(store, m: Manifest, step: int, tensors: dict) -> Manifest:
     rec = Record(m.run, step, tensor_infos(tensors), {k: "model-00001-of-00001.safetensors" for k in tensors})
     data = rec.to_bytes()
     store.put_new(record_key(step), data)
-    objects = snapshot_objects(step, tensors, rec.weight_map)
+    objects = {key: b"".join(f.chunks()) for key, f in snapshot_files(step, tensors, rec.weight_map).items()}
     for key, body in objects.items():
         store.put_new(key, body)
     refs = {k: ObjRef.of(k, v, strong=True) for k, v in objects.items()}

@@ -526,7 +526,8 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
     if status:
         return at, vals, 0, status
     if building and not copy_to.size:
-        out[:] = b
+        for i in range(b.size):  # a loop, not `out[:] = b` (codec/_warmup.py says why)
+            out[i] = b[i]
     status = _decode_span(b, bb, 0, bb.size, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq,
                           vslot, vrow_of_key, at, vals, out, copy_to, function, digest)
     if status == 0:
@@ -1220,9 +1221,6 @@ def _stream_states(words, nstates):
     return words[:n], states, 0
 
 
-_NONE = np.zeros(0, np.uint16)
-
-
 @nb.njit(cache=True, nogil=True)
 def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq, mslot, vcum, vfreq, vslot,
                   vrow_of_key, headers, hoff, functions, state):
@@ -1242,6 +1240,9 @@ def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, m
     thr = np.zeros(MAX_CLASSES, np.int64)
     levels = np.zeros(MAX_CLASSES, np.int64)
     counts = np.zeros(MAX_CLASSES, np.int64)
+    # allocated here, not a module global: numba freezes a global array as a read-only constant,
+    # and `_decode` would then be compiled twice (here, and again for apply_'s writable one)
+    none = np.zeros(0, np.uint16)
     for i in range(m):
         bad, nc, _ = _parse_params(params[poff[i]:poff[i + 1]], changes[i], thr, levels, counts)
         four = changes[i] >= four_from
@@ -1253,7 +1254,7 @@ def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, m
         padded = -(-n // ec.BLOCK) * ec.BLOCK
         bb = nb.carray(ec._u16_at(where[i, 0]), padded)
         out = nb.carray(ec._u16_at(where[i, 1]), n)
-        copy_to = out if n == padded else _NONE  # else `_decode` copies the base up front
+        copy_to = out if n == padded else none  # else `_decode` copies the base up front
         function = np.uintp(0)
         if hashing:
             hash_reset(functions[0], state)

@@ -348,7 +348,11 @@ def sample_stats(b, t, stride):
             for i in range(start, stop):
                 if b[np.uint64(i)] != t[np.uint64(i)]:
                     k[np.uint64((np.int64(b[np.uint64(i)]) >> KEY_SHIFT) & 0xFF)] += 1
-    return n4.reshape(4, 256).sum(axis=0), k
+    n = np.zeros(256, n4.dtype)  # the four lanes summed; not .sum(axis=0), whose axis check compiles string code
+    for lane in range(4):
+        for key in range(256):
+            n[key] += n4[lane * 256 + key]
+    return n, k
 
 
 @nb.njit(cache=True, nogil=True)
@@ -537,7 +541,8 @@ HASH_PART = 1 << 14
 @nb.njit(cache=True, nogil=True)
 def _grown(a, keep, cap):
     out = np.empty(cap, a.dtype)
-    out[:keep] = a[:keep]
+    for i in range(keep):  # a loop, not a slice assignment (codec/_warmup.py says why)
+        out[i] = a[i]
     return out
 
 
@@ -589,7 +594,8 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
         else:
             thresholds = given[i, :ngiven[i]].copy()
         nthr[i] = thresholds.size
-        thr[i, :thresholds.size] = thresholds
+        for j in range(thresholds.size):  # loops, not slice assignments (codec/_warmup.py says why)
+            thr[i, j] = thresholds[j]
         lanes, lut = lane_bounds(thresholds), class_lut(thresholds)
         ge, seen = _scan_state()
         first[i] = k
@@ -600,12 +606,14 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
         for o in range(0, padded, HASH_PART):
             stop = min(o + HASH_PART, padded)
             before = k
-            saved[:] = seen
+            for j in range(saved.size):
+                saved[j] = seen[j]
             k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
             if k > pairs.size - SCAN_SLACK:
                 cap = max(2 * pairs.size, k) + SCAN_SLACK
                 pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
-                seen[:] = saved
+                for j in range(saved.size):
+                    seen[j] = saved[j]
                 k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
             if hashing and o < n:
                 hash_update(functions[1], states[0], bb, o, min(stop, n))
@@ -615,8 +623,9 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, functions, stat
             digests[i, 2], digests[i, 3] = hash_digest(functions[2], states[1])
         tensor_sizes, tensor_changes = _class_totals(cls, first[i], k, seen, padded)
         tensor_sizes[0] -= padded - n  # the padding is class 0
-        class_sizes[i] = tensor_sizes
-        class_changes[i] = tensor_changes
+        for c in range(tensor_sizes.size):  # loops, not row assignments (codec/_warmup.py says why)
+            class_sizes[i, c] = tensor_sizes[c]
+            class_changes[i, c] = tensor_changes[c]
     first[m] = k
     return pairs, cls, rank, first, thr, nthr, class_sizes, class_changes, digests
 

@@ -1,0 +1,345 @@
+"""codec.warm_up(): compile the codec's kernels while the caller waits on something else.
+
+Numba compiles a kernel on its first call, and on a fresh host (an empty kernel cache) the first
+encode, decode or apply_ paid ~20-50 s of compilation on top of the step itself. A publisher or
+watcher calls `warm_up()` in its constructor: the kernels compile in a background thread while
+the first snapshot uploads or downloads (the snapshot path runs no kernel), so the first delta
+finds them ready. Kernels go to numba's on-disk cache (`_kernel_cache`), so on a host whose cache
+is warm, warm-up only loads them (~1 s), and processes of one host that warm up the same path
+take turns (a file lock in the cache directory): the first compiles, the others then load what
+it wrote instead of compiling the same kernels at the same time on the same cores.
+
+Each path ("encode", "decode", "apply_") is a list of steps, callables that run the real entry
+point on a tiny checkpoint holding every dtype and method the codec has, so that each kernel is
+compiled for the very signatures a real call uses (`kernel_signatures()` before and after a real
+call shows nothing compiles later; tests/test_warmup.py checks it in a fresh process). Code that
+adds kernels on a new path (a threaded apply_, say) registers a step for it: `register(path, fn)`.
+apply_ and decode need a payload: the one embedded here (`PAYLOAD`, made by `encoded()`), so that
+a watcher's warm-up compiles no encoder.
+
+What compiles, and what was cut (kernel semantics unchanged): numba compiles every kernel a
+kernel calls as well, once per distinct argument types, and a constant argument is typed as a
+literal, so `container._uvarint`, called with ten different constant limits, compiled ten times
+(now inlined). An array-to-array slice assignment in a kernel compiles numba's shape-mismatch
+error path (string formatting, ~3-4 s per process for 1-D and again for 2-D arrays): kernels copy
+with loops instead. `conditional._decode` compiled twice, for a read-only empty array (a module
+global, which numba freezes) and a writable one, and the payload's streams were read-only or not
+as the caller's buffer was: `container.unpack` now views every payload read-only.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from . import _kernel_cache
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[], None]
+PATHS = ("encode", "decode", "apply_")
+_STEPS: dict[str, list[Step]] = {path: [] for path in PATHS}
+_FUTURES: dict[str, Future] = {}
+_LOCK = threading.Lock()
+
+
+def register(path: str, step: Step) -> None:
+    """Adds a step to a warm-up path (a new path name starts a new path): a callable that runs
+    real code on tiny inputs so that every kernel it reaches compiles. A path that already ran in
+    this process does not run again; register before the first `warm_up`."""
+    with _LOCK:
+        _STEPS.setdefault(path, []).append(step)
+
+
+class WarmUp:
+    """A warm-up under way (or done): `wait()` for it; `seconds` and `failed` once it is done."""
+
+    def __init__(self, paths: tuple[str, ...], futures: list[Future]) -> None:
+        self.paths = paths
+        self._futures = futures
+        self._started = time.perf_counter()
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every path is warm (or failed: a failed step only means the first real call
+        compiles what it needs, so it is logged, never raised); False if `timeout` ran out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in self._futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                f.result(left)
+            except TimeoutError:
+                return False
+            except Exception:  # noqa: BLE001 - logged where it happened
+                pass
+        return True
+
+    @property
+    def seconds(self) -> float | None:
+        """The longest of its paths' durations, once all are done."""
+        if not self.done():
+            return None
+        return max((f.result()[0] for f in self._futures if f.exception() is None), default=0.0)
+
+    @property
+    def failed(self) -> dict[str, BaseException]:
+        return {p: exc for p, f in zip(self.paths, self._futures) if f.done() and (exc := f.exception()) is not None}
+
+
+def warm_up(paths: Iterable[str] | None = None, *, background: bool = True) -> WarmUp:
+    """Compile (or load from the on-disk cache) every kernel that `paths` use: "encode",
+    "decode", "apply_" (default: all). Idempotent and thread-safe: a path runs once per process,
+    later calls share it. In a daemon thread unless `background` is False; returns a handle to
+    `wait()` on. A publisher wants ("encode",), a watcher ("apply_",)."""
+    wanted = tuple(dict.fromkeys(PATHS if paths is None else paths))
+    unknown = [p for p in wanted if p not in _STEPS]
+    if unknown:
+        raise ValueError(f"unknown warm-up path(s) {unknown}; known: {sorted(_STEPS)}")
+    fresh: list[tuple[str, Future]] = []
+    with _LOCK:
+        for path in wanted:
+            if path not in _FUTURES:
+                _FUTURES[path] = Future()
+                fresh.append((path, _FUTURES[path]))
+        futures = [_FUTURES[p] for p in wanted]
+    if fresh:
+        if background:
+            threading.Thread(target=_run, args=(fresh,), name="deltarelay-codec-warmup", daemon=True).start()
+        else:
+            _run(fresh)
+    return WarmUp(wanted, futures)
+
+
+def _run(paths: list[tuple[str, Future]]) -> None:
+    for path, future in paths:
+        future.set_running_or_notify_cancel()
+        start = time.perf_counter()
+        before = _compile_stats()
+        try:
+            with _host_lock(path):
+                waited = time.perf_counter() - start
+                for step in list(_STEPS[path]):
+                    step()
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up costs the first call its compile, no more
+            log.warning("codec warm-up of %s failed (the first real call compiles instead): %r", path, exc)
+            future.set_exception(exc)
+            continue
+        seconds = time.perf_counter() - start
+        hits, misses = (a - b for a, b in zip(_compile_stats(), before))
+        log.info("codec warm-up of %s: %.1f s (%d kernels compiled, %d loaded from the cache; %.1f s waiting for "
+                 "another process of this host)", path, seconds, misses, hits, waited)
+        future.set_result((seconds, misses, hits))
+
+
+@contextlib.contextmanager
+def _host_lock(path: str) -> Iterator[None]:
+    """An exclusive lock, per path, over the kernel cache directory: processes of one host warm
+    up one at a time and the later ones load what the first compiled. Best effort: without a
+    usable lock file the warm-up runs unlocked."""
+    directory = _kernel_cache.used_dir()
+    try:
+        import fcntl
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / f"warmup-{path.strip('_')}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def kernel_signatures() -> dict[str, tuple]:
+    """Every compiled kernel of the codec's modules and the signatures it holds in this process:
+    compare before and after a call to see what it compiled."""
+    from numba.core.registry import CPUDispatcher
+    out: dict[str, tuple] = {}
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "codec" or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, CPUDispatcher):
+                out[f"{value.py_func.__module__}.{value.py_func.__qualname__}"] = tuple(value.signatures)
+    return out
+
+
+def _compile_stats() -> tuple[int, int]:
+    """(cache hits, cache misses) over the codec's kernels so far in this process."""
+    from numba.core.registry import CPUDispatcher
+    hits = misses = 0
+    seen = set()
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "codec" or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, CPUDispatcher) and id(value) not in seen:
+                seen.add(id(value))
+                stats = value.stats
+                hits += sum(stats.cache_hits.values())
+                misses += sum(stats.cache_misses.values())
+    return hits, misses
+
+
+# The tiny checkpoint: every dtype the codec treats differently, each with sparse changes (BF16
+# also dense ones, unchanged, and sizes off the scan's block), all from integer hashes (exact on
+# every platform, so the embedded payload always matches).
+
+def _hash(n: int, seed: int) -> np.ndarray:
+    x = np.arange(n, dtype=np.uint64) + np.uint64(seed * 0x9E3779B97F4A7C15 % (1 << 64))
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(0xFF51AFD7ED558CCD)
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(0xC4CEB9FE1A85EC53)
+    x ^= x >> np.uint64(33)
+    return x
+
+
+_LAYOUT = (  # name, torch dtype, shape, one change in every `every` elements
+    ("bf16.matrix", torch.bfloat16, (64, 64), 100),
+    ("bf16.odd", torch.bfloat16, (3000,), 40),
+    ("bf16.busy", torch.bfloat16, (8192,), 8),
+    ("bf16.dense", torch.bfloat16, (512,), 2),
+    ("bf16.same", torch.bfloat16, (256,), 0),
+    ("f32", torch.float32, (1024,), 100),
+    ("f32.dense", torch.float32, (256,), 2),
+    ("f16", torch.float16, (1024,), 100),
+    ("f8_e4m3", torch.float8_e4m3fn, (1024,), 100),
+    ("f8_e5m2", torch.float8_e5m2, (1024,), 100),
+    ("i32", torch.int32, (512,), 50),
+    ("i64.step", torch.int64, (), 1),
+    ("u8", torch.uint8, (512,), 50),
+    ("bool", torch.bool, (512,), 50),
+)
+_INT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_EXPONENT = {torch.bfloat16: (7, 0x75), torch.float32: (23, 0x75), torch.float16: (10, 0x08)}
+
+
+def _elements(dtype: torch.dtype, n: int, seed: int) -> np.ndarray:
+    size = torch.empty((), dtype=dtype).element_size()
+    h = _hash(n, seed)
+    if dtype == torch.bool:
+        return (h & np.uint64(1)).astype(np.uint8)
+    if dtype in _EXPONENT:  # weights of 1e-3 .. 0.1 (|w| < 1 for F16): several exponent classes
+        shift, low = _EXPONENT[dtype]
+        bits = 8 * size
+        sign = (h >> np.uint64(63)) << np.uint64(bits - 1)
+        exponent = (np.uint64(low) + ((h >> np.uint64(40)) & np.uint64(7))) << np.uint64(shift)
+        return (sign | exponent | (h & np.uint64((1 << shift) - 1))).astype(_INT[size])
+    return h.astype(_INT[size])
+
+
+def checkpoint() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base, target) of the tiny checkpoint: a few KB, deterministic."""
+    base: dict[str, torch.Tensor] = {}
+    target: dict[str, torch.Tensor] = {}
+    for seed, (name, dtype, shape, every) in enumerate(_LAYOUT):
+        n = int(np.prod(shape, dtype=np.int64))
+        b = _elements(dtype, n, seed)
+        t = b.copy()
+        if every:
+            where = np.flatnonzero(_hash(n, 1000 + seed) % np.uint64(every) == 0)
+            t[where] = (b[where] ^ 1) if dtype == torch.bool else b[where] + 1  # one ULP, or one step
+        for out, elems in ((base, b), (target, t)):
+            raw = torch.from_numpy(elems.view(np.uint8).copy())
+            out[name] = raw.view(dtype).reshape(shape) if dtype != torch.bool else raw.view(torch.bool).reshape(shape)
+    return base, target
+
+
+def encoded() -> str:
+    """The tiny checkpoint's payload as the current encoder writes it, base64: what `PAYLOAD`
+    holds (regenerate with `python -c "import codec._warmup as w; print(w.encoded())"`)."""
+    from .api import encode
+    base, target = checkpoint()
+    return base64.b64encode(encode(base, target)).decode()
+
+
+def _fresh_payload(exc: Exception) -> bytes:
+    """A payload from the current encoder, when the embedded one is refused (a regression
+    tests/test_warmup.py catches): it compiles the encoder too, but the path still warms up."""
+    from .api import encode
+    log.warning("codec warm-up: the embedded payload is refused (%s); encoding one", exc)
+    base, target = checkpoint()
+    return encode(base, target)
+
+
+def _warm_encode() -> None:
+    from .api import encode
+    base, target = checkpoint()
+    encode(base, target)
+
+
+def _warm_decode() -> None:
+    from .api import decode
+    from .errors import DeltaError
+    base = checkpoint()[0]
+    payload = base64.b64decode(PAYLOAD)
+    try:
+        decode(base, payload)
+    except DeltaError as exc:
+        payload = _fresh_payload(exc)
+        decode(base, payload)
+    decode(base, bytearray(payload), workers=2)
+
+
+def _warm_apply() -> None:
+    """apply_ alone (no decode to check the payload first: that would compile decode's kernels)."""
+    from .api import apply_
+    from .errors import DeltaError
+    payload = base64.b64decode(PAYLOAD)
+    try:
+        apply_(checkpoint()[0], payload)
+    except DeltaError as exc:  # apply_ changed nothing
+        payload = _fresh_payload(exc)
+        apply_(checkpoint()[0], payload)
+    apply_(checkpoint()[0], memoryview(bytearray(payload)))  # a writable buffer, as a download may be
+
+
+register("encode", _warm_encode)
+register("decode", _warm_decode)
+register("apply_", _warm_apply)
+
+PAYLOAD = (  # encoded() of checkpoint(); tests/test_warmup.py checks it still decodes
+    "RFJERUxUQQADAAAAGwMAAE/TaD0k/EgJPfdgv9GhnBAotS/9YGICjRgAtCwOC2JmMTYubWF0cml4BwJAQAMfiu7h0S9XclaMmfRyFergIKlE2kIkkeya"
+    "EyQg0tqHTVoDASkfAQAwMAhvZGQHAbgXAzt02U7QJ+z0nar5BlB1vE2+BRnFhspUpj6a8g+cD1c+2wMBITsBAEhICWJ1c3kHAYBAA/oH6cOv1Dp1a/Fh"
+    "7vBQu5hXhW02+IJ1Gs3cc5zKbxUAdqcEARH6BwEAtAW0BQpkZW5zZQcBgAQDhgKzn+sR1mk9gQMpQcqHTchOeQ4CFhVPiMzb1Yej/7yM7QQBBYYCAQBs"
+    "bHNhbQIAAEnHPReJcB4JARrXVWlKDb8AAANmMzIIAYAIAREQcGj8fnnf3jHp7L4h2ProYUun8ZW5GjMuhtKd6FN1RgAEAYAIVQKACA4JZjMyCAGAAgGO"
+    "AY35mDjaTjQYz9PrDyf3t5GpVGxzr9IFf+G+AL7nNaZBAooBAoACEAKAAgsDZjE2Bgw9y9q2ntz40BGcwsFqaPF4fnetvyG+Nr+bEDtG1iIeEQACAYAI"
+    "OwdmOF9lNG0zCg82q7b2escnHnMRyjtHfu37b/esbB00OwRLdVOR9ZGj9QABAYAITjVtMgsKzKYL7QvjeZCReW91hjb1E2JwzaIywyhIZhZF5J3RxrA3"
+    "A2kzMgQBgAQBDYfa0kGPfvjZ125/OuEJjUjmA6M0i96vWKubcxRb6ODfBDoCgAQMCGk2NC5zdGVwBQABAQK0B0lQKM3oNG8MRcscT7yzsab+gYJqCxA1"
+    "pmLnVf9OAAgAAQECdTgBD3X8BY1jknDTaS3WjNu1e6Jk4KTn5UvBdKNID5xzANwGBEQEYm9vbAAMs3bao50JfQ2CrDF+iHP0JjUPBBY7+Uaqmh8gXTT4"
+    "XhE9AgFBCHUCANgOAKgRAAIAgwwA/RMAAgCaDgDmtg8AyhAAAgCyDwDO0RAArw8AAgC0DwDMmRAA5w8CAoAgGgAzI61EYma4gHtUjSdt9grGIqL7cKcy"
+    "rokScARY/lX9ttpz2Dcwq/f1N2K9lcHEdgQ8E0PX4EoPs++r26JV29wFtQeD2y/y2ZEbbYijkZp82ZQoz59cgvSrriJGzWchyKx++vHxJ44baBAAWUBp"
+    "uTAZAABO1kNge4ZcgmtLW1T52DZuMLCS1fjPK4OCVdMlUvfYWrjVtgV3NB8qvPxSGlMYILucvSlBFAeQi45TVlcggQAAv4J1u1wGAACM8XSHZQD2c2/i"
+    "VZ7V5gt8Gs3Sdw+ODVe+KAAhMWgJIS5OWQccs8WG3rzYqM3qCTBhs4QHUD/TBq+bZourdBu8X85V+QUNpn/EStUPeM1o7abhumYid19fIwTruR0Hs4fU"
+    "AbFMAEs6nCaz9L69cCtEJNv8vaupwoAE5P5r0gGYDOX5yTTBFkqJk5xdKBivULwqx8oQyZbHYFeOCxhL4RCNkkKht+tTaHvreTekcl0bwycqqUdH7kEO"
+    "TAd8NAsTpK/SlcFTOkL/gO+JeNdmLmwvBT4ljICU8hhQmyQnWFHkW9pfxS/zWXc6cyYAOab+kGvQI7GzknNjt/AtW8yViw1QqzQ63zfUjXd0eoRjh/Fs"
+    "jX6KktgagomRvbTt5OoIXSPQdaCNwkN0TUZwSECzR0pnK2FLktkwyNxIDi7E+qdjgy5aDkLeVBRP7OzSgH915nNPkDlA+GnNDuDIPx/MsdKdseqQ3IPd"
+    "U+Za2QkDRkiZaxwzhKGm4CwZeTvkO9ZJQY07orrpI9s4Az/7oNwq+0sHxHSrmqK//vYvWtCT5QlmcuguKlELj7OaKR4uoe9DPk5jS8n7wc5uymv+Jrqw"
+    "n1xyQ/nk9HLboRObnJIlatmW7rhJdiuvciGjaAmd8h488cNFZu29sqsxwhlmW6oC+oVkPf3tNME8GUQq62T7vPcDoVPqNOIsIHNQndsRbE7SaBdYHG45"
+    "7QtVMucRAK5dK7jQzI0w8NbO42bDsvBW9pNAILOj60CktnEiNBQhlNXX7kUWgONXewqBBl7zpTP9nEx/rtTzykZr9GhC36Hbi/vQnLAMdtV/v0Ld8DE7"
+    "j3vXYut0ua9VO12fikclBFiJAAtbQZQpsOMapWEz8wx+qlL+8+Lv2nBBu2nKXYoloUAisZuqQkEF4fSWy48WAADUSKmSO1CuHUDoq1NeIU21vnd/6fFb"
+    "llhBJhchXiFyhuDk1MRF28ajXnQO5ZosYuJYtIsbo+i9qbNtJPIVhSmiRWNH2TXIpDT7ugz1RskfggRi0bbyrQHiJScCAr98JB7Dq9Db1PZxn94AAACr"
+    "HL/BKY9ZAyi1L/0AAGUCALAAAAEADwABAQMAHwABAAMAAAcAAQcDFgCAAVAODkiAEKC7KoQBGMB24I0ZgscaUNgeDgAwDjgxeAK6C14NFRhAQbk6r8HB"
+    "QMAiwAIfAAEA////6lAAAAAAAB8AAQD////qUAAAAAAAHwABAP///+pQAAAAAAAotS/9AAANBABSSA8TsCXpDMMwDANZkgSsgQitfMopBVUJQbcZT6Z2"
+    "FbD2gRLOigU2o44uU2azrTLkLNbF5aeZERQt93m9R6gKHABYjVQNiOIuxIyVxgIYADulLKiy07GQcANYxgxemlqCbzHCDnwVMwh9FUBVgM04lWA1L3dl"
+    "xGfDOkFThSEWKCgfAAEAhB8BmABPUAAAAAAAHwABAOdQAAAAAAAfAAEA51AAAAAAACi1L/0AAJUBAGAAAAEAAQEBAQcHAQcPAECFDzEMkALwruBkYJQI"
+    "0gOQ8tm6DQaoEYguPAyHzyKQsAuwHwABAP///+pQAAAAAAAotS/9AAAtAgBoAAABAAEBDwMAfwADARcAoAJ4z5C4A3QQIT0hA8WEFFasEjAAhYEMGcwJ"
+    "ggdBDiiAAGoA90HNlsNpCKYA6X4SAdjYA7AotS/9AAB1AQBQAAADAAMPAQE/AA0AJCZOIGBCCdLguQAQAOiuVxFkQAWQ3EBicggFAinWKcACKLUv/QAA"
+    "jQEAeAAA/wAPAQADAA8AAx8HAQ4AYAMwp5NlMLI2LDgBCoEycD6ABUSYwcDEoBsgwS8FWB8AAQD/6FAAAAAAAB8AAQD/6FAAAAAAAB8AAQD/6FAAAAAA"
+    "AA8AAAAAAAAAKLUv/QAA3QEAYAAAAwADPwABAQEDARQATRUAagDeWYWBYwGpIoCq6IAS4D1AMwhCBBcCCUG4AWgQ+AD7aA4BdPhQgAUotS/9AAClAQBw"
+    "AAABAQABAQABAQABAAAQAGAWMB8QDMQCBxBDAfBC8AcuDhVkAOK/EBnAGZiCAFCOngAL"
+)
