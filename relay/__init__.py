@@ -3,6 +3,7 @@
     with relay.Publisher("s3://bucket/run") as pub:      # trainer
         pub.publish(model, step)
     relay.Watcher("s3://bucket/run", "/weights").run()   # each rollout host
+    relay.ShardedPublisher("s3://bucket/run")            # on every rank of a torch.distributed trainer
 
 The store layout and protocol are specified in docs/PROTOCOL.md.
 
@@ -13,12 +14,13 @@ public API and codec's, and its commands reach `deltarelay` through the `deltare
 entry point group (tests/test_import_graph.py, tests/test_cli_commands.py).
 """
 
+from relay.distributed import RowSlice, ShardedPublisher, ShardedPublishError
 from relay.manifest import Manifest, ManifestError, Record
 from relay.ops import gc, rebase, status
 from relay.publisher import Publisher, close_publishers, publish
 from relay.store import ConflictError, ObjectMissing, open_store
 from relay.watcher import Reader, SyncError, SyncTimeout, Watcher
 
-__all__ = ["Publisher", "publish", "close_publishers", "Watcher", "Reader", "ConflictError", "SyncError",
-           "SyncTimeout", "ObjectMissing", "ManifestError", "Manifest", "Record", "open_store", "rebase", "gc",
-           "status"]
+__all__ = ["Publisher", "publish", "close_publishers", "ShardedPublisher", "ShardedPublishError", "RowSlice",
+           "Watcher", "Reader", "ConflictError", "SyncError", "SyncTimeout", "ObjectMissing", "ManifestError",
+           "Manifest", "Record", "open_store", "rebase", "gc", "status"]

@@ -7,7 +7,9 @@ passes fsspec options for that URL unchanged.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
+from typing import Callable
 
 from relay import checkpoint, dest, ops
 from relay.manifest import PERSIST_MODES
@@ -26,12 +28,21 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def tensor_selector(patterns: list[str] | None) -> Callable[[str], bool] | None:
+    """--tensors PATTERN...: a partial replica's tensors, shell-style patterns (fnmatchcase; a plain name
+    matches itself). None: every tensor."""
+    if not patterns:
+        return None
+    pats = list(patterns)
+    return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
+
+
 def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
-                 trusted_keys=args.trusted_key, persist=args.persist, compact_fraction=args.compact_fraction,
-                 compact_steps=args.compact_steps) as w:
+                 trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors), persist=args.persist,
+                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps) as w:
         try:
             if args.once:
                 step = w.sync(timeout=args.timeout)
@@ -108,6 +119,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true", help="sync to the head once and exit")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="give up a sync after S seconds (exit non-zero, DIR stays on its last good step)")
+    p.add_argument("--tensors", action="append", metavar="PATTERN",
+                   help="a partial replica: hold only the tensors matching this shell-style pattern (a plain name "
+                        "matches itself; repeat for more); only the parts and snapshot files holding them are "
+                        "downloaded, and DIR's relay-state.json says \"partial\"")
     p.add_argument("--persist", choices=PERSIST_MODES, default="full",
                    help="full: every step a complete checkpoint under the visible names (engines that reload "
                         "from disk); journal: a base plus the verified deltas since, disk writes per step "

@@ -15,10 +15,11 @@ signed run trustworthy hold for all of them (docs/SECURITY.md, "Writers"):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, overload
 
-from relay.manifest import Manifest
+from relay.manifest import Manifest, Snapshot, Step
 from relay.signing import Signer, SignatureError, TrustedKeys, strengthen
 from relay.store import ConflictError, Store, unsure_write
 
@@ -103,4 +104,53 @@ def update_manifest(store: Store, change: Change, *, signer: Signer | None = Non
     raise ConflictError(f"{where}: {attempts} conditional writes lost in a row")
 
 
-__all__ = ["update_manifest", "check_writable", "writer_keys", "UnsignedWriteError", "ATTEMPTS"]
+def extend_run(cur: Manifest | None, unsure: bool, *, url: str, run: str, writer: str, head: int | None,
+               entry: Step | None, snap: Snapshot | None, keep_snapshots: int | None = None) -> Manifest | None:
+    """A publisher's `change` for update_manifest: `cur` plus a step and/or a snapshot, only while writer
+    `writer` owns run `run` (PROTOCOL §4.3) and the head is `head`, the one it last committed. None when
+    there is nothing to do: the manifest already holds our entry under our writer id (an earlier write
+    of ours that landed unreported), or the snapshot is there. ConflictError when another publisher
+    started, took over or extended the run."""
+    where = f"{url}/manifest.json"
+    if cur is None:
+        if head is not None or entry is None or snap is None:
+            raise ConflictError(f"{where}: gone (the run was deleted)")
+        return Manifest(run, entry.step, [entry], [snap], writer=writer)
+    if cur.run != run:
+        raise ConflictError(f"{url}: another publisher started run {cur.run} here")
+    # A manifest holding exactly our entry is our own write only if it names us as its writer
+    # (a 412 can answer botocore's retry of our own landed PUT, so a refusal proves nothing);
+    # in a manifest without a writer, only after a write of ours whose outcome was not told.
+    ours = cur.writer == writer if cur.writer is not None else unsure
+    if ours and (entry is None or cur.step(entry.step) == entry) and (
+            snap is None or cur.snapshot(snap.step) == snap):
+        # our earlier conditional write landed although the store (or the network) reported a
+        # failure: a 5xx after the write, a reset, a timeout. It is ours, not a lost race.
+        log.warning("%s: the manifest already holds our commit (one reported as failed had landed); "
+                    "carrying on", url)
+        return None
+    if cur.writer is not None and cur.writer != writer:
+        raise ConflictError(f"{url}: another publisher (writer {cur.writer}) took the run over; this "
+                            f"one (writer {writer}) is fenced and commits nothing more")
+    if cur.head != head:
+        raise ConflictError(f"{url}: head is step {cur.head}, this publisher last committed "
+                            f"{head}: another publisher extended the run")
+    if entry is None and (snap is None or cur.snapshot(snap.step) is not None):
+        return None  # the snapshot is there already (a rebase of the same step wrote the same bytes)
+    m = dataclasses.replace(cur, steps=list(cur.steps), snapshots=list(cur.snapshots), signatures=(),
+                            writer=writer)
+    if entry is not None:
+        m.steps.append(entry)
+        m.head = entry.step
+    if snap is not None and m.snapshot(snap.step) is None:
+        if m.step(snap.step) is None:
+            raise ConflictError(f"{url}: step {snap.step} left the manifest before its snapshot "
+                                f"was committed")
+        m.snapshots.append(snap)
+        m.snapshots.sort(key=lambda s: s.step)
+        if keep_snapshots is not None:
+            m = m.trimmed(keep_snapshots) or m
+    return m
+
+
+__all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "UnsignedWriteError", "ATTEMPTS"]

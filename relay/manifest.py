@@ -32,6 +32,7 @@ MAX_MANIFEST_BYTES = 64 << 20  # ~100k steps; refused before json.loads so a hos
 MAX_RECORD_BYTES = 64 << 20  # ~300k tensors
 MAX_SIGNATURES = 16
 SIGNED_PAYLOAD_PREFIX = b"deltarelay.manifest signed payload v1\n"  # domain separation for the signing key
+SLICED_DIGEST_PREFIX = b"deltarelay.sliced-digest v1\n"  # domain separation of a row-sliced tensor's digest
 
 # One path component that is safe on every filesystem we write to: no separator, no leading dot
 # (dot names are the watcher's and the store's own), no NUL or control characters, bounded length.
@@ -228,23 +229,48 @@ class Signature:
         return cls(kid, sig)
 
 
+def _row_range(value: Any, where: str) -> tuple[int, int]:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 0 <= value[0] < value[1] <= MAX_INT):
+        raise ManifestError(f"{where}: a row range is [start, stop] with 0 <= start < stop <= 2**63-1, "
+                            f"got {str(value)[:80]}")
+    return value[0], value[1]
+
+
 @dataclass(frozen=True)
 class Part:
-    """One delta object of a step. `tensors` None: it covers every tensor; else exactly these names."""
+    """One delta object of a step. `tensors` None: it covers every tensor; else exactly these names.
+
+    `rows` (name -> (start, stop)) marks the named tensors it covers only as those rows (dimension 0)
+    of the whole tensor: a sharded trainer's rank holds a row slice, and its payload codes the slice
+    under the tensor's name. None when nothing is sliced, so unsliced runs read as before."""
 
     ref: ObjRef
     tensors: tuple[str, ...] | None = None
+    rows: dict[str, tuple[int, int]] | None = field(default=None, hash=False)
 
     def to_json(self) -> dict:
-        return {**self.ref.to_json(), "tensors": None if self.tensors is None else list(self.tensors)}
+        out = {**self.ref.to_json(), "tensors": None if self.tensors is None else list(self.tensors)}
+        if self.rows is not None:
+            out["rows"] = {k: [a, b] for k, (a, b) in self.rows.items()}
+        return out
 
     @classmethod
     def parse(cls, obj: Any, where: str) -> "Part":
-        ref = ObjRef.parse(obj, where, {"tensors"})
+        ref = ObjRef.parse(obj, where, {"tensors", "rows"})
         names = _need(obj, "tensors", (list, type(None)), where)
         if names is not None and not all(isinstance(n, str) for n in names):
             raise ManifestError(f"{where}.tensors: expected a list of names")
-        return cls(ref, None if names is None else tuple(names))
+        if names is not None and len(set(names)) != len(names):
+            raise ManifestError(f"{where}.tensors: names a tensor twice")
+        rows = None
+        if "rows" in obj:
+            raw = _need(obj, "rows", dict, where)
+            if names is None or not raw or not set(raw) <= set(names):
+                raise ManifestError(f"{where}.rows: must name some of the part's listed tensors (and only those)")
+            rows = {k: _row_range(v, f"{where}.rows[{k[:80]!r}]") for k, v in raw.items()}
+        return cls(ref, None if names is None else tuple(names), rows)
 
 
 @dataclass(frozen=True)
@@ -299,7 +325,30 @@ class Step:
                 raise ManifestError(f"{where}.parts[{i}].key: {p.ref.key!r} is not a delta of step {self.step}")
             for name in p.tensors or ():
                 _printable(name, f"{where}.parts[{i}].tensors")
+        _disjoint(self.parts or (), where)
         return self
+
+
+def _disjoint(parts: tuple[Part, ...], where: str) -> None:
+    """Parts of one step never cover a tensor (or rows of it) twice: whole in one part, or row ranges
+    that do not overlap. Gaps, and a part covering every tensor beside others, are refused by the
+    reader (relay.shards.check_tiling), which knows each tensor's rows."""
+    whole: set[str] = set()
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for p in parts:
+        for name in p.tensors or ():
+            r = (p.rows or {}).get(name)
+            if name in whole or (r is None and name in ranges):
+                raise ManifestError(f"{where}.parts: tensor {name[:80]!r} is covered by more than one part")
+            if r is None:
+                whole.add(name)
+            else:
+                ranges.setdefault(name, []).append(r)
+    for name, rs in ranges.items():
+        rs.sort()
+        for (_, stop), (start, _) in zip(rs, rs[1:]):
+            if start < stop:
+                raise ManifestError(f"{where}.parts: rows of tensor {name[:80]!r} overlap ({stop} > {start})")
 
 
 @dataclass(frozen=True)
@@ -505,11 +554,33 @@ class Manifest:
         return m
 
 
+Slice = tuple[int, int, str]  # rows [start, stop) of a tensor and the digest of those rows
+
+
 @dataclass(frozen=True)
 class TensorInfo:
+    """A tensor as the trainer published it. `slices`: set when ranks held it as row slices; then
+    `digest` is sliced_digest() of them (PROTOCOL §3.1), else digest_elements of the whole tensor."""
+
     dtype: str
     shape: tuple[int, ...]
-    digest: str  # hex of codec.hashing.digest_elements
+    digest: str  # hex of codec.hashing.digest_elements, or of sliced_digest for a sliced tensor
+    slices: tuple[Slice, ...] | None = None
+
+
+def sliced_digest(dtype: str, shape: tuple[int, ...], slices: tuple[Slice, ...]) -> str:
+    """The whole digest of a row-sliced tensor (PROTOCOL §3.1): xxh3-128 of SLICED_DIGEST_PREFIX, the
+    tensor's header (codec.hashing.header_bytes), then per slice its start and stop as 8-byte
+    big-endian integers and its 16 digest bytes. Two tensors agree iff all their slices do."""
+    import xxhash
+
+    from codec.hashing import header_bytes
+
+    h = xxhash.xxh3_128()
+    h.update(SLICED_DIGEST_PREFIX + header_bytes(dtype, shape))
+    for start, stop, digest in slices:
+        h.update(start.to_bytes(8, "big") + stop.to_bytes(8, "big") + bytes.fromhex(digest))
+    return h.hexdigest()
 
 
 @dataclass
@@ -547,7 +618,34 @@ class Record:
 
 
 def _tensors_json(tensors: dict[str, TensorInfo]) -> dict:
-    return {k: {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest} for k, v in tensors.items()}
+    out = {}
+    for k, v in tensors.items():
+        out[k] = {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest}
+        if v.slices is not None:
+            out[k]["slices"] = [[a, b, d] for a, b, d in v.slices]
+    return out
+
+
+def _slices(raw: Any, shape: tuple[int, ...], where: str) -> tuple[Slice, ...]:
+    """A sliced tensor's `slices`: [start, stop, digest] triples tiling its rows, in order."""
+    if not isinstance(raw, list) or not raw:
+        raise ManifestError(f"{where}: expected a non-empty list of [start, stop, digest]")
+    if not shape:
+        raise ManifestError(f"{where}: a scalar has no rows to slice")
+    out: list[Slice] = []
+    prev = 0
+    for i, item in enumerate(raw):
+        w = f"{where}[{i}]"
+        if not isinstance(item, list) or len(item) != 3:
+            raise ManifestError(f"{w}: expected [start, stop, digest]")
+        start, stop = _row_range(item[:2], w)
+        if start != prev:
+            raise ManifestError(f"{w}: starts at row {start}, expected {prev} (slices tile the rows in order)")
+        out.append((start, stop, _hex32(item[2], w, "a digest")))
+        prev = stop
+    if prev != shape[0]:
+        raise ManifestError(f"{where}: slices end at row {prev}, the tensor has {shape[0]}")
+    return tuple(out)
 
 
 def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
@@ -555,14 +653,20 @@ def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
     tensors = {}
     for name, t in obj.items():
         w = f"{where}[{name!r}]"
-        _only(t, {"dtype", "shape", "digest"}, w)
+        _only(t, {"dtype", "shape", "digest", "slices"}, w)
         shape = _need(t, "shape", list, w)
         if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape):
             raise ManifestError(f"{w}.shape: expected integers from 0 to 2**63-1")
         dtype = _need(t, "dtype", str, w)
         if dtype not in _dtype_names():
             raise ManifestError(f"{w}.dtype: {dtype[:40]!r} is not a dtype of docs/FORMAT.md")
-        tensors[name] = TensorInfo(dtype, tuple(shape), _hex32(_need(t, "digest", str, w), f"{w}.digest", "a digest"))
+        digest = _hex32(_need(t, "digest", str, w), f"{w}.digest", "a digest")
+        slices = None
+        if "slices" in t:
+            slices = _slices(t["slices"], tuple(shape), f"{w}.slices")
+            if sliced_digest(dtype, tuple(shape), slices) != digest:
+                raise ManifestError(f"{w}.digest: not the digest of its slices (PROTOCOL §3.1)")
+        tensors[name] = TensorInfo(dtype, tuple(shape), digest, slices)
     return tensors
 
 
@@ -625,10 +729,13 @@ class DestState:
     base: int | None = None
     base_tensors: dict[str, TensorInfo] | None = None
     journal: tuple[JournalEntry, ...] = ()
+    partial: bool = False  # a partial replica: `tensors` is what it holds, not the whole step
 
     def to_bytes(self) -> bytes:
         doc: dict[str, Any] = {"run": self.run, "step": self.step, "url": self.url,
                                "tensors": _tensors_json(self.tensors)}
+        if self.partial:  # written only for partial replicas, so a full DEST's file reads as before
+            doc["partial"] = True
         if self.persist != "full":  # a full-mode state file is written as before the journal existed
             doc["persist"] = self.persist
             doc["base"] = {"step": self.base, "tensors": _tensors_json(self.base_tensors or {})}
@@ -638,10 +745,15 @@ class DestState:
     @classmethod
     def parse(cls, data: bytes, where: str = "relay-state.json") -> "DestState":
         doc = _load_json(data, where, MAX_RECORD_BYTES)
-        _only(doc, {"run", "step", "url", "tensors", "persist", "base", "journal"}, where)
+        _only(doc, {"run", "step", "url", "tensors", "partial", "persist", "base", "journal"}, where)
+        partial = False
+        if "partial" in doc:
+            if doc["partial"] is not True:
+                raise ManifestError(f"{where}.partial: true when present")
+            partial = True
         state = cls(_hex32(_need(doc, "run", str, where), f"{where}.run", "a run id"),
                     _step_int(_need(doc, "step", int, where), f"{where}.step"), _need(doc, "url", str, where),
-                    _tensor_infos(_need(doc, "tensors", dict, where), f"{where}.tensors"))
+                    _tensor_infos(_need(doc, "tensors", dict, where), f"{where}.tensors"), partial=partial)
         persist = doc.get("persist", "full")
         if persist not in PERSIST_MODES:
             raise ManifestError(f"{where}.persist: {str(persist)[:40]!r} is not one of {PERSIST_MODES}")
@@ -681,8 +793,11 @@ def _dtype_names() -> frozenset[str]:
 _DTYPE_NAMES: frozenset[str] | None = None
 
 
-def tensor_infos(tensors: dict) -> dict[str, TensorInfo]:
-    """Each tensor's dtype, shape and digest, with the codec's own hash (codec.hashing.digest_elements)."""
+def tensor_infos(tensors: dict, like: dict[str, TensorInfo] | None = None) -> dict[str, TensorInfo]:
+    """Each tensor's dtype, shape and digest, with the codec's own hash (codec.hashing.digest_elements).
+
+    A name that `like` describes as sliced is digested on the same row boundaries (sliced_digest),
+    so a whole tensor assembled from a sharded trainer's slices compares equal to its record."""
     from codec.hashing import digest_elements
     from codec.tensors import dtype_of, element_view
 
@@ -690,7 +805,13 @@ def tensor_infos(tensors: dict) -> dict[str, TensorInfo]:
     for name, t in tensors.items():
         dt = dtype_of(t, name)
         shape = tuple(t.shape)
-        out[name] = TensorInfo(dt.name, shape, digest_elements(dt.name, shape, element_view(t)).hex())
+        ref = None if like is None else like.get(name)
+        if ref is not None and ref.slices is not None and shape and ref.slices[-1][1] == shape[0]:
+            slices = tuple((a, b, digest_elements(dt.name, (b - a, *shape[1:]), element_view(t[a:b])).hex())
+                           for a, b, _ in ref.slices)
+            out[name] = TensorInfo(dt.name, shape, sliced_digest(dt.name, shape, slices), slices)
+        else:
+            out[name] = TensorInfo(dt.name, shape, digest_elements(dt.name, shape, element_view(t)).hex())
     return out
 
 
@@ -698,5 +819,5 @@ def mismatches(tensors: dict, expected: dict[str, TensorInfo]) -> list[str]:
     """Names whose dtype, shape or digest differ from `expected` (plus missing and extra names)."""
     if set(tensors) != set(expected):
         return sorted(set(tensors) ^ set(expected))
-    got = tensor_infos(tensors)
+    got = tensor_infos(tensors, like=expected)
     return [name for name, info in expected.items() if got[name] != info]

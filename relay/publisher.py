@@ -34,7 +34,7 @@ import torch
 
 import codec
 from relay.checkpoint import DEFAULT_SHARD_BYTES, StreamedFile, index_bytes, safetensors_stream, shard_plan
-from relay.commit import check_writable, update_manifest, writer_keys
+from relay.commit import check_writable, extend_run, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, snapshot_prefix, step_of_key, tensor_infos)
 from relay.retry import Backoff
@@ -572,48 +572,9 @@ class Publisher:
         """Add a step and/or a snapshot to the manifest, only while this publisher owns the run (§4.3) and
         the head is the one it last committed. A manifest that already holds our entry and names us as
         its writer is our own earlier write that landed unreported."""
-        where = f"{self.url}/manifest.json"
-
         def add(cur: Manifest | None, unsure: bool) -> Manifest | None:
-            if cur is None:
-                if self._head is not None or entry is None or snap is None:
-                    raise ConflictError(f"{where}: gone (the run was deleted)")
-                return Manifest(self.run, entry.step, [entry], [snap], writer=self.writer)
-            if cur.run != self.run:
-                raise ConflictError(f"{self.url}: another publisher started run {cur.run} here")
-            # A manifest holding exactly our entry is our own write only if it names us as its writer
-            # (a 412 can answer botocore's retry of our own landed PUT, so a refusal proves nothing);
-            # in a manifest without a writer, only after a write of ours whose outcome was not told.
-            ours = cur.writer == self.writer if cur.writer is not None else unsure
-            if ours and (entry is None or cur.step(entry.step) == entry) and (
-                    snap is None or cur.snapshot(snap.step) == snap):
-                # our earlier conditional write landed although the store (or the network) reported a
-                # failure: a 5xx after the write, a reset, a timeout. It is ours, not a lost race.
-                log.warning("%s: the manifest already holds our commit (one reported as failed had landed); "
-                            "carrying on", self.url)
-                return None
-            if cur.writer is not None and cur.writer != self.writer:
-                raise ConflictError(f"{self.url}: another publisher (writer {cur.writer}) took the run over; this "
-                                    f"one (writer {self.writer}) is fenced and commits nothing more")
-            if cur.head != self._head:
-                raise ConflictError(f"{self.url}: head is step {cur.head}, this publisher last committed "
-                                    f"{self._head}: another publisher extended the run")
-            if entry is None and (snap is None or cur.snapshot(snap.step) is not None):
-                return None  # the snapshot is there already (a rebase of the same step wrote the same bytes)
-            m = dataclasses.replace(cur, steps=list(cur.steps), snapshots=list(cur.snapshots), signatures=(),
-                                    writer=self.writer)
-            if entry is not None:
-                m.steps.append(entry)
-                m.head = entry.step
-            if snap is not None and m.snapshot(snap.step) is None:
-                if m.step(snap.step) is None:
-                    raise ConflictError(f"{self.url}: step {snap.step} left the manifest before its snapshot "
-                                        f"was committed")
-                m.snapshots.append(snap)
-                m.snapshots.sort(key=lambda s: s.step)
-                if self.keep_snapshots is not None:
-                    m = m.trimmed(self.keep_snapshots) or m
-            return m
+            return extend_run(cur, unsure, url=self.url, run=self.run, writer=self.writer, head=self._head,
+                              entry=entry, snap=snap, keep_snapshots=self.keep_snapshots)
 
         with self._commit_lock:
             self._update(add)

@@ -193,7 +193,7 @@ class TrustedKeys:
 def strengthen(store, m: Manifest) -> Manifest:
     """`m` with a SHA-256 in every object reference, reading (and tag-checking) the objects that lack one:
     the first signed commit of a run that was published unsigned vouches only for bytes it has seen."""
-    from relay.manifest import Part, Snapshot, Step
+    from relay.manifest import Snapshot, Step
 
     cache: dict[str, ObjRef] = {}
 
@@ -212,7 +212,7 @@ def strengthen(store, m: Manifest) -> Manifest:
         return m
     log.info("%s: adding SHA-256s of the run's earlier objects before its first signed commit", store.url)
     steps = [Step(s.step, strong(s.record), s.parent,
-                  None if s.parts is None else tuple(Part(strong(p.ref), p.tensors) for p in s.parts))
+                  None if s.parts is None else tuple(dataclasses.replace(p, ref=strong(p.ref)) for p in s.parts))
              for s in m.steps]
     snaps = [Snapshot(s.step, strong(s.index), tuple(strong(f) for f in s.files)) for s in m.snapshots]
     return dataclasses.replace(m, steps=steps, snapshots=snaps)

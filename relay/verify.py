@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
 
 import codec
+from relay import shards
 from relay.manifest import INDEX_NAME, Manifest, ManifestError, ObjRef, Record, mismatches, step_of_key
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import MANIFEST_KEY, ObjectMissing, Store, open_store
@@ -148,7 +148,9 @@ class _Checker:
             index = json.loads(data)
             weight_map = index["weight_map"]
             files = set(weight_map.values())
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            sliced = (index.get("metadata") or {}).get(shards.SLICES_KEY, {})  # a sharded trainer's row slices
+            files |= {item[2] for slices in sliced.values() for item in slices}
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             self._bad(ref.key, f"{ref.key}: not a safetensors index ({type(exc).__name__}: {exc})")
             return
         listed = {f.key.rsplit("/", 1)[1] for f in snap.files}
@@ -176,17 +178,19 @@ class _Checker:
             raise AssertionError(f"unreachable: step {step} has no snapshot")
         if any(r.key in self.bad for r in (snap.index, *snap.files)):
             return None
-        tensors: dict[str, torch.Tensor] = {}
+        files = []
         for ref in snap.files:
             data = self.fetch(ref)
             if data is None:
                 return None
-            try:
-                tensors.update(st_load(data))
-            except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
-                self._bad(ref.key, f"{ref.key}: not a safetensors file ({exc})")
-                return None
-        return tensors
+            files.append((ref, data))
+        rec = self.records.get(step)
+        try:  # row slices of a sharded trainer put together (their rows fit the record's shapes)
+            return shards.assemble(files, rec.tensors if rec is not None else {})
+        except shards.ShardError as exc:
+            for ref in exc.refs:
+                self._bad(ref.key, str(exc))
+            return None
 
     def _matches_record(self, step: int, tensors: dict[str, torch.Tensor], what: str) -> bool:
         rec = self.records.get(step)
@@ -229,11 +233,16 @@ class _Checker:
     def _apply(self, s: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         tensors = {k: v.clone() for k, v in state.items()}
         covered: set[str] = set()
+        try:
+            shards.check_tiling(s.step, s.parts, tensors)
+        except shards.ShardError as exc:
+            self.problem(str(exc))
+            return None
         for part in s.parts:
             data = self.fetch(part.ref)
             if data is None:
                 return None
-            target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
+            target = shards.part_targets(part, tensors)
             try:
                 codec.apply_(target, data)
             except codec.DeltaError as exc:

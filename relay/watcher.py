@@ -27,18 +27,18 @@ from collections.abc import Collection, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, overload
+from typing import Any, Callable, Mapping, overload
 
 import torch
 
 import codec
 import xxhash
 
-from relay import checkpoint
+from relay import checkpoint, shards
 from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
 from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
-                            Part, Record, Snapshot, Step, mismatches, safe_shard_name)
+                            Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name)
 from relay.files import atomic_path, fsync_dir, temporary_sibling
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
@@ -73,6 +73,13 @@ class _Abandoned(Exception):
     """A compaction stopped because the watcher is closing."""
 
 
+_RANK_FILE = re.compile(r"rank-[0-9]{5}-of-[0-9]{5}-[0-9]{5}\.safetensors")  # a sharded trainer's (§5.4)
+
+
+class _Reselect(Exception):
+    """A partial replica holds other tensors than it selects at the head: it starts again from a snapshot."""
+
+
 class _VerifyError(Exception):
     """Objects (by reference) whose bytes failed a check; the reader refetches them once, then backs off."""
 
@@ -83,18 +90,28 @@ class _VerifyError(Exception):
 
 @dataclass
 class Plan:
-    """Start from `snapshot` (or from the held step when None), then apply `steps` in order."""
+    """Start from `snapshot` (or from the held step when None), then apply `steps` in order.
+
+    A partial replica's plan (`want` set) downloads only the parts covering tensors it selects and,
+    from the snapshot, only `files` (the ones its index says hold them)."""
 
     snapshot: Snapshot | None
     steps: list[Step]
     cost: int  # bytes to download
+    files: tuple[ObjRef, ...] | None = None  # the snapshot files to fetch; None: all of them
+    want: shards.Selector | None = None
+
+    def parts(self, s: Step) -> list[Part]:
+        """The parts of chain step `s` this plan downloads and applies."""
+        return [p for p in s.delta_parts if shards.needs_part(p, self.want)]  # steps of a chain: each has a delta
 
     def keys(self, m: Manifest) -> list[ObjRef]:
         refs: list[ObjRef] = []
         if self.snapshot is not None:
-            refs += [self.snapshot.index, *self.snapshot.files, m.step_of_snapshot(self.snapshot).record]
+            files = self.snapshot.files if self.files is None else self.files
+            refs += [self.snapshot.index, *files, m.step_of_snapshot(self.snapshot).record]
         for s in self.steps:
-            refs += [p.ref for p in s.delta_parts]  # steps of a chain: each has a delta
+            refs += [p.ref for p in self.parts(s)]
         if self.steps:  # intermediate steps are checked by the payloads' own target digests
             refs.append(self.steps[-1].record)
         return refs
@@ -104,7 +121,9 @@ class Plan:
 class Trail:
     """What a successful reach() used, for a caller that persists it as is (the watcher's journal mode):
     the snapshot it started from (with its record and its files, verified, in the spool) and every delta
-    part it applied, in order, with the payload's bytes (checked against the manifest)."""
+    part it applied, in order, with the payload's bytes (checked against the manifest). `files` is empty
+    when the snapshot's tensors were assembled (row slices, or a partial replica's selection): they are
+    then not the record's layout and cannot become a version's files as they are."""
 
     snapshot: Snapshot | None = None
     snapshot_record: Record | None = None
@@ -117,12 +136,15 @@ class Trail:
         self.files, self.parts = [], []
 
 
-def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -> Plan | None:
+def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *,
+              want: shards.Selector | None = None,
+              snapshot_files: Mapping[int, tuple[ObjRef, ...]] | None = None) -> Plan | None:
     """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
 
     Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
     cannot stall the reader: trying m.chain() from every snapshot would be quadratic. Ties go to
-    the held step, then to the oldest snapshot.
+    the held step, then to the oldest snapshot. A partial replica (`want`) counts only the parts
+    covering tensors it selects and, per snapshot step, the files `snapshot_files` gives (default all).
     """
     steps = m.steps
     n = len(steps)
@@ -132,7 +154,7 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -
         lowest -= 1
     tail = [0] * n  # bytes of the parts of every step after i
     for i in range(n - 1, 0, -1):
-        parts = steps[i].parts or ()
+        parts = [p for p in steps[i].parts or () if shards.needs_part(p, want)]
         tail[i - 1] = tail[i] + sum(p.ref.size for p in parts)
         if i > lowest and any(p.ref.key in excluded for p in parts):
             lowest = i  # chains that apply an excluded part are out
@@ -144,14 +166,15 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset()) -
         nonlocal best, best_i
         if i < lowest:
             return
-        refs = [] if snap is None else [snap.index, *snap.files, steps[i].record]
+        files = None if snap is None or snapshot_files is None else snapshot_files.get(snap.step)
+        refs = [] if snap is None else [snap.index, *(snap.files if files is None else files), steps[i].record]
         if i < n - 1:
             refs.append(head)
         if any(r.key in excluded for r in refs):
             return
         cost = tail[i] + sum(r.size for r in refs)
         if best is None or cost < best.cost:
-            best, best_i = Plan(snap, [], cost), i
+            best, best_i = Plan(snap, [], cost, files, want), i
 
     if held is not None and held in index:
         consider(None, index[held])
@@ -200,27 +223,29 @@ def _file_matches(fd: int, ref: ObjRef) -> str | None:
     return None
 
 
-def _head_mismatches(tensors: dict[str, torch.Tensor], rec: Record, verified: dict[str, bytes]) -> list[str]:
-    """Names whose dtype, shape or digest differ from the head's record (plus missing and extra names).
+def _head_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, TensorInfo],
+                     verified: dict[str, bytes]) -> list[str]:
+    """Names whose dtype, shape or digest differ from `expected`, the head's record (or a partial replica's
+    selection of it), plus missing and extra names.
 
     A tensor the chain's last apply_ verified against the payload's target digest (`verified`, from the
     UndoLog) is compared by that digest: hashing the whole model again would cost a full pass per step.
     The others are hashed."""
-    if set(tensors) != set(rec.tensors):
-        return sorted(set(tensors) ^ set(rec.tensors))
+    if set(tensors) != set(expected):
+        return sorted(set(tensors) ^ set(expected))
     bad = []
     rest = {}
-    for name, info in rec.tensors.items():
+    for name, info in expected.items():
         t = tensors[name]
         d = verified.get(name)
-        if d is None:
+        if d is None or info.slices is not None:  # a sliced tensor's digest is made of its slices' (hashed)
             rest[name] = t
             continue
         dt = codec.tensors.BY_TORCH.get(t.dtype)
         if dt is None or dt.name != info.dtype or tuple(t.shape) != info.shape or d.hex() != info.digest:
             bad.append(name)
     if rest:
-        bad += mismatches(rest, {k: rec.tensors[k] for k in rest})
+        bad += mismatches(rest, {k: expected[k] for k in rest})
     return bad
 
 
@@ -231,13 +256,19 @@ class Reader:
     downloaded again, for failure_backoff_initial seconds, doubling at each further failure up to
     failure_backoff_max: a persistently bad object costs a bounded number of downloads, not two per
     poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try.
+
+    `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
+    parts and snapshot files that hold those tensors and returns and verifies exactly them.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
                  reroute_after: float | None = 300.0, trusted_keys: Any = None,
                  failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
-                 apply_workers: int = 2) -> None:
+                 tensors: Any = None, apply_workers: int = 2) -> None:
         self.store = store
+        self.want = shards.selector(tensors)
+        self._names = None if tensors is None or callable(tensors) else frozenset(tensors)
+        self._indexes: dict[ObjRef, dict[str, set[str]]] = {}  # snapshot index -> its files' tensors (partial)
         self.apply_workers = apply_workers  # codec.apply_ threads (its kernels release the GIL)
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.reroute_after = reroute_after
@@ -324,52 +355,82 @@ class Reader:
             raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
-    def _load_snapshot(self, m: Manifest, snap: Snapshot, spool: Path,
-                       trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
-        """The snapshot's tensors, checked against its step's record. Its files are downloaded into `spool`
-        (verified from disk before use), then read straight into new tensors: one copy of the model in
-        memory, never the files' bytes as well."""
+    def _load_snapshot(self, m: Manifest, snap: Snapshot, spool: Path, trail: Trail,
+                       files: tuple[ObjRef, ...] | None = None) -> tuple[dict[str, torch.Tensor], Record]:
+        """The snapshot's tensors (a partial replica's selection), checked against its step's record. Its
+        files (`files`: the ones a partial replica needs; default all) are downloaded into `spool` (verified
+        from disk before use), then read straight into new tensors: one copy of the model in memory, never
+        the files' bytes as well. A sharded trainer's row slices are put together into whole tensors; only
+        a full snapshot of whole tensors in the record's layout keeps its files for the version (trail)."""
         rec_ref = m.step_of_snapshot(snap).record
         rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
         self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
         layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
         names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
-        if sorted(names) != sorted(layout):  # the files become a version's files as they are: exactly the layout
+        # A sharded trainer's snapshot (one set of files per rank: row slices, or whole tensors by owner) and a
+        # partial replica's selection are assembled and written in the record's layout; any other snapshot's
+        # files become the version's files as they are, so they must be exactly the record's layout.
+        sharded = (any(info.slices is not None for info in rec.tensors.values())
+                   or (bool(names) and all(_RANK_FILE.fullmatch(n) for n in names)))
+        direct = not sharded and self.want is None and files is None
+        if not sharded and sorted(names) != sorted(layout):
             raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
                                                  f"record's layout {sorted(layout)[:5]}")
-        with ThreadPoolExecutor(max(1, min(self.workers, len(snap.files)))) as pool:
-            paths = list(pool.map(lambda f: self._spool_one(f, spool), snap.files))
+        fetch = snap.files if files is None else files
+        with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
+            paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
         tensors: dict[str, torch.Tensor] = {}
-        for f, path in zip(snap.files, paths):
+        read = []
+        for f, path in zip(fetch, paths):
             try:
-                part, _ = checkpoint.read_file_into(path, f.key)
+                part, meta = checkpoint.read_file_into(path, f.key)
             except checkpoint.SafetensorsError as exc:
                 raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
-            if set(part) != layout[path.name]:
-                raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
-            tensors.update(part)
-        bad = mismatches(tensors, rec.tensors)
+            if direct:
+                if set(part) != layout[path.name]:
+                    raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
+                tensors.update(part)
+            else:
+                try:
+                    read.append((f, shards.metadata_rows(meta, f), part))
+                except shards.ShardError as exc:
+                    raise _VerifyError(exc.refs, str(exc)) from None
+        if not direct:
+            try:  # row slices of a sharded trainer's files put together; whole tensors as they are
+                tensors = shards.assemble_read(read, rec.tensors, self.want)
+            except shards.ShardError as exc:
+                raise _VerifyError(exc.refs, str(exc)) from None
+        bad = mismatches(tensors, self.expected(rec))
         if bad:
             # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
             # good one (typically the head's) must stay usable for the chain from another snapshot.
             raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
                                                  f"(tensors {bad[:5]})")
-        trail.snapshot, trail.snapshot_record, trail.files = snap, rec, paths
-        trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
+        trail.snapshot, trail.snapshot_record = snap, rec
+        if direct:
+            trail.files = paths
+            trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
         return tensors, rec
 
-    def _apply_step(self, s: Step, tensors: dict[str, torch.Tensor], got: dict[str, bytes],
+    def _apply_step(self, s: Step, parts: list[Part], tensors: dict[str, torch.Tensor], got: dict[str, bytes],
                     undo: codec.UndoLog) -> None:
-        """Apply every part of step `s` to `tensors` in place (each verifies the tensors it covers and changes
-        nothing if one fails; `undo` logs what they overwrote); the parts must cover every tensor."""
+        """Apply `parts` (those of step `s` this reader needs) to `tensors` in place (each verifies the tensors
+        it covers and changes nothing if one fails; `undo` logs what they overwrote); the step's parts must
+        cover every held tensor exactly once, whole or by row ranges that tile it (checked before any write).
+        A part with rows is applied to views of the held tensors' rows; a partial replica applies only the
+        records of the tensors it holds (`only`)."""
+        try:
+            shards.check_tiling(s.step, s.delta_parts, tensors)
+        except shards.ShardError as exc:
+            raise _VerifyError(exc.refs, str(exc)) from None
         covered: set[str] = set()
-        for part in s.delta_parts:
-            target = tensors if part.tensors is None else {k: tensors[k] for k in part.tensors if k in tensors}
-            if part.tensors is not None and (len(target) != len(part.tensors) or covered & set(target)):
-                raise _VerifyError([part.ref], f"{part.ref.key}: names tensors that are not held or that another "
-                                               f"part of step {s.step} covers")
+        for part in parts:
+            target = shards.part_targets(part, tensors)  # row ranges: views into the held tensors
+            if self.want is None and part.tensors is not None and len(target) != len(part.tensors):
+                raise _VerifyError([part.ref], f"{part.ref.key}: names tensors that are not held")
+            only = set(target) if self.want is not None else None
             try:
-                codec.apply_(target, got[part.ref.key], workers=self.apply_workers, undo=undo)
+                codec.apply_(target, got[part.ref.key], workers=self.apply_workers, undo=undo, only=only)
             except codec.DeltaError as exc:
                 raise _VerifyError([part.ref], f"{part.ref.key}: {exc}") from None
             covered.update(target)
@@ -392,31 +453,71 @@ class Reader:
         rec: Record | None = None
         trail.reset()  # what this attempt used, only
         if plan.snapshot is not None:
-            tensors, rec = self._load_snapshot(m, plan.snapshot, spool, trail)
+            tensors, rec = self._load_snapshot(m, plan.snapshot, spool, trail, plan.files)
             chain_log = codec.UndoLog()  # the snapshot's tensors are new: a failure just drops them
         else:
             if held is None:
                 raise SyncError("internal: chain plan without a held state")
             tensors, chain_log = held, undo
-        refs = [p.ref for s in plan.steps for p in s.delta_parts]
+        refs = [p.ref for s in plan.steps for p in plan.parts(s)]
         if plan.steps:
             refs.append(plan.steps[-1].record)
         got = self._fetch(refs)
         for s in plan.steps:
-            self._apply_step(s, tensors, got, chain_log)
+            self._apply_step(s, plan.parts(s), tensors, got, chain_log)
             if chain_log is not undo:
                 chain_log.accept()  # the snapshot's own tensors: nothing to take back, only the digests to keep
         if plan.steps:
             last = plan.steps[-1]
             rec = self._record(got[last.record.key], last.record, m.run, last.step)
-            bad = _head_mismatches(tensors, rec, chain_log.verified())
+            expected = self.expected(rec)
+            if plan.snapshot is None and set(expected) != set(tensors):
+                raise _Reselect(f"step {last.step}: this replica's selection is {len(expected)} tensors, it "
+                                f"holds {len(tensors)}; starting from a snapshot")
+            # a digest apply_ verified for a row range is the slice's, not the tensor's: those are hashed
+            rowed = {n for p in plan.parts(last) for n in (p.rows or {})}
+            verified = {k: d for k, d in chain_log.verified().items() if k not in rowed}
+            bad = _head_mismatches(tensors, expected, verified)
             if bad:
                 raise _VerifyError([p.ref for s in plan.steps for p in s.delta_parts] + [last.record],
                                    f"step {last.step} does not match its record (tensors {bad[:5]})")
         if rec is None:  # plan_path never plans nothing: held is below the head, so a chain plan has steps
             raise SyncError("internal: chain plan without steps")
-        trail.parts = [(s, p, got[p.ref.key]) for s in plan.steps for p in s.delta_parts]
+        trail.parts = [(s, p, got[p.ref.key]) for s in plan.steps for p in plan.parts(s)]
         return tensors, rec
+
+    def expected(self, rec: Record) -> dict[str, TensorInfo]:
+        """What a reached state must hold: the record's tensors, or a partial replica's selection of them."""
+        if self.want is None:
+            return rec.tensors
+        picked = {k: v for k, v in rec.tensors.items() if self.want(k)}
+        missing = sorted((self._names or frozenset()) - set(rec.tensors))
+        if missing or not picked:
+            raise SyncError(f"{self.store.url}: step {rec.step} has no tensor(s) "
+                            f"{missing[:5] if missing else 'this replica selects'}")
+        return picked
+
+    def _snapshot_files(self, m: Manifest) -> dict[int, tuple[ObjRef, ...]]:
+        """Per snapshot, the files holding a tensor this partial replica selects, from the snapshot's index
+        (fetched and checked once per index). A snapshot whose index cannot be read yet counts all files."""
+        want = self.want
+        out: dict[int, tuple[ObjRef, ...]] = {}
+        if want is None:
+            return out
+        live = {snap.index for snap in m.snapshots}
+        for ref in [r for r in self._indexes if r not in live]:
+            del self._indexes[ref]
+        for snap in m.snapshots:
+            if snap.index not in self._indexes:
+                try:
+                    self._indexes[snap.index] = shards.index_files(self._fetch_one(snap.index), snap)
+                except (ObjectMissing, _VerifyError, ManifestError) as exc:
+                    log.info("%s: cannot read yet (%s); counting every file of snapshot %d", snap.index.key, exc,
+                             snap.step)
+                    continue
+            holds = self._indexes[snap.index]
+            out[snap.step] = tuple(f for f in snap.files if any(want(n) for n in holds.get(f.key, ())))
+        return out
 
     def _backed_off(self, m: Manifest, now: float) -> set[str]:
         """Keys of this manifest's references still inside their failure backoff; forgets stale failures."""
@@ -498,13 +599,21 @@ class Reader:
                                         m.head, held_step, held_step)
                         return m, None, None
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
-                    plan = plan_path(m, held_step, excluded | rerouted) or plan_path(m, held_step, excluded)
+                    kw: dict[str, Any] = {}
+                    if self.want is not None:
+                        kw = {"want": self.want, "snapshot_files": self._snapshot_files(m)}
+                    plan = (plan_path(m, held_step, excluded | rerouted, **kw)
+                            or plan_path(m, held_step, excluded, **kw))
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
+                    except _Reselect as exc:  # a partial replica whose held tensors are not its selection
+                        log.warning("%s", exc)
+                        held_step, held = None, None
+                        continue
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
                         if exc.key is not None and self.reroute_after is not None:
@@ -575,6 +684,9 @@ class Watcher:
     An object the manifest names but the store lacks is waited for (backoff from retry_initial to
     retry_max seconds); after reroute_after seconds the watcher also considers other complete paths
     (a newer snapshot) that avoid it. It never skips a step of a path or applies part of a chain.
+    `tensors` (names or a predicate) makes DEST a partial replica (a pipeline stage, an expert-parallel
+    rank): only those tensors are downloaded, verified and written, and relay-state.json says
+    `"partial": true`; a full watcher never takes a partial DEST's step as its own, nor the reverse.
     """
 
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
@@ -582,12 +694,16 @@ class Watcher:
                  module: torch.nn.Module | None = None, workers: int = 8, retry_initial: float = 0.2,
                  retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None,
                  failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
-                 persist: str = "full", compact_fraction: float = 0.5, compact_steps: int = 64,
-                 apply_workers: int = 2) -> None:
+                 tensors: Any = None, persist: str = "full", compact_fraction: float = 0.5,
+                 compact_steps: int = 64, apply_workers: int = 2) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
             raise ValueError("need compact_fraction > 0 and compact_steps >= 1")
+        if persist == "journal" and tensors is not None:
+            # a journal replays whole payloads over its base (relay.dest); a partial DEST holds only some of
+            # their tensors, which dest's replay and compaction do not select yet
+            raise ValueError("a partial replica (tensors=...) needs persist=\"full\"")
         self.url = url
         self.dest = Path(dest)
         self.persist = persist
@@ -601,7 +717,7 @@ class Watcher:
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
                              reroute_after=reroute_after, trusted_keys=trusted_keys,
                              failure_backoff_initial=failure_backoff_initial, failure_backoff_max=failure_backoff_max,
-                             apply_workers=apply_workers)
+                             tensors=tensors, apply_workers=apply_workers)
         self._stop = threading.Event()
         self.step: int | None = None
         self.run_id: str | None = None
@@ -611,6 +727,7 @@ class Watcher:
         self._module_tensors: dict[str, torch.Tensor] | None = None  # the dict the module took its step from
         # ... and the undo logs of the in-place syncs that have moved that dict on since (restore = revert them)
         self._module_logs: list[codec.UndoLog] = []
+        self._held_partial = False  # the loaded version's relay-state.json says "partial"
         self._state: DestState | None = None  # the held version's state file, and the version itself
         self._version: Path | None = None
         self._dest_lock = threading.Lock()  # the sync thread and a compaction never write DEST at once
@@ -697,7 +814,12 @@ class Watcher:
                 self.step, self.run_id = state.step, state.run
                 self._state, self._version = state, versions / name
                 keep = name
+                self._held_partial = state.partial
                 log.info("%s: holding step %d (persist %s)", self.dest, self.step, state.persist)
+                if not self._holds_selection(self.tensors):  # shown until the first sync replaces it, not built on
+                    log.warning("%s: step %d holds %s than this watcher selects; starting from a snapshot", self.dest,
+                                self.step, "other tensors" if self.reader.want else "only some tensors")
+                    self.step = self.run_id = self.tensors = None
             except dest_mod.BadVersion as exc:
                 log.warning("%s: held step unusable (%s); removing it and starting fresh", self.dest, exc)
         self.module_step = self.delivered_step = self.step  # a held step counts as delivered (as before)
@@ -732,6 +854,14 @@ class Watcher:
             if f"{JOURNAL_DIR}/{f.name}" not in named:
                 log.info("%s: removing %s, a journal file the committed state does not name", self.dest, f.name)
                 _remove_entry(f)
+
+    def _holds_selection(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether a loaded version is this watcher's kind: full for a full watcher; for a partial one,
+        partial and only tensors it selects (a chain then reaches exactly its selection, or it reselects)."""
+        want = self.reader.want
+        if want is None:
+            return not self._held_partial
+        return self._held_partial and all(want(k) for k in tensors)
 
     def _current_name(self) -> str | None:
         """The version .current names, if it is a link to .versions/<version name> that is a real directory."""
@@ -813,13 +943,14 @@ class Watcher:
         """Make the reached step DEST's: in journal mode, on the held journal version, the step's payloads and a
         new state file (`_append_journal`); otherwise a new version directory and the .current swap."""
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
-        if bad or set(rec.weight_map) != set(tensors):  # Record.parse refuses these; never write outside DEST
+        covers = set(rec.weight_map) >= set(tensors) if self.reader.want else set(rec.weight_map) == set(tensors)
+        if bad or not covers:  # Record.parse refuses these; never write outside DEST
             raise SyncError(f"step {rec.step}: refusing to write shard names {[b[:100] for b in bad[:3]]} "
                             f"in {self.dest}")
         with self._dest_lock:
             if (self.persist == "journal" and in_place and trail.parts and self._version is not None
                     and self._state is not None and self._state.persist == "journal"
-                    and self._version.is_dir()):
+                    and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)):
                 self._append_journal(m, rec, trail)
                 return
             versions = self._versions_dir()
@@ -849,15 +980,20 @@ class Watcher:
         tmp = versions / f".{name}.tmp"
         tmp.mkdir()
         journal = self.persist == "journal"
-        from_snapshot = trail.snapshot is not None and trail.snapshot_record is not None and bool(trail.files)
+        # a journal replays whole payloads (relay.dest): a chain with row-range parts is persisted as a new base
+        rowless = not any(p.rows for _, p, _ in trail.parts)
+        from_snapshot = (trail.snapshot is not None and trail.snapshot_record is not None and bool(trail.files)
+                         and rowless)
         if from_snapshot and (journal or not trail.parts):
             for f in trail.files:  # verified in the spool (same filesystem): moved, not rewritten
                 os.rename(f, tmp / f.name)
             (tmp / INDEX_NAME).write_bytes(trail.index or b"")
         else:
             checkpoint.write_dir(tensors, tmp, checkpoint.Layout(True, rec.weight_map, {"step": str(rec.step)}))
+        partial = self.reader.want is not None  # then only the selected tensors, in their files of the layout
+        infos = {k: rec.tensors[k] for k in tensors} if partial else rec.tensors
         if not journal:
-            state = DestState(m.run, rec.step, self.url, rec.tensors)
+            state = DestState(m.run, rec.step, self.url, infos, partial=partial)
         elif from_snapshot and trail.snapshot_record is not None:
             (tmp / JOURNAL_DIR).mkdir()
             entries = [self._write_journal_file(tmp, s, p, data) for s, p, data in trail.parts]
@@ -1097,6 +1233,7 @@ class Watcher:
         if self.module is not None and in_place and self._module_tensors is tensors and self.module_step != rec.step:
             self._module_logs.append(undo)  # the module's step is this dict before these logs: kept to restore it
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
+        self._held_partial = self.reader.want is not None
         log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
 
     def _deliver(self) -> None:

@@ -51,6 +51,21 @@ def test_cli_round_trip(s3_run, trainer, bits_equal, tmp_path, capsys):
     assert "error" in out and s3_run.url in out
 
 
+def test_cli_watch_partial_replica(file_run, trainer, bits_equal, tmp_path, capsys):
+    """`watch --tensors PATTERN` keeps DIR on only the matching tensors, and says so in relay-state.json."""
+    t = trainer(seed=32)
+    state = t.step()
+    checkpoint.save(state, tmp_path / "a.safetensors")
+    assert main(["publish", file_run.url, str(tmp_path / "a.safetensors"), "--step", "0"]) == 0
+    dest = tmp_path / "dest"
+    assert main(["watch", file_run.url, "--dest", str(dest), "--once", "--tensors", "0.*", "--tensors", "4.bias"]) == 0
+    tensors, _ = checkpoint.load(dest)
+    assert set(tensors) == {"0.weight", "0.bias", "4.bias"}
+    assert bits_equal(tensors, {k: state[k] for k in tensors})
+    doc = json.loads((dest / "relay-state.json").read_bytes())
+    assert doc["partial"] is True and set(doc["tensors"]) == set(tensors)
+
+
 def test_cli_watch_timeout_leaves_last_good_step(file_run, trainer, bits_equal, tmp_path, capsys):
     t = trainer(seed=31)
     first = t.step()

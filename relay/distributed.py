@@ -1,0 +1,456 @@
+"""Trainer side for torch.distributed trainers: every rank publishes what it holds, rank 0 commits.
+
+One ShardedPublisher per rank. Per step each rank uploads its own delta part
+(`deltas/<step>-<rank>.drd`, codec.encode of its previous local tensors to its current ones) or,
+when a snapshot is due, its own snapshot files (`snapshots/<step>/rank-RRRRR-of-WWWWW-NNNNN.safetensors`);
+then the ranks exchange their object references and tensor digests (all_gather_object on a gloo
+group with a timeout), and rank 0 writes the step's record and makes the one manifest commit
+(relay.commit.extend_run through update_manifest: writer fence, conflicts, signing). A step
+becomes visible only once every rank's objects are in the store; a rank that fails reports its
+error in the exchange and nothing is committed; a rank that dies makes every other rank's
+collective fail (gloo reports the lost peer, or the timeout ends the wait), and each raises
+ShardedPublishError naming the step and the rank. publish() returns on every rank after rank 0's
+commit (its outcome is broadcast), so a step is either visible to all or raised on all.
+
+Layouts: (a) ranks own disjoint whole tensors; (b) ranks hold row slices (dimension 0) of a
+tensor: `RowSlice(tensor, start, total_rows)`, or a DTensor with a Shard(0) (or Replicate)
+placement on a one-dimensional mesh. A sliced tensor's record entry carries its slices, each with
+its digest, and a whole digest made from them (docs/PROTOCOL.md §3.1); its parts carry `rows`.
+
+Resume is refused: a sharded run is published by one job from its first step (the ranks' previous
+local states are not in the store in a form a rank can read back alone).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save as st_save
+
+import codec
+from codec.hashing import digest_elements
+from codec.tensors import dtype_of, element_view
+from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
+from relay.commit import extend_run, update_manifest
+from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
+                            delta_key, record_key, safe_shard_name, sliced_digest, snapshot_prefix, step_of_key)
+from relay.shards import ROWS_KEY, SLICES_KEY
+from relay.signing import Signer, TrustedKeys
+from relay.store import ConflictError, open_store
+
+log = logging.getLogger(__name__)
+
+
+class ShardedPublishError(RuntimeError):
+    """A step some rank could not publish (its error, a dead or late rank, a failed commit): not visible."""
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """Rows [start, start + tensor.shape[0]) of a tensor of `total_rows` rows that this rank holds."""
+
+    tensor: torch.Tensor
+    start: int
+    total_rows: int
+
+
+@dataclass(frozen=True)
+class _Local:
+    """One tensor as this rank holds it: a CPU contiguous copy, and its rows if it is a slice."""
+
+    tensor: torch.Tensor
+    rows: tuple[int, int] | None  # [start, stop) of the whole tensor's rows
+    total_rows: int
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _dtensor(name: str, t: Any) -> _Local | None:
+    """A DTensor's local part: a Shard(0) slice, a Replicate tensor (published by mesh rank 0 only)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = t.device_mesh, t.placements
+    if mesh.ndim != 1 or not isinstance(placements[0], (Replicate, Shard)) or (
+            isinstance(placements[0], Shard) and placements[0].dim != 0):
+        raise TypeError(f"{name!r}: a DTensor on a {mesh.ndim}-d mesh with placements {placements}; publish "
+                        f"takes Shard(0) or Replicate on a one-dimensional mesh (or pass RowSlice)")
+    local = t.to_local().detach().to("cpu", copy=True).contiguous()
+    if isinstance(placements[0], Replicate):
+        return _Local(local, None, local.shape[0] if local.dim() else 0) if mesh.get_local_rank() == 0 else None
+    _, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    start = int(offset[0])
+    return _Local(local, (start, start + local.shape[0]), int(t.shape[0]))
+
+
+def local_tensors(state: Any) -> dict[str, _Local]:
+    """This rank's tensors from a state_dict or nn.Module: whole tensors, RowSlice or DTensor entries
+    (private CPU copies: the trainer keeps mutating its own). Empty slices are left out."""
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    if not isinstance(state, Mapping):
+        raise TypeError(f"publish expects a state_dict or an nn.Module, got {type(state).__name__}")
+    out: dict[str, _Local] = {}
+    for name, t in state.items():
+        if not isinstance(name, str):
+            raise TypeError(f"state key {name!r} is not a string")
+        if isinstance(t, RowSlice):
+            local = t.tensor.detach().to("cpu", copy=True).contiguous()
+            if not local.dim() or not 0 <= t.start <= t.start + local.shape[0] <= t.total_rows:
+                raise ValueError(f"{name!r}: RowSlice rows {t.start}+{tuple(local.shape)[:1]} do not fit "
+                                 f"{t.total_rows} rows")
+            entry: _Local | None = _Local(local, (t.start, t.start + local.shape[0]), t.total_rows)
+        elif _is_dtensor(t):
+            entry = _dtensor(name, t)
+        elif isinstance(t, torch.Tensor):
+            local = t.detach().to("cpu", copy=True).contiguous()
+            entry = _Local(local, None, local.shape[0] if local.dim() else 0)
+        else:
+            raise TypeError(f"state entry {name!r} is a {type(t).__name__}, not a tensor, RowSlice or DTensor")
+        if entry is not None and not (entry.rows is not None and entry.rows[0] == entry.rows[1]):
+            out[name] = entry
+    return out
+
+
+def _info(name: str, e: _Local) -> tuple[str, tuple[int, ...], str, tuple[int, int] | None]:
+    """(dtype, whole shape, digest of what this rank holds, rows) for the exchange."""
+    dt = dtype_of(e.tensor, name)
+    local_shape = tuple(e.tensor.shape)
+    digest = digest_elements(dt.name, local_shape, element_view(e.tensor)).hex()
+    shape = local_shape if e.rows is None else (e.total_rows, *local_shape[1:])
+    return dt.name, shape, digest, e.rows
+
+
+def whole_infos(step: int, reports: list[dict]) -> dict[str, TensorInfo]:
+    """The record's tensors from every rank's (dtype, shape, digest, rows): whole tensors once, sliced
+    ones tiled exactly by the ranks' rows. ShardedPublishError when the ranks' tensors do not fit."""
+    whole: dict[str, TensorInfo] = {}
+    sliced: dict[str, list[tuple[int, int, str, str, tuple[int, ...], int]]] = {}
+    order: list[str] = []
+    for rank, rep in enumerate(reports):
+        for name, (dtype, shape, digest, rows) in rep["infos"].items():
+            if name not in whole and name not in sliced:
+                order.append(name)
+            if rows is None:
+                if name in whole or name in sliced:
+                    raise ShardedPublishError(f"step {step}: tensor {name!r} is held whole by rank {rank} and by "
+                                              f"another rank")
+                whole[name] = TensorInfo(dtype, tuple(shape), digest)
+            else:
+                if name in whole:
+                    raise ShardedPublishError(f"step {step}: tensor {name!r} is held whole and sliced (rank {rank})")
+                sliced.setdefault(name, []).append((rows[0], rows[1], digest, dtype, tuple(shape), rank))
+    for name, ps in sliced.items():
+        ps.sort()
+        dtype, shape = ps[0][3], ps[0][4]
+        pos = 0
+        for start, stop, _, dt, sh, rank in ps:
+            if (dt, sh) != (dtype, shape):
+                raise ShardedPublishError(f"step {step}: rank {rank} holds {name!r} as {dt} {sh}, another as "
+                                          f"{dtype} {shape}")
+            if start != pos:
+                raise ShardedPublishError(f"step {step}: the ranks' rows of {name!r} "
+                                          f"{'overlap' if start < pos else 'leave a gap'} at row {start} "
+                                          f"(rank {rank})")
+            pos = stop
+        if pos != shape[0]:
+            raise ShardedPublishError(f"step {step}: the ranks hold rows 0-{pos} of {name!r}, which has {shape[0]}")
+        slices = tuple((a, b, d) for a, b, d, *_ in ps)
+        whole[name] = TensorInfo(dtype, shape, sliced_digest(dtype, shape, slices), slices)
+    if not whole:
+        raise ShardedPublishError(f"step {step}: no rank holds any tensor")
+    return {name: whole[name] for name in order}
+
+
+def _meta(infos: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """Storage-free tensors of the whole model's shapes, for shard_plan and index_bytes."""
+    from codec.tensors import DTYPES
+
+    torch_of = {d.name: d.torch for d in DTYPES}
+    return {k: torch.empty(v.shape, dtype=torch_of[v.dtype], device="meta") for k, v in infos.items()}
+
+
+class ShardedPublisher:
+    """Publishes a torch.distributed trainer's steps into one run; one instance on every rank.
+
+    Call publish(state, step) on every rank with the same step and that rank's tensors (whole,
+    RowSlice or DTensor). The ranks talk over a gloo group made at construction (a collective
+    call on every rank of the default group; pass `group` to use one of your own, which must run
+    CPU collectives) with `timeout` seconds per collective. snapshot_every, snapshot_fraction,
+    max_shard_bytes (per rank file), effort, keep_snapshots, signing_key, trusted_keys and
+    adopt_unsigned mean what they mean for relay.Publisher; snapshots are written synchronously,
+    each rank its own files. The run must be empty (resume is refused, see the module docstring).
+    """
+
+    def __init__(self, url: str, *, group: Any = None, timeout: float = 120.0, storage_options: dict | None = None,
+                 snapshot_every: int = 25, snapshot_fraction: float = 0.5,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, effort: str = "default",
+                 keep_snapshots: int | None = None, signing_key: Any = None, trusted_keys: Any = None,
+                 adopt_unsigned: bool = False, resume: bool = False) -> None:
+        if resume:
+            raise ValueError("resume is not supported for sharded runs: start a new run (a new URL), or rebase "
+                             "and publish the head from a single process with relay.Publisher(resume=True)")
+        if snapshot_every < 1 or snapshot_fraction <= 0:
+            raise ValueError("snapshot_every must be >= 1 and snapshot_fraction > 0")
+        if keep_snapshots is not None and keep_snapshots < 1:
+            raise ValueError("keep_snapshots must be >= 1")
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedPublisher needs torch.distributed.init_process_group first")
+        self.url = url
+        self.timeout = timeout
+        self.group = group if group is not None else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.store = open_store(url, storage_options)
+        self.snapshot_every, self.snapshot_fraction = snapshot_every, snapshot_fraction
+        self.max_shard_bytes, self.effort, self.keep_snapshots = max_shard_bytes, effort, keep_snapshots
+        self.signer = None if signing_key is None else Signer(signing_key)
+        self.trusted = TrustedKeys.from_option(trusted_keys)
+        self._adopt_unsigned = adopt_unsigned
+        self.prev: dict[str, _Local] | None = None
+        self.step: int | None = None
+        self._last_snapshot_step = 0
+        self._last_snapshot_bytes = 0
+        self._chain_bytes = 0
+        self._snapshot_retry = False
+        self._broken: str | None = None
+        hello: list[Any] = [None, None, None, False]
+        if self.rank == 0:
+            try:
+                if self.store.read_manifest() is not None:
+                    raise ValueError(f"{url}: the run already has steps; a sharded run starts empty (resume is "
+                                     f"not supported)")
+                hello = [None, uuid.uuid4().hex, uuid.uuid4().hex, self.signer is not None]
+            except Exception as exc:  # noqa: BLE001 - handed to every rank, raised below
+                hello = [f"{type(exc).__name__}: {exc}", None, None, False]
+        self._collective("start", lambda: dist.broadcast_object_list(hello, src=self._src(), group=self.group))
+        if hello[0] is not None:
+            raise ShardedPublishError(f"{url}: rank 0 refused to start: {hello[0]}")
+        self.run, self.writer, self.strong = hello[1], hello[2], bool(hello[3])
+
+    def _src(self) -> int:
+        """Global rank of the group's rank 0 (what broadcast_object_list's src means)."""
+        return dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0
+
+    def _collective(self, what: str, call: Any) -> None:
+        """Run one collective; a lost peer or a timeout becomes a ShardedPublishError, and the publisher is
+        unusable afterwards (the group may hold a half-finished collective)."""
+        try:
+            call()
+        except Exception as exc:
+            self._broken = (f"{what}: rank {self.rank} of {self.world} lost the other ranks "
+                            f"(a rank died, or did not answer within {self.timeout:g}s): {type(exc).__name__}: "
+                            f"{str(exc)[:300]}")
+            raise ShardedPublishError(f"{self.url}: {self._broken}; nothing was committed by this rank") from exc
+
+    def _gather(self, what: str, mine: dict) -> list[dict]:
+        out: list[Any] = [None] * self.world
+        self._collective(what, lambda: dist.all_gather_object(out, mine, group=self.group))
+        return out
+
+    def _failed(self, step: int, reports: list[dict], stage: str) -> None:
+        bad = [(r, rep["error"]) for r, rep in enumerate(reports) if rep.get("error")]
+        if bad:
+            raise ShardedPublishError(f"{self.url}: step {step} not published ({stage}): "
+                                      + "; ".join(f"rank {r}: {e}" for r, e in bad))
+
+    # -- publishing ---------------------------------------------------------------------------
+    def publish(self, state: Any, step: int) -> None:
+        """Publish this rank's part of `step`; returns on every rank once rank 0 has committed it (or raises
+        ShardedPublishError on every rank, the step not visible)."""
+        if self._broken is not None:
+            raise ShardedPublishError(f"{self.url}: this publisher lost its ranks earlier ({self._broken})")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+            raise ValueError(f"step must be an integer from 0 to 2**63-1, got {step!r}")
+        if self.step is not None and step <= self.step:
+            raise ValueError(f"step {step} does not increase (last published step is {self.step})")
+        mine: dict[str, Any] = {"step": step}
+        local: dict[str, _Local] = {}
+        try:
+            local = local_tensors(state)
+            mine.update(self._upload_part(local, step))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank through the exchange
+            log.error("%s: rank %d cannot publish step %d: %s", self.url, self.rank, step, exc)
+            mine["error"] = f"{type(exc).__name__}: {exc}"
+        reports = self._gather(f"step {step}: exchanging parts", mine)
+        steps = {rep["step"] for rep in reports}
+        if len(steps) != 1:
+            raise ShardedPublishError(f"{self.url}: the ranks publish different steps {sorted(steps)}")
+        self._failed(step, reports, "a rank's part")
+        infos = whole_infos(step, reports)  # every rank checks the tiling, so all raise alike
+        delta = self.prev is not None and all(rep["part"] != "mismatch" for rep in reports)
+        delta_bytes = sum(rep["part"].size for rep in reports if isinstance(rep["part"], ObjRef))
+        due = (not delta or self._snapshot_retry or step - self._last_snapshot_step >= self.snapshot_every
+               or self._chain_bytes + delta_bytes > self.snapshot_fraction * self._last_snapshot_bytes)
+        files: list[dict] | None = None
+        if due:
+            shot: dict[str, Any] = {}
+            try:
+                shot = self._upload_snapshot(local, step)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank
+                log.error("%s: rank %d cannot upload its snapshot files of step %d: %s", self.url, self.rank, step,
+                          exc)
+                shot = {"error": f"{type(exc).__name__}: {exc}"}
+            files = self._gather(f"step {step}: exchanging snapshot files", shot)
+            if not delta:
+                self._failed(step, files, "snapshot files, and no delta reaches the step")
+            elif any(f.get("error") for f in files):
+                log.error("%s: snapshot of step %d failed on some rank (%s); committing the delta, the next step "
+                          "is snapshotted", self.url, step, [f.get("error") for f in files if f.get("error")])
+                files = None
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                self._commit(step, infos, reports if delta else None, files)
+            except Exception as exc:  # noqa: BLE001 - handed to every rank, raised below
+                log.error("%s: commit of step %d failed: %s", self.url, step, exc)
+                outcome = [f"{type(exc).__name__}: {exc}"]
+        self._collective(f"step {step}: waiting for rank 0's commit",
+                         lambda: dist.broadcast_object_list(outcome, src=self._src(), group=self.group))
+        if outcome[0] is not None:
+            raise ShardedPublishError(f"{self.url}: step {step} not published: rank 0's commit failed: {outcome[0]}")
+        self._chain_bytes += delta_bytes if delta else 0
+        self._snapshot_retry = due and files is None
+        if files is not None:
+            self._last_snapshot_step = step
+            self._last_snapshot_bytes = sum(rep["bytes"] for rep in reports)
+            self._chain_bytes = 0
+        self.prev, self.step = local, step
+
+    def _upload_part(self, local: dict[str, _Local], step: int) -> dict[str, Any]:
+        """This rank's digests, and its delta part uploaded ("mismatch": its tensors changed structure,
+        None: it holds nothing or there is no previous step)."""
+        infos = {name: _info(name, e) for name, e in local.items()}
+        out: dict[str, Any] = {"infos": infos, "part": None, "names": list(local),
+                               "rows": {k: e.rows for k, e in local.items() if e.rows is not None},
+                               "bytes": sum(e.tensor.numel() * e.tensor.element_size() for e in local.values())}
+        prev = self.prev
+        if prev is None:
+            return out
+        if {k: v.rows for k, v in prev.items()} != {k: v.rows for k, v in local.items()}:
+            out["part"] = "mismatch"  # another tensor set or other rows: only a snapshot reaches the step
+            return out
+        if not local:
+            return out  # held nothing, holds nothing
+        try:
+            payload = codec.encode({k: v.tensor for k, v in prev.items()}, {k: v.tensor for k, v in local.items()},
+                                   effort=self.effort)
+        except codec.CheckpointMismatchError as exc:
+            log.info("%s: rank %d: step %d changes its tensors (%s); the step is a snapshot", self.url, self.rank,
+                     step, exc)
+            out["part"] = "mismatch"
+            return out
+        ref = ObjRef.of(delta_key(step, self.rank), payload, self.strong)
+        self._put(ref.key, payload)
+        out["part"] = ref
+        return out
+
+    def _upload_snapshot(self, local: dict[str, _Local], step: int) -> dict[str, Any]:
+        """This rank's snapshot files (slices under the tensor's name, their rows in the metadata)."""
+        tensors = {k: e.tensor for k, e in local.items()}
+        plan = shard_plan(tensors, self.max_shard_bytes) if tensors else {}
+        names = sorted(set(plan.values()))
+        rename = {n: f"rank-{self.rank:05d}-of-{self.world:05d}-{i + 1:05d}.safetensors" for i, n in enumerate(names)}
+        refs, layout = [], {}
+        for shard in names:
+            file = rename[shard]
+            if not safe_shard_name(file):  # the pattern above always is; a guard for edits
+                raise ValueError(f"{file!r} is not a safe shard name")
+            part = {k: tensors[k] for k, s in plan.items() if s == shard}
+            rows = {k: list(local[k].rows) for k in part if local[k].rows is not None}  # type: ignore[arg-type]
+            meta = {"step": str(step)}
+            if rows:
+                meta[ROWS_KEY] = json.dumps(rows, separators=(",", ":"), sort_keys=True)
+            data = st_save(part, metadata=meta)
+            ref = ObjRef.of(snapshot_prefix(step) + file, data, self.strong)
+            self._put(ref.key, data)
+            refs.append(ref)
+            layout.update({k: (file, local[k].rows) for k in part})
+        return {"files": refs, "layout": layout}
+
+    def _put(self, key: str, data: bytes) -> None:
+        """Create an immutable object. Other bytes under the key of a step above our head are what a failed
+        attempt at that step left (a rank's error, then a retry with other tensors): replaced once the
+        manifest shows this run still ours at that head (only we commit, so nothing names them)."""
+        try:
+            self.store.put_immutable(key, data)
+            return
+        except ConflictError:
+            step = step_of_key(key)
+            if step is None or (self.step is not None and step <= self.step):
+                raise
+        got = self.store.read_manifest()
+        m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
+        ours = m is not None and m.run == self.run and m.writer == self.writer and m.head == self.step
+        if not ours:
+            raise ConflictError(f"{self.url}/{key}: already exists with other content, and this publisher does not "
+                                f"own the run at step {self.step}")
+        log.warning("%s/%s: replacing what an earlier failed attempt at this step left", self.url, key)
+        self.store.delete([key])
+        self.store.put_immutable(key, data)
+
+    def _commit(self, step: int, infos: dict[str, TensorInfo], parts: list[dict] | None,
+                files: list[dict] | None) -> None:
+        """Rank 0: the record, the snapshot index, then the one manifest commit."""
+        meta = _meta(infos)
+        record = Record(self.run, step, infos, shard_plan(meta, DEFAULT_SHARD_BYTES))
+        data = record.to_bytes()
+        rec_ref = ObjRef.of(record_key(step), data, self.strong)
+        self._put(rec_ref.key, data)
+        entry = Step(step, rec_ref)
+        if parts is not None:
+            entry = Step(step, rec_ref, self.step, tuple(
+                Part(rep["part"], tuple(rep["names"]), dict(rep["rows"]) or None)
+                for rep in parts if isinstance(rep["part"], ObjRef)))
+        snap = None
+        if files is not None:
+            weight_map: dict[str, str] = {}
+            slices: dict[str, list[list[Any]]] = {}
+            for rep in files:
+                for name, (file, rows) in rep["layout"].items():
+                    if rows is None:
+                        weight_map[name] = file
+                    else:
+                        slices.setdefault(name, []).append([rows[0], rows[1], file])
+            extra: dict[str, Any] = {"step": step}
+            if slices:
+                extra[SLICES_KEY] = {k: sorted(v) for k, v in slices.items()}
+            index = index_bytes(meta, weight_map, **extra)
+            index_ref = ObjRef.of(snapshot_prefix(step) + INDEX_NAME, index, self.strong)
+            self._put(index_ref.key, index)
+            refs = sorted((r for rep in files for r in rep["files"]), key=lambda r: r.key)
+            snap = Snapshot(step, index_ref, tuple(refs))
+        head = self.step
+
+        def add(cur: Manifest | None, unsure: bool) -> Manifest | None:
+            return extend_run(cur, unsure, url=self.url, run=self.run, writer=self.writer, head=head, entry=entry,
+                              snap=snap, keep_snapshots=self.keep_snapshots)
+
+        update_manifest(self.store, add, signer=self.signer, trusted=self.trusted,
+                        adopt_unsigned=self._adopt_unsigned)
+        if self.signer is not None:
+            self._adopt_unsigned = False
+
+    def close(self) -> None:
+        """Nothing runs in the background; kept for symmetry with relay.Publisher."""
+
+    def __enter__(self) -> "ShardedPublisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["ShardedPublisher", "ShardedPublishError", "RowSlice", "local_tensors", "whole_infos"]
