@@ -638,6 +638,11 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                      "cores": os.cpu_count(), "targets": TARGETS, "results": results,
                                      "markdown": text}, indent=1))
+    try:
+        import matplotlib  # noqa: F401 - the demo extra's; a dev install measures and reports without charts
+    except ImportError:
+        print(f"wrote {args.json}; charts skipped: matplotlib is not installed (pip install 'deltarelay[demo]')")
+        return 0
     written = charts(results, args.chart)
     print(f"wrote {args.json}, {', '.join(map(str, written))}")
     return 0

@@ -96,4 +96,7 @@ def test_summary_targets_and_cost_model(report):
     by = {(row["model"], row["cores"]): row for row in cm["rows"]}
     assert by[("1T", 128)]["watcher_s"] < by[("1T", 32)]["watcher_s"]  # more cores, faster
     assert "| publisher" in stdout and "| target |" in stdout and "pass" in data["markdown"]
-    assert (tmp / "bench_scale.png").stat().st_size > 0 and (tmp / "bench_scale_model.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is None:  # a dev install (CI): the numbers, no charts
+        assert "charts skipped" in stdout
+    else:
+        assert (tmp / "bench_scale.png").stat().st_size > 0 and (tmp / "bench_scale_model.png").stat().st_size > 0
