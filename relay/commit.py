@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from typing import Callable, overload
 
-from relay.manifest import Manifest, Snapshot, Step
+from relay.manifest import Manifest, Snapshot, Step, step_of_key
 from relay.signing import Signer, SignatureError, TrustedKeys, strengthen
 from relay.store import ConflictError, Store, unsure_write
 
@@ -154,3 +154,29 @@ def extend_run(cur: Manifest | None, unsure: bool, *, url: str, run: str, writer
 
 
 __all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "UnsignedWriteError", "ATTEMPTS"]
+
+
+def create_owned(store: Store, key: str, write: Callable[[], None], *, run: str, writer: str,
+                 head: int | None) -> None:
+    """Create an immutable object with `write` for a publisher that owns `run` as `writer` at `head`.
+
+    Other bytes under the key of a step above `head` are a leftover: of a crashed or fenced publisher, or
+    of a failed attempt at that step. They are replaced only once the manifest shows the run still ours at
+    that head (only the owner commits, so no manifest names such an object); anything else is a
+    ConflictError, as is a collision at or below the head."""
+    try:
+        write()
+        return
+    except ConflictError:
+        step = step_of_key(key)
+        if step is None or (head is not None and step <= head):
+            raise
+    got = store.read_manifest()
+    m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
+    if m is None or m.run != run or m.writer != writer or m.head != head:
+        raise ConflictError(f"{store.url}/{key}: already exists with other content, and another publisher "
+                            f"owns the run (writer {m.writer if m else None}, head {m.head if m else None})")
+    log.warning("%s/%s: replacing a leftover of an uncommitted step (a crashed or fenced publisher, or a failed "
+                "attempt at this step, wrote it)", store.url, key)
+    store.delete([key])
+    write()

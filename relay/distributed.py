@@ -38,12 +38,12 @@ import codec
 from codec.hashing import digest_elements
 from codec.tensors import dtype_of, element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
-from relay.commit import extend_run, update_manifest
+from relay.commit import create_owned, extend_run, update_manifest
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            delta_key, record_key, safe_shard_name, sliced_digest, snapshot_prefix, step_of_key)
+                            delta_key, record_key, safe_shard_name, sliced_digest, snapshot_prefix)
 from relay.shards import ROWS_KEY, SLICES_KEY
 from relay.signing import Signer, TrustedKeys
-from relay.store import ConflictError, open_store
+from relay.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -382,24 +382,10 @@ class ShardedPublisher:
 
     def _put(self, key: str, data: bytes) -> None:
         """Create an immutable object. Other bytes under the key of a step above our head are what a failed
-        attempt at that step left (a rank's error, then a retry with other tensors): replaced once the
-        manifest shows this run still ours at that head (only we commit, so nothing names them)."""
-        try:
-            self.store.put_immutable(key, data)
-            return
-        except ConflictError:
-            step = step_of_key(key)
-            if step is None or (self.step is not None and step <= self.step):
-                raise
-        got = self.store.read_manifest()
-        m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
-        ours = m is not None and m.run == self.run and m.writer == self.writer and m.head == self.step
-        if not ours:
-            raise ConflictError(f"{self.url}/{key}: already exists with other content, and this publisher does not "
-                                f"own the run at step {self.step}")
-        log.warning("%s/%s: replacing what an earlier failed attempt at this step left", self.url, key)
-        self.store.delete([key])
-        self.store.put_immutable(key, data)
+        attempt at that step left (a rank's error, then a retry with other tensors): replaced while this run
+        is still ours at that head (relay.commit.create_owned)."""
+        create_owned(self.store, key, lambda: self.store.put_immutable(key, data), run=self.run,
+                     writer=self.writer, head=self.step)
 
     def _commit(self, step: int, infos: dict[str, TensorInfo], parts: list[dict] | None,
                 files: list[dict] | None) -> None:

@@ -34,9 +34,9 @@ import torch
 
 import codec
 from relay.checkpoint import DEFAULT_SHARD_BYTES, StreamedFile, index_bytes, safetensors_stream, shard_plan
-from relay.commit import check_writable, extend_run, update_manifest, writer_keys
+from relay.commit import check_writable, create_owned, extend_run, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            delta_key, record_key, snapshot_prefix, step_of_key, tensor_infos)
+                            delta_key, record_key, snapshot_prefix, tensor_infos)
 from relay.retry import Backoff
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
@@ -506,26 +506,9 @@ class Publisher:
         self._create(key, lambda: self.store.put_immutable_stream(key, chunks, size, xxh3))
 
     def _create(self, key: str, write: Callable[[], None]) -> None:
-        """Create an immutable object with `write`. An object of another content under the key of a step we
-        have not committed is a leftover of a crashed or fenced publisher: replaced once the manifest shows
-        this publisher still owns the run (only the owner commits, so no manifest names such an object)."""
-        try:
-            write()
-            return
-        except ConflictError:
-            step = step_of_key(key)
-            if step is None or (self._head is not None and step <= self._head):
-                raise
-        got = self.store.read_manifest()
-        m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
-        owner = m is not None and m.run == self.run and m.writer == self.writer and m.head == self._head
-        if not owner:
-            raise ConflictError(f"{self.url}/{key}: already exists with other content, and another publisher "
-                                f"owns the run (writer {m.writer if m else None}, head {m.head if m else None})")
-        log.warning("%s/%s: replacing a leftover of an uncommitted step (a crashed or fenced publisher wrote it)",
-                    self.url, key)
-        self.store.delete([key])
-        write()
+        """Create an immutable object with `write`; a leftover above our head is replaced while we own the run
+        (relay.commit.create_owned)."""
+        create_owned(self.store, key, write, run=self.run, writer=self.writer, head=self._head)
 
     def _background_snapshot(self, job: _SnapshotJob) -> None:
         """Upload and commit a snapshot, retrying what is missing; a final failure is reported, and the next
