@@ -89,14 +89,14 @@ class ThrottledStore(Store):
         self.link.transfer(0)
         return self.inner.list(prefix)
 
-    def read_manifest(self, if_none_match: str | None = None):
-        got = self.inner.read_manifest(if_none_match)
+    def read_object(self, key: str, if_none_match: str | None = None):
+        got = self.inner.read_object(key, if_none_match)
         self.link.transfer(len(got.data) if isinstance(got, ManifestRead) else 0)
         return got
 
-    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+    def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
         self.link.transfer(len(data))
-        return self.inner.commit_manifest(data, expected_etag)
+        return self.inner.commit_object(key, data, expected_etag)
 
 
 def make_states(params: int, steps: int, lr: float, seed: int) -> list[dict[str, torch.Tensor]]:
