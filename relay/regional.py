@@ -192,10 +192,10 @@ class Materialiser:
         self.every, self.keep, self.origin_snapshots, self.workers = every, keep, origin_snapshots, workers
         options = {"trusted_keys": trusted_keys, "workers": workers, "retry_initial": retry_initial,
                    "retry_max": retry_max}
-        self._reader = _StepReader(self.store, **options)  # type: ignore[arg-type]
+        self._reader = _StepReader(self.store, **options)
         self._boot_store = _Bootstrap(self.store, self.origin)
-        self._boot = _StepReader(self._boot_store, **options)  # type: ignore[arg-type]
-        self._manifest_reader = Reader(self.store, **options)  # type: ignore[arg-type]
+        self._boot = _StepReader(self._boot_store, **options)
+        self._manifest_reader = Reader(self.store, **options)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one sync at a time
         self.step: int | None = None
