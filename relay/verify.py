@@ -12,6 +12,7 @@ It never writes to the store. Problems are collected, never raised, so one run l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 import codec
-from relay import shards
+from relay import announce, shards
 from relay.manifest import INDEX_NAME, Manifest, ManifestError, ObjRef, Record, mismatches, step_of_key
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import MANIFEST_KEY, ObjectMissing, Store, open_store
@@ -140,9 +141,8 @@ class _Checker:
             self._check_index(ref, data)
 
     def _check_index(self, ref: ObjRef, data: bytes) -> None:
-        step = step_of_key(ref.key)
-        snap = None if step is None else self.m.snapshot(step)
-        if snap is None:  # an index key in m.refs() is its snapshot's (Snapshot.parse checks the prefix)
+        snap = next((s for s in self.m.snapshots if s.index == ref), None)
+        if snap is None:  # an index in m.refs() is its snapshot's
             raise AssertionError(f"unreachable: {ref.key} is no snapshot's index")
         try:
             index = json.loads(data)
@@ -267,6 +267,31 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+def _regional_view(store: Store, m: Manifest, report: Report) -> Manifest:
+    """The snapshots to check in a region that announces its own (PROTOCOL §8.1): those, plus the trainer's
+    only where the announcement says the region keeps them (otherwise their absence is no problem)."""
+    ann, etag = announce.read_announcement(store)
+    if ann is None:
+        if etag is not None:
+            report.problems.append(f"{store.url}/{announce.ANNOUNCE_KEY}: unreadable (see the log)")
+        return m
+    if ann.run != m.run:
+        report.problems.append(f"{store.url}/{announce.ANNOUNCE_KEY}: announces snapshots of run {ann.run}, the "
+                               f"manifest's run is {m.run}")
+        return m
+    listed = {s.step for s in m.steps}
+    regional = [s for s in ann.snapshots if s.step in listed]
+    unusable = [s.step for s in ann.snapshots if s.step not in listed]
+    if unusable:
+        report.notes.append(f"regional snapshots of steps the manifest no longer lists (gc drops them): {unusable}")
+    report.notes.append(f"regional snapshots {[s.step for s in regional]} checked like the trainer's"
+                        + ("" if ann.origin_snapshots else "; the region keeps no trainer snapshots"))
+    snaps = regional + (list(m.snapshots) if ann.origin_snapshots else [])
+    snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))
+    report.snapshots = len(snaps)
+    return dataclasses.replace(m, snapshots=snaps)
+
+
 def verify(url: str, storage_options: dict | None = None, *, deep: bool = False, trusted_keys: Any = None,
            workers: int = 4) -> Report:
     """Check a run (see the module docstring); returns a Report whose `problems` list every finding."""
@@ -296,7 +321,7 @@ def verify(url: str, storage_options: dict | None = None, *, deep: bool = False,
         report.signature = "present, not checked (give --trusted-key)"
     else:
         report.signature = "unsigned"
-    checker = _Checker(store, m, report, workers)
+    checker = _Checker(store, _regional_view(store, m, report), report, workers)
     checker.shallow()
     if deep:
         checker.deep()
