@@ -138,7 +138,8 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     log.info("%s: gc kept snapshots %s, deleted %d objects (%d bytes); regional snapshots %s, %d objects deleted",
              url, [s.step for s in m.snapshots], len(doomed), freed, regional["regional_snapshots"],
              regional["regional_deleted"])
-    return {"url": url, "snapshots": [s.step for s in m.snapshots], "deleted": len(doomed) + regional["regional_deleted"],
+    return {"url": url, "snapshots": [s.step for s in m.snapshots],
+            "deleted": len(doomed) + regional["regional_deleted"],
             "freed_bytes": freed + regional["regional_freed_bytes"], **regional}
 
 

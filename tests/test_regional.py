@@ -188,14 +188,16 @@ def test_an_announcement_of_garbage_or_another_run_is_ignored(materialised, tmp_
 def test_signed_run_with_a_keyless_materialiser(tmp_path, trainer, bits_equal, monkeypatch, caplog):
     key, pub, _ = generate_keypair(tmp_path / "trainer")
     run = start_run(tmp_path, trainer, "s", signing_key=key)
-    run.publish(range(7))
+    run.publish(range(5))
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, trusted_keys=[pub]) as mat:
+        assert mat.sync_once(timeout=60)
+        run.publish(range(5, 7))
+        assert mat.sync_once(timeout=60)
+        assert mat.status()["regional_snapshots"] == [3, 6]
     for s in Manifest.parse(run.src.read_manifest().data).steps:  # records of a signed run carry BLAKE3
         rec = Record.parse(run.src.get(s.record.key))
         assert all(info.blake3 is not None for info in rec.tensors.values())
         assert all(with_blake3(info, run.states[s.step][n]) == info for n, info in rec.tensors.items())
-    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, trusted_keys=[pub]) as mat:
-        assert mat.sync_once(timeout=60)
-        assert mat.status()["regional_snapshots"] == [3, 6]
     run.pub.close()
     with Watcher(run.region, tmp_path / "dest", trusted_keys=[pub]) as w:
         assert w.sync(timeout=30) == 6 and bits_equal(w.tensors, run.states[6])

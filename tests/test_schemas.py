@@ -27,8 +27,9 @@ def _schema(name: str) -> dict:
     return json.loads((SCHEMAS / f"{name}.schema.json").read_text())
 
 
+SCHEMA_NAMES = ("manifest", "record", "relay-state", "regional-snapshots")
 _REGISTRY = Registry().with_resources(
-    (s["$id"], Resource.from_contents(s)) for s in (_schema(n) for n in ("manifest", "record", "relay-state", "regional-snapshots")))
+    (s["$id"], Resource.from_contents(s)) for s in (_schema(n) for n in SCHEMA_NAMES))
 
 
 def validator(name: str) -> jsonschema.Validator:
