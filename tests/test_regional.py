@@ -25,7 +25,7 @@ from relay.regional import Materialiser, write_snapshot
 from relay.signing import generate_keypair
 from relay.store import Store, open_store
 from relay.verify import verify
-from relay.watcher import SyncTimeout, Watcher
+from relay.watcher import SyncError, SyncTimeout, Watcher
 
 
 def replicate(src: Store, dst: Store) -> None:
@@ -260,3 +260,27 @@ def test_end_to_end_on_s3(moto_regions, tmp_path, trainer, bits_equal):
         assert w.sync(timeout=30) == 11 and bits_equal(w.tensors, run.states[11])
     doc = json.loads(run.dst.get(ANNOUNCE_KEY))
     assert doc["format"] == "deltarelay.regional-snapshots" and doc["origin_snapshots"] is False
+
+
+def test_signed_records_without_blake3_give_no_regional_snapshot_to_a_trusting_reader(tmp_path, trainer, bits_equal,
+                                                                                     monkeypatch):
+    """A signed run published before records carried BLAKE3: the region's snapshot cannot be authenticated,
+    so a watcher with trusted keys refuses it (a watcher without keys checks xxh3 only, and takes it)."""
+    import relay.publisher
+
+    real = relay.publisher.tensor_infos
+    monkeypatch.setattr(relay.publisher, "tensor_infos", lambda t, like=None, strong=False: real(t, like))
+    monkeypatch.setattr(Publisher, "_blake3_of", lambda self, target, found: {})
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "old", signing_key=key)
+    run.publish(range(4))
+    run.pub.close()
+    assert all(i.blake3 is None for i in run.record(3).tensors.values())
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, trusted_keys=[pub]) as mat:
+        assert mat.sync_once(timeout=60) and mat.status()["regional_snapshots"] == [3]
+    with Watcher(run.region, tmp_path / "trusting", trusted_keys=[pub]) as w:
+        with pytest.raises(SyncError, match="no verified path"):
+            w.sync(timeout=30)
+        assert w.step is None
+    with Watcher(run.region, tmp_path / "keyless") as w:
+        assert w.sync(timeout=30) == 3 and bits_equal(w.tensors, run.states[3])
