@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import sys
 from typing import Callable
 
-from relay import checkpoint, dest, ops
+from relay import checkpoint, dest, fleet, ops
 from relay.manifest import PERSIST_MODES
-from relay.cli_options import add_storage_options, add_trusted_key, add_writer_keys, storage_options
+from relay.cli_fleet import add_fleet_status, fleet_status
+from relay.cli_options import add_metrics, add_storage_options, add_trusted_key, add_writer_keys, storage_options
 from relay.publisher import Publisher
 from relay.watcher import SyncError, Watcher
 
@@ -42,7 +44,11 @@ def _watch(args: argparse.Namespace) -> int:
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
                  trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors), persist=args.persist,
-                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps) as w:
+                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps, host=args.host,
+                 region=args.region, report_interval=None if args.no_report else args.report_interval,
+                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr) as w:
+        if w.metrics_port is not None:
+            print(f"metrics on http://{args.metrics_addr}:{w.metrics_port}/metrics", file=sys.stderr, flush=True)
         try:
             if args.once:
                 step = w.sync(timeout=args.timeout)
@@ -77,6 +83,8 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.fleet:
+        return fleet_status(args)
     given = args.storage_options or []
     if len(given) > 1 and len(given) != len(args.urls):
         raise ValueError(f"{len(given)} --storage-options for {len(args.urls)} URLs: give one, or one per URL")
@@ -132,6 +140,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="journal mode: compact once the journal exceeds F times the model's bytes")
     p.add_argument("--compact-steps", type=int, default=64, metavar="N",
                    help="journal mode: compact once the journal holds more than N steps")
+    p.add_argument("--host", default=None, metavar="ID",
+                   help="this watcher's id in the fleet ledger (fleet/hosts/ID.json in the store it follows; "
+                        "default <hostname>-<hash of DIR>)")
+    p.add_argument("--region", default=None, help="the region the ledger entry names (informational)")
+    p.add_argument("--report-interval", type=float, default=fleet.DEFAULT_INTERVAL, metavar="S",
+                   help="ledger heartbeat: report the held step at least every S seconds (and after every sync)")
+    p.add_argument("--no-report", action="store_true", help="write no fleet ledger entry (a read-only store)")
+    add_metrics(p)
     add_trusted_key(p)
     add_storage_options(p)
     p.set_defaults(func=_watch)
@@ -156,8 +172,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_storage_options(p)
     p.set_defaults(func=_gc)
 
-    p = subparsers.add_parser("status", help="head, base, chain length and bytes per run")
+    p = subparsers.add_parser("status", help="head, base, chain length and bytes per run; --fleet: which hosts "
+                                             "hold which step")
     p.add_argument("urls", nargs="+", metavar="URL")
     p.add_argument("--json", action="store_true")
+    add_fleet_status(p)
     add_storage_options(p, many=True)
     p.set_defaults(func=_status)

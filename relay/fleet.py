@@ -414,15 +414,17 @@ def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, 
     return out
 
 
-def _host_entry(data: bytes | Any, key: str, where: str, label: str | None, via: float | None = None) -> Entry:
+def _host_entry(data: bytes | Any, key: str, where: str, label: str | None, fallback: str,
+                via: float | None = None) -> Entry:
+    """The entry of one host object; region: `label`, else the host's own, else `fallback` (the store's URL)."""
     try:
         report = HostReport.parse(bytes(data), where) if isinstance(data, (bytes, bytearray)) else \
             HostReport.from_json(data, where)
     except FleetError as exc:
-        return Entry(label or "?", where, error=str(exc), via=via)
+        return Entry(label or fallback, where, error=str(exc), via=via)
     if key != host_key(report.host):
-        return Entry(label or "?", where, error=f"names host {report.host!r}, but is stored as {key}", via=via)
-    return Entry(label or report.region or "?", where, report=report, via=via)
+        return Entry(label or fallback, where, error=f"names host {report.host!r}, but is stored as {key}", via=via)
+    return Entry(label or report.region or fallback, where, report=report, via=via)
 
 
 def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = None) -> Fleet:
@@ -431,10 +433,7 @@ def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = 
     what the store holds: bad entries and unreadable objects are reported in the result."""
     fleet = Fleet() if fleet is None else fleet
     for key, data in _read_hosts(store, label, fleet):
-        e = _host_entry(data, key, f"{store.url}/{key}", label)
-        if e.report is not None and label is None and e.report.region is None:
-            e.region = store.url
-        fleet.entries.append(e)
+        fleet.entries.append(_host_entry(data, key, f"{store.url}/{key}", label, store.url))
     try:
         regions = store.list(REGIONS_PREFIX)
     except Exception as exc:  # noqa: BLE001 - reported
@@ -474,7 +473,7 @@ def _read_region(data: bytes, key: str, where: str, fleet: Fleet) -> None:
     for i, h in enumerate(hosts):
         host = h.get("host") if isinstance(h, dict) else None
         k = host_key(host) if isinstance(host, str) and HOST_ID.fullmatch(host) else f"{HOSTS_PREFIX}?"
-        fleet.entries.append(_host_entry(h, k, f"{where}: hosts[{i}]", name, via=interval))
+        fleet.entries.append(_host_entry(h, k, f"{where}: hosts[{i}]", name, name, via=interval))
     for i, b in enumerate(bad):
         text = b.get("error") if isinstance(b, dict) else None
         at = b.get("where") if isinstance(b, dict) else None
@@ -659,7 +658,7 @@ class RegionGatherer:
         fleet = Fleet()
         hosts, bad = [], []
         for key, data in _read_hosts(store, name, fleet, self._cache[name]):
-            e = _host_entry(data, key, f"{store.url}/{key}", name)
+            e = _host_entry(data, key, f"{store.url}/{key}", name, name)
             if e.report is not None:
                 hosts.append(e.report.to_json())
             else:

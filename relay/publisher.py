@@ -574,6 +574,23 @@ class Publisher:
             f.result()  # _background_snapshot reports its own failures; nothing is raised here
         self._pending = []
 
+    def wait_for_fleet(self, step: int | None = None, fraction: float = 1.0, timeout: float = 600.0, *,
+                       regions: Iterable[str | Store] = (), storage_options: dict | None = None,
+                       ttl: float | None = None, poll_interval: float = 2.0, min_hosts: int = 1) -> Any:
+        """Bounded staleness: block until `fraction` of the live rollout hosts hold `step` (default: the last
+        one published) of this run, as the fleet ledger says (relay.fleet.wait_for_fleet: this store, with the
+        regions a relay gathers into it, plus the regional stores `regions` read directly); FleetTimeout,
+        naming the hosts that lag, after `timeout` seconds. Returns the relay.fleet.FleetProgress."""
+        from relay import fleet
+
+        if step is None:
+            if self.step is None:
+                raise ValueError(f"{self.url}: nothing published yet; give the step to wait for")
+            step = self.step
+        stores = [self.store, *(r if isinstance(r, Store) else open_store(r, storage_options) for r in regions)]
+        return fleet.wait_for_fleet(stores, step, fraction, timeout, run=self.run, ttl=ttl,
+                                    poll_interval=poll_interval, min_hosts=min_hosts)
+
     def flush(self) -> None:
         """Block until every background upload is done; re-raise the first failure since the last flush."""
         self._wait_background()
