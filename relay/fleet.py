@@ -203,7 +203,7 @@ def region_key(name: str) -> str:
     """The origin key of a region's gathered entries; a name that is not a safe key gets a hashed one."""
     if HOST_ID.fullmatch(name):
         return f"{REGIONS_PREFIX}{name}.json"
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name).strip("._-")[:100] or "region"
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")[:100] or "region"
     return f"{REGIONS_PREFIX}{safe}-{xxhash.xxh3_64_hexdigest(name.encode())[:8]}.json"
 
 
