@@ -460,16 +460,22 @@ def _read_region(data: bytes, key: str, where: str, fleet: Fleet) -> None:
         raise FleetError(f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != REGION_FORMAT or doc.get("version") != VERSION:
         raise FleetError(f"not a {REGION_FORMAT} version {VERSION} document")
+    extra = set(doc) - {"format", "version", "region", "url", "updated", "interval", "hosts", "bad", "truncated"}
+    if extra:
+        raise FleetError(f"unknown field(s) {sorted(str(k)[:40] for k in extra)[:5]}")
     name = _text(doc, "region", where, 2048)
     if region_key(name) != key:
         raise FleetError(f"names region {name[:80]!r}, which is stored as {region_key(name)}")
     updated = _time(doc, "updated", where)
     interval = _time(doc, "interval", where)
+    if interval > MAX_INTERVAL:
+        raise FleetError(f"interval: {interval:g}s is over {MAX_INTERVAL:g}s")
+    if not isinstance(doc.get("url"), str) or not isinstance(doc.get("truncated"), bool):
+        raise FleetError("url (a string) and truncated (a boolean) are required")
     hosts, bad = doc.get("hosts"), doc.get("bad")
     if not isinstance(hosts, list) or not isinstance(bad, list) or len(hosts) + len(bad) > MAX_HOSTS:
         raise FleetError(f"hosts and bad: lists of at most {MAX_HOSTS} entries in all")
-    fleet.regions[name] = {"url": doc.get("url") if isinstance(doc.get("url"), str) else None, "updated": updated,
-                           "interval": min(interval, MAX_INTERVAL), "truncated": doc.get("truncated") is True}
+    fleet.regions[name] = {"url": doc["url"], "updated": updated, "interval": interval, "truncated": doc["truncated"]}
     for i, h in enumerate(hosts):
         host = h.get("host") if isinstance(h, dict) else None
         k = host_key(host) if isinstance(host, str) and HOST_ID.fullmatch(host) else f"{HOSTS_PREFIX}?"
