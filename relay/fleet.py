@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -218,13 +219,16 @@ def default_host_id(dest: str | os.PathLike) -> str:
 class FleetReporter:
     """Writes a watcher's entry: after every sync (`Watcher` calls it) and every `interval` seconds from a
     heartbeat thread while the watcher runs. Never raises into the watcher: a failed write is logged
-    (once per distinct error) and counted in `failures`; the next report tries again."""
+    (once per distinct error) and counted in `failures`; the next report tries again. Holds the watcher
+    weakly: a Watcher dropped without close() is still freed at once, and with it DEST's lock."""
 
     def __init__(self, watcher: "Watcher", *, host: str | None = None, region: str | None = None,
                  interval: float = DEFAULT_INTERVAL) -> None:
         if not 0 < interval <= MAX_INTERVAL:
             raise ValueError(f"report interval must be in (0, {MAX_INTERVAL:g}] seconds, got {interval!r}")
-        self.watcher = watcher
+        self._watcher = weakref.ref(watcher)
+        self.dest = watcher.dest
+        self.store = watcher.store
         self.host = host or default_host_id(watcher.dest)
         self.key = host_key(self.host)
         self.region = region
@@ -252,14 +256,16 @@ class FleetReporter:
             self._step, self._since = step, time.time()
             if first:  # held from disk at start-up: when DEST's current version was swapped in
                 try:
-                    self._since = os.lstat(self.watcher.dest / ".current").st_mtime
+                    self._since = os.lstat(self.dest / ".current").st_mtime
                 except OSError:
                     pass
         return self._since
 
     def snapshot(self) -> HostReport:
         """The entry as of now (from the watcher's state)."""
-        w = self.watcher
+        w = self._watcher()
+        if w is None:
+            raise RuntimeError(f"{self.dest}: the watcher is gone")
         failures = {k: v for k, v in w.failure_counts().items() if v}
         if self.failures:
             failures["ledger"] = self.failures
@@ -288,7 +294,7 @@ class FleetReporter:
                 text = f"{type(exc).__name__}: {exc}"
                 if text != self.last_error:
                     log.warning("%s/%s: cannot write the fleet ledger (%s); syncing is not affected",
-                                self.watcher.store.url, self.key, text)
+                                self.store.url, self.key, text)
                 self.last_error = text
                 return False
             self.writes += 1
@@ -297,7 +303,7 @@ class FleetReporter:
             return True
 
     def _write(self, data: bytes) -> None:
-        store = self.watcher.store
+        store = self.store
         for _ in range(3):
             if not self._etag_known:
                 got = store.read_object(self.key)
@@ -314,12 +320,12 @@ class FleetReporter:
 
     def _warn_if_shared(self, got: ManifestRead) -> None:
         try:
-            other = HostReport.parse(got.data, f"{self.watcher.store.url}/{self.key}")
+            other = HostReport.parse(got.data, f"{self.store.url}/{self.key}")
         except FleetError:
             return
         if other.instance != self.instance and time.time() - other.updated < 2 * other.interval:
             log.warning("%s/%s: another live watcher (on %s, %s) reports under host id %s; give each its own "
-                        "--host", self.watcher.store.url, self.key, other.hostname, other.dest, self.host)
+                        "--host", self.store.url, self.key, other.hostname, other.dest, self.host)
 
     def poke(self) -> None:
         """Report soon: from the heartbeat thread if it runs, else now in the caller's thread."""

@@ -13,6 +13,7 @@ watcher's (several watchers may share a registry), `region` on the relay's.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -53,11 +54,13 @@ class _Served:
 
 class _WatcherCollector(Collector):
     def __init__(self, watcher: "Watcher", host: str) -> None:
-        self.watcher = watcher
+        self.watcher = weakref.ref(watcher)  # the watcher holds us: no cycle, so a dropped one is freed at once
         self.host = host
 
     def collect(self) -> Iterator[Metric]:
-        w = self.watcher
+        w = self.watcher()
+        if w is None:
+            return
         labels = [self.host]
 
         def gauge(name: str, doc: str, value: float | None) -> Iterator[Metric]:
@@ -121,10 +124,13 @@ class WatcherMetrics(_Served):
 
 class _FanoutCollector(Collector):
     def __init__(self, fanout: "Fanout") -> None:
-        self.fanout = fanout
+        self.fanout = weakref.ref(fanout)
 
     def collect(self) -> Iterator[Metric]:
-        st = self.fanout.status()
+        fan = self.fanout()
+        if fan is None:
+            return
+        st = fan.status()
         origin = st["origin"]
         g = GaugeMetricFamily("deltarelay_relay_origin_head_step", "head of the origin manifest")
         if origin is not None:

@@ -596,7 +596,8 @@ def test_relay_reads_origin_and_writes_every_region():
                     "${module.origin.bucket_arn}/${var.run_prefix}*/fleet/regions/*"], st
             else:
                 assert st["actions"] == {"kms:GenerateDataKey"}, st
-                assert ("StringEquals", "kms:ViaService", ("s3.${var.origin_region}.amazonaws.com",)) in st["conditions"]
+                via = ("StringEquals", "kms:ViaService", ("s3.${var.origin_region}.amazonaws.com",))
+                assert via in st["conditions"], st
         elif targets == {"module.origin"}:
             assert st["actions"] <= {"s3:ListBucket", "s3:GetObject", "kms:Decrypt"}, f"relay writes the origin: {st}"
         else:
