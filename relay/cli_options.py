@@ -62,3 +62,8 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics on this port (/metrics; 0: any free port, logged)")
     p.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR",
                    help="address the metrics server binds (default all interfaces, for the scraper)")
+
+
+def add_no_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none anyway when stderr is not a terminal)")

@@ -289,6 +289,8 @@ class Publisher:
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self._adopt_unsigned = adopt_unsigned  # until our first signed commit: then the run is ours to sign
         self._commit_lock = threading.Lock()
+        self.bytes_uploaded = 0  # object bytes sent (retries included): for progress bars (relay.progress)
+        self._sent_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
         self._cow = _CopyOnWrite()
@@ -500,10 +502,20 @@ class Publisher:
     def _put(self, key: str, data: bytes) -> None:
         """Create an immutable object (see _create)."""
         self._create(key, lambda: self.store.put_immutable(key, data))
+        self._sent(len(data))
 
     def _put_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
-        """Create a streamed immutable object (see _create)."""
-        self._create(key, lambda: self.store.put_immutable_stream(key, chunks, size, xxh3))
+        """Create a streamed immutable object (see _create), counting its bytes as they go (bytes_uploaded)."""
+        def counted() -> Iterable[Buffer]:
+            for chunk in chunks():
+                yield chunk
+                self._sent(len(chunk))
+
+        self._create(key, lambda: self.store.put_immutable_stream(key, counted, size, xxh3))
+
+    def _sent(self, n: int) -> None:
+        with self._sent_lock:
+            self.bytes_uploaded += n
 
     def _create(self, key: str, write: Callable[[], None]) -> None:
         """Create an immutable object with `write`; a leftover above our head is replaced while we own the run

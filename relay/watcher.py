@@ -285,10 +285,26 @@ class Reader:
         self.head_seen: int | None = None  # the head of the last manifest read (for lag: fleet, metrics)
         self.heads_seen: dict[int, float] = {}  # head -> unix time first read (the newest 256)
         self._count_lock = threading.Lock()
+        self._plan: tuple[int, int] | None = None  # while reaching: (bytes_downloaded at the plan's start, its cost)
+        self._inflight: dict[int, int] = {}  # spool files being downloaded: fd -> size
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
+
+    def progress(self) -> tuple[int, int] | None:
+        """(bytes downloaded, bytes planned) of the reach in progress, None between reaches: for progress bars
+        (relay.progress). Snapshot files count as they land (their allocated blocks), other objects when read."""
+        plan = self._plan
+        if plan is None:
+            return None
+        done = self.bytes_downloaded - plan[0]
+        for fd, size in list(self._inflight.items()):
+            try:
+                done += min(os.fstat(fd).st_blocks * 512, size)
+            except OSError:  # closed meanwhile: counted in bytes_downloaded
+                pass
+        return min(done, plan[1]), plan[1]
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
@@ -336,10 +352,13 @@ class Reader:
         self._spooled.pop(ref, None)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
+            self._inflight[fd] = ref.size  # progress() reads how much of it has landed
             try:
                 got = self.store.download(ref.key, fd, ref.size)
             except ValueError as exc:  # another size than the manifest's: nothing beyond it is trusted
                 raise _VerifyError([ref], f"{ref.key}: {exc}") from None
+            finally:
+                self._inflight.pop(fd, None)
             with self._count_lock:
                 self.bytes_downloaded += got
             problem = _file_matches(fd, ref)
@@ -617,6 +636,7 @@ class Reader:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
+                    self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
                     except _Reselect as exc:  # a partial replica whose held tensors are not its selection
@@ -658,6 +678,7 @@ class Reader:
                 log.info("waiting %.2fs for %s", delay, waiting_for)
                 time.sleep(delay)
         finally:
+            self._plan = None
             self._cache.clear()
             self._spooled.clear()
 
