@@ -7,7 +7,8 @@ fsspec stores and keeps each regional manifest consistent: it copies every objec
 manifest will name, verified against the hashes the origin manifest carries, and only then
 commits that manifest with the store's conditional write (the writer rules of docs/PROTOCOL.md
 sections 3 and 4.1, applied to the regional store). It writes nothing but deltas/, records/,
-snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that).
+snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that), and, in
+the origin, each region's gathered fleet ledger (fleet/regions/, relay.fleet, PROTOCOL §9).
 
 Each destination has its own worker thread, its own backoff and its own view of what it holds,
 so a slow or unreachable region never holds up the others. A destination's manifest is the
