@@ -251,8 +251,10 @@ def test_watcher_metrics_endpoint_moves_with_the_run(file_run, trainer, tmp_path
         assert m['deltarelay_watcher_bytes_downloaded_total{host="m1"}'] > first
         assert m['deltarelay_watcher_engine_pause_seconds_count{host="m1"}'] == 2
         assert m['deltarelay_watcher_engine_pause_seconds_sum{host="m1"}'] == pytest.approx(0.42)
-        w.sync(timeout=30)  # nothing new: the same engine update is not observed twice
-        assert scrape(w.metrics_port)['deltarelay_watcher_engine_pause_seconds_count{host="m1"}'] == 2
+        w.sync(timeout=30)  # nothing new: the same engine update is not observed twice, nor the entry rewritten
+        m = scrape(w.metrics_port)
+        assert m['deltarelay_watcher_engine_pause_seconds_count{host="m1"}'] == 2
+        assert m['deltarelay_watcher_ledger_writes_total{host="m1"}'] == 2
         w.engine = None
         w.store.commit_manifest(b"{}", w.store.read_manifest().etag)  # a failed sync is counted
         with pytest.raises(ValueError, match="manifest"):
