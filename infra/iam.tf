@@ -186,6 +186,27 @@ data "aws_iam_policy_document" "relay" {
     }
   }
 
+  # The fleet ledger (docs/PROTOCOL.md §9): each region's host entries gathered into the origin's
+  # fleet/regions/, the one origin prefix the relay writes (advisory: no reader loads weights by it).
+  statement {
+    sid       = "WriteOriginFleetRegions"
+    effect    = "Allow"
+    actions   = ["s3:PutObject"]
+    resources = ["${module.origin.bucket_arn}/${var.run_prefix}*/fleet/regions/*"]
+  }
+
+  statement {
+    sid       = "EncryptOriginFleetRegions"
+    effect    = "Allow"
+    actions   = ["kms:GenerateDataKey"]
+    resources = [module.origin.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${var.origin_region}.amazonaws.com"]
+    }
+  }
+
   statement {
     sid       = "ListRegionalRuns"
     effect    = "Allow"

@@ -15,6 +15,7 @@ entry point group (tests/test_import_graph.py, tests/test_cli_commands.py).
 """
 
 from relay.distributed import RowSlice, ShardedPublisher, ShardedPublishError
+from relay.fleet import FleetTimeout, wait_for_fleet
 from relay.manifest import Manifest, ManifestError, Record
 from relay.ops import gc, rebase, status
 from relay.publisher import Publisher, close_publishers, publish
@@ -24,4 +25,5 @@ from relay.watcher import Reader, SyncError, SyncTimeout, Watcher
 
 __all__ = ["Publisher", "publish", "close_publishers", "ShardedPublisher", "ShardedPublishError", "RowSlice",
            "Watcher", "Reader", "ConflictError", "SyncError", "SyncTimeout", "ObjectMissing", "ManifestError",
-           "Manifest", "Record", "open_store", "rebase", "gc", "status", "Materialiser"]
+           "Manifest", "Record", "open_store", "rebase", "gc", "status", "Materialiser", "FleetTimeout",
+           "wait_for_fleet"]

@@ -25,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from relay.cli_options import add_trusted_key, storage_options
+from relay import fleet
+from relay.cli_options import add_metrics, add_trusted_key, storage_options
 from relay.fanout import Destination, Fanout
 
 
@@ -120,7 +121,18 @@ def _relay(args: argparse.Namespace) -> int:
     source, source_options, dests = _from_args(args)
     fan = Fanout(source, dests, source_options=source_options, poll_interval=args.poll_interval,
                  workers=args.workers, retry_max=args.retry_max, trusted_keys=args.trusted_key,
-                 replace_runs=True if args.replace_run else None)
+                 replace_runs=True if args.replace_run else None,
+                 fleet_interval=None if args.no_fleet else args.fleet_interval, metrics_port=args.metrics_port,
+                 metrics_addr=args.metrics_addr)
+    if fan.metrics_port is not None:
+        print(f"metrics on http://{args.metrics_addr}:{fan.metrics_port}/metrics", file=sys.stderr, flush=True)
+    try:
+        return _relay_with(fan, args)
+    finally:
+        fan.close()
+
+
+def _relay_with(fan: Fanout, args: argparse.Namespace) -> int:
     on_status = _status_writer(args.status_file)
     if not args.once:
         try:
@@ -159,6 +171,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-max", type=float, default=30.0, metavar="S", help="longest backoff of a failing region")
     p.add_argument("--status-file", metavar="PATH", help="keep per-region lag and bytes in this JSON file")
     p.add_argument("--status-every", type=float, default=30.0, metavar="S", help="log per-region lag this often")
+    p.add_argument("--fleet-interval", type=float, default=fleet.DEFAULT_AGGREGATE_INTERVAL, metavar="S",
+                   help="gather each region's fleet ledger (fleet/hosts/) into the origin's fleet/regions/ this often")
+    p.add_argument("--no-fleet", action="store_true", help="do not gather the fleet ledger")
+    add_metrics(p)
     add_trusted_key(p)
     p.add_argument("--replace-run", action="store_true",
                    help="with --trusted-key: let a new run at the origin replace the run a region holds (without it "

@@ -7,7 +7,8 @@ fsspec stores and keeps each regional manifest consistent: it copies every objec
 manifest will name, verified against the hashes the origin manifest carries, and only then
 commits that manifest with the store's conditional write (the writer rules of docs/PROTOCOL.md
 sections 3 and 4.1, applied to the regional store). It writes nothing but deltas/, records/,
-snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that).
+snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that), and, in
+the origin, each region's gathered fleet ledger (fleet/regions/, relay.fleet, PROTOCOL §9).
 
 Each destination has its own worker thread, its own backoff and its own view of what it holds,
 so a slow or unreachable region never holds up the others. A destination's manifest is the
@@ -47,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from relay import fleet
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot
 from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
@@ -202,12 +204,17 @@ class Fanout:
     there) and False with them (a verified regional run is kept; a replayed genuine manifest of an older
     run at the origin must not switch it): the refusal is logged as an error and counted in the region's
     status, and sync_once reports that region as not synced.
+    fleet_interval: seconds between gatherings of each region's fleet ledger into the origin
+    (`fleet/regions/<name>.json`, relay.fleet; None: none). metrics_port / metrics_registry: Prometheus
+    metrics (relay.metrics), served on metrics_addr until close().
     """
 
     def __init__(self, source: str | Store, destinations: list[Destination], *, source_options: dict | None = None,
                  poll_interval: float = 1.0, workers: int = 4, cache_bytes: int = 1 << 30,
                  retry_initial: float = 0.5, retry_max: float = 30.0, recheck_interval: float = 30.0,
-                 trusted_keys: Any = None, replace_runs: bool | None = None) -> None:
+                 trusted_keys: Any = None, replace_runs: bool | None = None,
+                 fleet_interval: float | None = fleet.DEFAULT_AGGREGATE_INTERVAL, metrics_port: int | None = None,
+                 metrics_addr: str = "127.0.0.1", metrics_registry: Any = None) -> None:
         if not destinations:
             raise ValueError("the relay needs at least one destination")
         names = [d.name for d in destinations]
@@ -236,6 +243,16 @@ class Fanout:
         self._seen: dict[int, tuple[float, float]] = {}  # origin head -> (monotonic, wall) when first seen
         self._source_error: str | None = None
         self._last_sig: tuple | None = None
+        self.fleet = None if fleet_interval is None else fleet.RegionGatherer(
+            self.source, {name: r.store for name, r in self.regions.items()}, fleet_interval)
+        self.metrics: Any = None
+        self.metrics_port: int | None = None
+        if metrics_port is not None or metrics_registry is not None:
+            from relay import metrics  # prometheus_client only for a relay that exports metrics
+
+            self.metrics = metrics.FanoutMetrics(self, registry=metrics_registry)
+            if metrics_port is not None:
+                self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
 
     # -- origin ---------------------------------------------------------------------------------
     def poll_source(self) -> bool:
@@ -496,6 +513,8 @@ class Fanout:
     # -- lifecycle ------------------------------------------------------------------------------
     def _start(self) -> None:
         self._stop.clear()
+        if self.fleet is not None:
+            self.fleet.start()
         for region in self.regions.values():
             if region.thread is None or not region.thread.is_alive():
                 region.thread = threading.Thread(target=self._worker, args=(region,), daemon=True,
@@ -510,6 +529,8 @@ class Fanout:
             if region.thread is not None:
                 region.thread.join(timeout=30)
                 region.thread = None
+        if self.fleet is not None:
+            self.fleet.stop()
 
     def run(self, status_every: float = 30.0, on_status: Any = None) -> None:
         """Poll the origin and mirror it into every destination until stop().
@@ -573,6 +594,12 @@ class Fanout:
         with self._cond:
             self._cond.notify_all()
 
+    def close(self) -> None:
+        """stop(), and stop serving metrics."""
+        self.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+
     # -- reporting ------------------------------------------------------------------------------
     def _report(self, on_status: Any, force: bool = False) -> None:
         """Hand the status to `on_status` when something a reader cares about changed."""
@@ -596,6 +623,7 @@ class Fanout:
                 "source_bytes_read": self._cache.bytes_read,
                 "source_error": self._source_error,
                 "regions": {},
+                "fleet": None if self.fleet is None else self.fleet.status(),
             }
             for name, r in self.regions.items():
                 lag_steps = lag_seconds = None

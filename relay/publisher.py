@@ -290,6 +290,8 @@ class Publisher:
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self._adopt_unsigned = adopt_unsigned  # until our first signed commit: then the run is ours to sign
         self._commit_lock = threading.Lock()
+        self.bytes_uploaded = 0  # object bytes sent (retries included): for progress bars (relay.progress)
+        self._sent_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
         self._cow = _CopyOnWrite()
@@ -520,10 +522,20 @@ class Publisher:
     def _put(self, key: str, data: bytes) -> None:
         """Create an immutable object (see _create)."""
         self._create(key, lambda: self.store.put_immutable(key, data))
+        self._sent(len(data))
 
     def _put_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
-        """Create a streamed immutable object (see _create)."""
-        self._create(key, lambda: self.store.put_immutable_stream(key, chunks, size, xxh3))
+        """Create a streamed immutable object (see _create), counting its bytes as they go (bytes_uploaded)."""
+        def counted() -> Iterable[Buffer]:
+            for chunk in chunks():
+                yield chunk
+                self._sent(len(chunk))
+
+        self._create(key, lambda: self.store.put_immutable_stream(key, counted, size, xxh3))
+
+    def _sent(self, n: int) -> None:
+        with self._sent_lock:
+            self.bytes_uploaded += n
 
     def _create(self, key: str, write: Callable[[], None]) -> None:
         """Create an immutable object with `write`; a leftover above our head is replaced while we own the run
@@ -593,6 +605,23 @@ class Publisher:
         for f in self._pending:
             f.result()  # _background_snapshot reports its own failures; nothing is raised here
         self._pending = []
+
+    def wait_for_fleet(self, step: int | None = None, fraction: float = 1.0, timeout: float = 600.0, *,
+                       regions: Iterable[str | Store] = (), storage_options: dict | None = None,
+                       ttl: float | None = None, poll_interval: float = 2.0, min_hosts: int = 1) -> Any:
+        """Bounded staleness: block until `fraction` of the live rollout hosts hold `step` (default: the last
+        one published) of this run, as the fleet ledger says (relay.fleet.wait_for_fleet: this store, with the
+        regions a relay gathers into it, plus the regional stores `regions` read directly); FleetTimeout,
+        naming the hosts that lag, after `timeout` seconds. Returns the relay.fleet.FleetProgress."""
+        from relay import fleet
+
+        if step is None:
+            if self.step is None:
+                raise ValueError(f"{self.url}: nothing published yet; give the step to wait for")
+            step = self.step
+        stores = [self.store, *(r if isinstance(r, Store) else open_store(r, storage_options) for r in regions)]
+        return fleet.wait_for_fleet(stores, step, fraction, timeout, run=self.run, ttl=ttl,
+                                    poll_interval=poll_interval, min_hosts=min_hosts)
 
     def flush(self) -> None:
         """Block until every background upload is done; re-raise the first failure since the last flush."""

@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Collection, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ import torch
 import codec
 import xxhash
 
-from relay import announce, checkpoint, shards
+from relay import announce, checkpoint, fleet, shards
 from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
 from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
@@ -285,12 +286,31 @@ class Reader:
             raise ValueError("need 0 < failure_backoff_initial <= failure_backoff_max")
         self.failure_backoff = Backoff(failure_backoff_initial, failure_backoff_max)  # for objects that fail checks
         self.bytes_downloaded = 0
+        self.verify_failures = 0  # objects that failed a check (each refetch or backoff counts one)
+        self.head_seen: int | None = None  # the head of the last manifest read (for lag: fleet, metrics)
+        self.heads_seen: dict[int, float] = {}  # head -> unix time first read (the newest 256)
         self._count_lock = threading.Lock()
+        self._plan: tuple[int, int] | None = None  # while reaching: (bytes_downloaded at the plan's start, its cost)
+        self._inflight: dict[int, int] = {}  # spool files being downloaded: fd -> size
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
+
+    def progress(self) -> tuple[int, int] | None:
+        """(bytes downloaded, bytes planned) of the reach in progress, None between reaches: for progress bars
+        (relay.progress). Snapshot files count as they land (their allocated blocks), other objects when read."""
+        plan = self._plan
+        if plan is None:
+            return None
+        done = self.bytes_downloaded - plan[0]
+        for fd, size in list(self._inflight.items()):
+            try:
+                done += min(os.fstat(fd).st_blocks * 512, size)
+            except OSError:  # closed meanwhile: counted in bytes_downloaded
+                pass
+        return min(done, plan[1]), plan[1]
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
@@ -301,7 +321,12 @@ class Reader:
         m = Manifest.parse(got.data, where)
         if self.trusted is not None:
             self.trusted.verify(m, where)
-        elif m.signatures and not self._warned_unchecked:
+        self.head_seen = m.head
+        if m.head not in self.heads_seen:
+            self.heads_seen[m.head] = time.time()
+            while len(self.heads_seen) > 256:
+                del self.heads_seen[min(self.heads_seen)]
+        if m.signatures and self.trusted is None and not self._warned_unchecked:
             self._warned_unchecked = True  # once per Reader: the operator probably forgot the key
             log.warning("%s: run is signed but this watcher trusts no key; signatures are not checked; "
                         "pass --trusted-key", self.store.url)
@@ -356,10 +381,13 @@ class Reader:
         self._spooled.pop(ref, None)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
+            self._inflight[fd] = ref.size  # progress() reads how much of it has landed
             try:
                 got = self.store.download(ref.key, fd, ref.size)
             except ValueError as exc:  # another size than the manifest's: nothing beyond it is trusted
                 raise _VerifyError([ref], f"{ref.key}: {exc}") from None
+            finally:
+                self._inflight.pop(fd, None)
             with self._count_lock:
                 self.bytes_downloaded += got
             problem = _file_matches(fd, ref)
@@ -651,6 +679,7 @@ class Reader:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
+                    self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
                     except _Reselect as exc:  # a partial replica whose held tensors are not its selection
@@ -668,6 +697,7 @@ class Reader:
                                             time.monotonic() - first)
                                 continue
                     except _VerifyError as exc:
+                        self.verify_failures += 1
                         for ref in exc.refs:
                             self._cache.pop(ref, None)
                             self._spooled.pop(ref, None)
@@ -691,8 +721,22 @@ class Reader:
                 log.info("waiting %.2fs for %s", delay, waiting_for)
                 time.sleep(delay)
         finally:
+            self._plan = None
             self._cache.clear()
             self._spooled.clear()
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """The `reason` a failed sync is counted under (metrics, the fleet ledger)."""
+    if isinstance(exc, SyncTimeout):
+        return "timeout"
+    if isinstance(exc, HotLoadError):
+        return "hotload"
+    if isinstance(exc, SyncError):
+        return "sync"
+    if isinstance(exc, (OSError, ConnectionError)):
+        return "store"
+    return "other"
 
 
 def _remove_entry(p: Path) -> None:
@@ -730,6 +774,11 @@ class Watcher:
     `tensors` (names or a predicate) makes DEST a partial replica (a pipeline stage, an expert-parallel
     rank): only those tensors are downloaded, verified and written, and relay-state.json says
     `"partial": true`; a full watcher never takes a partial DEST's step as its own, nor the reverse.
+    Fleet (relay.fleet, PROTOCOL §9): the watcher reports its held step to the store it follows, as
+    `fleet/hosts/<host>.json` (`host` defaults to <hostname>-<hash of DEST>), after every sync and every
+    `report_interval` seconds while run() runs (None: no reports); advisory, a failed write never stops a
+    sync. `metrics_port` (0: any free port, `metrics_port` attribute once bound) serves Prometheus metrics
+    on `metrics_addr`; `metrics_registry` registers them there instead (relay.metrics).
     """
 
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
@@ -738,7 +787,10 @@ class Watcher:
                  retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None,
                  failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
                  tensors: Any = None, persist: str = "full", compact_fraction: float = 0.5,
-                 compact_steps: int = 64, apply_workers: int = 2) -> None:
+                 compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
+                 region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
+                 metrics_registry: Any = None) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -778,10 +830,24 @@ class Watcher:
         self._compacting: str | None = None  # the compaction's temporary version name (cleanup spares it)
         self.compactions = 0
         self.last_compaction_error: BaseException | None = None
+        self.failures: Counter[str] = Counter()  # failed syncs by reason (failure_counts() adds the reader's)
+        self.last_error: str | None = None
+        self._last_failure: BaseException | None = None
+        self.listeners: list[Callable[[Watcher], Any]] = []  # called after every sync attempt (fleet, metrics)
+        self.fleet = None if report_interval is None else fleet.FleetReporter(self, host=host, region=region,
+                                                                              interval=report_interval)
+        self.metrics: Any = None
+        self.metrics_port: int | None = None
         self.dest.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock()
         try:
             self._recover()
+            if metrics_port is not None or metrics_registry is not None:
+                from relay import metrics  # prometheus_client only for a watcher that exports metrics
+
+                self.metrics = metrics.WatcherMetrics(self, registry=metrics_registry)
+                if metrics_port is not None:
+                    self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
         except BaseException:
             self.close()
             raise
@@ -818,6 +884,11 @@ class Watcher:
         compactor = getattr(self, "_compactor", None)
         if compactor is not None:
             compactor.join()  # it gives up at its next batch once _stop is set
+        reporter, metrics = getattr(self, "fleet", None), getattr(self, "metrics", None)
+        if reporter is not None:
+            reporter.stop()
+        if metrics is not None:
+            metrics.close()
         lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()  # closing the descriptor releases the flock
@@ -831,6 +902,25 @@ class Watcher:
     @property
     def bytes_downloaded(self) -> int:
         return self.reader.bytes_downloaded
+
+    def failure_counts(self) -> dict[str, int]:
+        """Failures by reason: failed syncs (timeout, sync, hotload, store, ...) and objects that failed a check."""
+        return {**self.failures, "verify": self.reader.verify_failures}
+
+    def _engine_state(self) -> dict | None:
+        """The engine adapter's state() (kind, step, weight_version, status, last_pause_s) for the fleet ledger
+        and the metrics; None without an engine."""
+        engine = getattr(self, "engine", None)
+        return None if engine is None else engine.state()
+
+    def _notify(self) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(self)
+            except Exception as exc:  # noqa: BLE001 - observers never break the sync
+                log.warning("%s: a sync listener failed: %s", self.dest, exc)
+        if self.fleet is not None:
+            self.fleet.poke()
 
     # -- local directory ----------------------------------------------------------------------
     def _recover(self) -> None:
@@ -1232,6 +1322,21 @@ class Watcher:
 
     # -- syncing ------------------------------------------------------------------------------
     def sync(self, timeout: float | None = None) -> int:
+        """Bring `dest` to the head once and return the step held (_sync); a failure is counted by reason
+        (failure_counts), and the fleet ledger and listeners hear of every attempt."""
+        try:
+            step = self._sync(timeout)
+        except Exception as exc:
+            self.failures[_failure_reason(exc)] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._last_failure = exc
+            self._notify()
+            raise
+        self.last_error = None
+        self._notify()
+        return step
+
+    def _sync(self, timeout: float | None = None) -> int:
         """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError).
 
         A chain is applied to the held tensors in place; if persisting the step fails, they are reverted
@@ -1361,6 +1466,8 @@ class Watcher:
         sync that cannot finish in time raises SyncTimeout instead.
         """
         etag = None
+        if self.fleet is not None:
+            self.fleet.start()  # heartbeats, also while a sync hangs (a stuck host shows as behind, not dead)
         while not self._stop.is_set():
             try:
                 got = self.store.read_manifest(if_none_match=etag)
@@ -1371,8 +1478,12 @@ class Watcher:
                 if sync_timeout is not None:
                     raise
             except Exception as exc:  # noqa: BLE001 - a rollout host keeps serving its last good step
+                if exc is not self._last_failure:  # sync() counted its own
+                    self.failures["poll"] += 1
                 log.error("%s: sync failed, keeping step %s: %s", self.dest, self.step, exc)
             self._stop.wait(self.poll_interval)
+        if self.fleet is not None:
+            self.fleet.stop()
 
     def stop(self) -> None:
         self._stop.set()

@@ -589,7 +589,16 @@ def test_relay_reads_origin_and_writes_every_region():
     regional = []
     for st in sts:
         targets = {t for t in stmt_refs(st) if not t.startswith("var.")}
-        if targets == {"module.origin"}:
+        if targets == {"module.origin"} and st["sid"].endswith("OriginFleetRegions"):
+            # the one origin write: the fleet ledger's gathered regions (advisory, PROTOCOL §9)
+            if "s3:PutObject" in st["actions"]:
+                assert st["actions"] == {"s3:PutObject"} and st["resources"] == [
+                    "${module.origin.bucket_arn}/${var.run_prefix}*/fleet/regions/*"], st
+            else:
+                assert st["actions"] == {"kms:GenerateDataKey"}, st
+                via = ("StringEquals", "kms:ViaService", ("s3.${var.origin_region}.amazonaws.com",))
+                assert via in st["conditions"], st
+        elif targets == {"module.origin"}:
             assert st["actions"] <= {"s3:ListBucket", "s3:GetObject", "kms:Decrypt"}, f"relay writes the origin: {st}"
         else:
             assert targets == every_region, f"relay statement {st['sid']} reaches {targets}"
@@ -602,12 +611,22 @@ def test_relay_reads_origin_and_writes_every_region():
 
 def test_rollout_role_reads_only_its_own_region():
     mod = load_module(REGION_DIR)
-    sts = statements(mod["data"]["data.aws_iam_policy_document.rollout"])
+    all_sts = statements(mod["data"]["data.aws_iam_policy_document.rollout"])
+    # its one write: the host's fleet ledger entry (advisory, PROTOCOL §9), encrypted with the region's key
+    ledger = [st for st in all_sts if st["sid"] in ("WriteFleetLedger", "EncryptFleetLedger")]
+    assert {st["sid"]: st["actions"] for st in ledger} == {"WriteFleetLedger": {"s3:PutObject"},
+                                                           "EncryptFleetLedger": {"kms:GenerateDataKey"}}
+    put = next(st for st in ledger if st["sid"] == "WriteFleetLedger")
+    assert put["resources"] == ["${module.store.bucket_arn}/${var.run_prefix}*/fleet/hosts/*"]
+    enc = next(st for st in ledger if st["sid"] == "EncryptFleetLedger")
+    assert enc["resources"] == ["${module.store.kms_key_arn}"]
+    assert ("StringEquals", "kms:ViaService", ("s3.${var.region}.amazonaws.com",)) in enc["conditions"]
+    sts = [st for st in all_sts if st not in ledger]
     actions = set().union(*(st["actions"] for st in sts))
     assert actions == {"s3:ListBucket", "s3:GetObject", "kms:Decrypt"}
     writes = ("s3:Put", "s3:Delete", "s3:Abort", "kms:Encrypt", "kms:GenerateDataKey")
     assert not any(a.startswith(writes) for a in actions)
-    for st in sts:
+    for st in all_sts:
         targets = refs(st["resources"], mod["locals"])
         assert {t for t in targets if not t.startswith("var.")} == {"module.store"}, st
     get = next(st for st in sts if "s3:GetObject" in st["actions"])

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from referencing import Registry, Resource
 
+from relay import fleet
 from relay.announce import ANNOUNCE_KEY, Announcement
 from relay.manifest import DestState, Manifest, ManifestError, Record
 from relay.regional import Materialiser
@@ -27,7 +28,7 @@ def _schema(name: str) -> dict:
     return json.loads((SCHEMAS / f"{name}.schema.json").read_text())
 
 
-SCHEMA_NAMES = ("manifest", "record", "relay-state", "regional-snapshots")
+SCHEMA_NAMES = ("manifest", "record", "relay-state", "regional-snapshots", "fleet-host", "fleet-region")
 _REGISTRY = Registry().with_resources(
     (s["$id"], Resource.from_contents(s)) for s in (_schema(n) for n in SCHEMA_NAMES))
 
@@ -155,3 +156,64 @@ def test_cross_field_rules_are_the_parsers(run_docs):
     assert validator("manifest").is_valid(doc)
     with pytest.raises(ManifestError, match="is not the last step"):
         Manifest.parse(json.dumps(doc).encode())
+
+
+@pytest.fixture
+def fleet_docs(file_run, trainer, tmp_path) -> dict:
+    """A watcher's ledger entry (with an engine's state) and the region document a relay gathers from it."""
+    publish_steps(file_run.url, trainer, 2)
+    with Watcher(file_run.url, tmp_path / "dest", host="h-1", region="eu") as w:
+        w.engine = type("E", (), {"state": lambda self: {"kind": "vllm", "step": 1, "weight_version": "1",
+                                                         "status": "serving", "last_pause_s": 0.02}})()
+        w.sync(timeout=10)
+    region = open_store(file_run.url)
+    origin = open_store(f"file://{tmp_path}/origin")
+    fleet.RegionGatherer(origin, {"eu": region}).gather("eu")
+    return {"host": json.loads(region.get("fleet/hosts/h-1.json")),
+            "region": json.loads(origin.get(fleet.region_key("eu")))}
+
+
+def test_fleet_documents_follow_their_schemas(fleet_docs):
+    validator("fleet-host").validate(fleet_docs["host"])
+    assert fleet_docs["host"]["engine"]["kind"] == "vllm" and fleet_docs["host"]["step"] == 1
+    validator("fleet-region").validate(fleet_docs["region"])
+    assert [h["host"] for h in fleet_docs["region"]["hosts"]] == ["h-1"]
+    f = fleet.Fleet()
+    fleet._read_region(json.dumps(fleet_docs["region"]).encode(), fleet.region_key("eu"), "eu", f)
+    assert [e.report.host for e in f.entries] == ["h-1"]
+
+
+HOST_MUTATIONS = [
+    lambda d: d.update(version=2), lambda d: d.update(format="x"), lambda d: d.update(extra=1),
+    lambda d: d.update(host="../x"), lambda d: d.update(host=""), lambda d: d.update(step=-1),
+    lambda d: d.update(step="3"), lambda d: d.update(step=True), lambda d: d.update(updated=0),
+    lambda d: d.update(interval=7200), lambda d: d.update(interval=0), lambda d: d.pop("instance"),
+    lambda d: d.update(partial=None), lambda d: d.update(bytes_downloaded=-1),
+    lambda d: d.update(failures={"Bad Reason": 1}), lambda d: d.update(failures={"sync": -1}),
+    lambda d: d.update(engine={"a": {"b": 1}}), lambda d: d.update(engine={"k": "x" * 300}),
+    lambda d: d.update(engine=[1]), lambda d: d.update(hostname="h" * 300), lambda d: d.update(region=""),
+]
+
+REGION_MUTATIONS = [
+    lambda d: d.update(version=2), lambda d: d.update(format="x"), lambda d: d.update(extra=1),
+    lambda d: d.update(interval=1e9), lambda d: d.update(hosts={}), lambda d: d.pop("truncated"),
+    lambda d: d.update(updated=-5), lambda d: d.pop("url"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(HOST_MUTATIONS)))
+def test_fleet_host_schema_refuses_what_the_parser_refuses(fleet_docs, i):
+    doc = json.loads(json.dumps(fleet_docs["host"]))
+    HOST_MUTATIONS[i](doc)
+    with pytest.raises(fleet.FleetError):
+        fleet.HostReport.parse(json.dumps(doc).encode(), "entry")
+    assert not validator("fleet-host").is_valid(doc)
+
+
+@pytest.mark.parametrize("i", range(len(REGION_MUTATIONS)))
+def test_fleet_region_schema_refuses_what_the_parser_refuses(fleet_docs, i):
+    doc = json.loads(json.dumps(fleet_docs["region"]))
+    REGION_MUTATIONS[i](doc)
+    with pytest.raises(fleet.FleetError):
+        fleet._read_region(json.dumps(doc).encode(), fleet.region_key("eu"), "eu", fleet.Fleet())
+    assert not validator("fleet-region").is_valid(doc)

@@ -1,5 +1,6 @@
-# One rollout region: its bucket (same hardening and lifecycle as the origin) and the read-only role
-# its rollout hosts assume to run `deltarelay watch` against that bucket and nothing else.
+# One rollout region: its bucket (same hardening and lifecycle as the origin) and the role its rollout
+# hosts assume to run `deltarelay watch` against that bucket and nothing else: read-only, except each
+# host's fleet ledger entry (fleet/hosts/, docs/PROTOCOL.md §9), which is advisory.
 
 data "aws_region" "current" {}
 
@@ -60,6 +61,27 @@ data "aws_iam_policy_document" "rollout" {
     effect    = "Allow"
     actions   = ["s3:GetObject"]
     resources = ["${module.store.bucket_arn}/${var.run_prefix}*"]
+  }
+
+  # The fleet ledger: a watcher writes its own fleet/hosts/<host>.json (compare-and-swap); nobody loads
+  # weights by it, so the worst a host can do with this is lie about the fleet (docs/SECURITY.md).
+  statement {
+    sid       = "WriteFleetLedger"
+    effect    = "Allow"
+    actions   = ["s3:PutObject"]
+    resources = ["${module.store.bucket_arn}/${var.run_prefix}*/fleet/hosts/*"]
+  }
+
+  statement {
+    sid       = "EncryptFleetLedger"
+    effect    = "Allow"
+    actions   = ["kms:GenerateDataKey"]
+    resources = [module.store.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${var.region}.amazonaws.com"]
+    }
   }
 
   statement {
