@@ -112,7 +112,7 @@ def _bf16_block(blk: np.ndarray) -> bytes:
     return out
 
 
-def _other_block(raw: memoryview) -> bytes:
+def _other_block(raw: bytes) -> bytes:
     packed = compressors.compress(compressors.ZSTD, raw, ZSTD_LEVEL)
     if len(packed) < len(raw):
         return bytes((KIND_ZSTD,)) + packed
@@ -133,10 +133,10 @@ def _encode_tensor(name: str, t: torch.Tensor) -> tuple[bytes, list[bytes], Snap
             blocks.append(_bf16_block(elems[start:start + block_elems]))
     else:
         block_elems = max(1, OTHER_BLOCK_BYTES // dt.itemsize)
-        raw = memoryview(elems.view(np.uint8))
+        raw = elems.view(np.uint8)
         step = block_elems * dt.itemsize
         for start in range(0, numel * dt.itemsize, step):
-            blocks.append(_other_block(raw[start:start + step]))
+            blocks.append(_other_block(raw[start:start + step].tobytes()))
     w = wire.Writer()
     w.blob(name.encode())
     w.u8(dt.code)
@@ -220,7 +220,7 @@ class _Source:
         if isinstance(src, (bytes, bytearray, memoryview)):
             self._mv = memoryview(src).cast("B")
         elif isinstance(src, (str, os.PathLike)):
-            self._own = open(src, "rb")  # noqa: SIM115 - closed by close()
+            self._own = open(src, "rb")
             self._f = self._own
         elif hasattr(src, "read"):
             self._f = src  # type: ignore[assignment]
@@ -556,7 +556,8 @@ def decode_snapshot(src: object, only: set[str] | None = None, *,
             known = {e.name for e in entries}
             missing = sorted(set(only) - known)
             if missing:
-                raise s.error(f"holds no tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise s.error(f"holds no tensor {missing[0]!r}{more}")
             for e in entries:
                 if e.name not in only:
                     continue
