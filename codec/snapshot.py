@@ -119,7 +119,7 @@ def _other_block(raw: bytes) -> bytes:
     return bytes((KIND_RAW,)) + bytes(raw)
 
 
-def _encode_tensor(name: str, t: torch.Tensor) -> tuple[bytes, list[bytes], SnapshotEntry]:
+def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int) -> tuple[bytes, list[bytes], SnapshotEntry]:
     """(record head with its tag and length, blocks, index entry without offset)."""
     dt = tensors.dtype_of(t, name)
     shape = tuple(int(d) for d in t.shape)
@@ -128,7 +128,7 @@ def _encode_tensor(name: str, t: torch.Tensor) -> tuple[bytes, list[bytes], Snap
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     blocks: list[bytes] = []
     if dt is tensors.BF16:
-        block_elems = BF16_BLOCK_ELEMS
+        block_elems = bf16_block
         for start in range(0, numel, block_elems):
             blocks.append(_bf16_block(elems[start:start + block_elems]))
     else:
@@ -170,9 +170,13 @@ def _index_body(entries: list[SnapshotEntry]) -> bytes:
     return w.getvalue()
 
 
-def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[bytes]:
+def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *,
+                    bf16_block_elems: int = BF16_BLOCK_ELEMS) -> Iterator[bytes]:
     """The snapshot object of `named` (name, tensor) pairs, as chunks in order: memory holds one
-    tensor's output at a time. Names must be unique (ValueError otherwise, before the index)."""
+    tensor's output at a time. Names must be unique (ValueError otherwise, before the index).
+    `bf16_block_elems` (1 to 2**21) is for tests and vectors: decoders take any block size."""
+    if not 1 <= bf16_block_elems <= MAX_BLOCK_BYTES // 2:
+        raise ValueError(f"bf16_block_elems {bf16_block_elems} is not in 1..{MAX_BLOCK_BYTES // 2}")
     yield PREFIX.pack(MAGIC, VERSION, 0)
     offset = PREFIX.size
     entries: list[SnapshotEntry] = []
@@ -183,7 +187,7 @@ def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[bytes
         if len(name.encode()) > MAX_NAME:
             raise ValueError(f"tensor {name[:64]!r}...: name over {MAX_NAME} bytes")
         seen.add(name)
-        head, blocks, entry = _encode_tensor(name, t)
+        head, blocks, entry = _encode_tensor(name, t, bf16_block_elems)
         entries.append(SnapshotEntry(entry.name, entry.dtype, entry.shape, entry.digest, offset, entry.length))
         offset += entry.length
         yield head

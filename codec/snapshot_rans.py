@@ -1,6 +1,6 @@
 """The compressed snapshot's BF16 kernels: the exponent byte rANS-coded, sign and mantissa kept as bytes.
 
-What was measured on all-MiniLM-L6-v2 in BF16 (`codec/lab/snapshot_entropy.py`): order-0
+What was measured on all-MiniLM-L6-v2 in BF16 (`scripts/snapshot_entropy.py`): order-0
 exponent entropy is 2.614 bits per element; conditioning on the previous element's exponent
 gives 2.610, the sign is 1.000 bits whatever its context, and the mantissa conditioned on the
 exponent 6.924 of 7 bits. So a block codes its exponents with one static order-0 table
