@@ -23,6 +23,7 @@ from . import rans
 
 SCALE = 12
 STATES = 4
+PAD = 4  # zero words before a block's stream in the decoder: one group's worth of pulls
 _U = np.uint64
 
 
@@ -89,43 +90,44 @@ def decode_block(table, words, x0, x1, x2, x3, residual, out):
     n = out.size
     L = rans.RANS_L
     M = (1 << SCALE) - 1
+    # the words behind PAD zeros, so that a group of four symbols needs one bounds check: a
+    # forged stream that runs out reads those zeros and is refused right after its group
+    padded = np.zeros(words.size + PAD, np.uint32)
+    for j in range(words.size):
+        padded[j + PAD] = words[j]
     pos = np.int64(words.size) - 1
     i = 0
     n4 = n - (n & 3)
     while i < n4:
+        if pos < -1:
+            return False
         e = np.int64(table[_U(x0 & M)])
         x0 = ((e >> 8) & M) * (x0 >> SCALE) + (e >> 20)
         if x0 < L:
-            if pos < 0:
-                return False
-            x0 = (x0 << 32) | np.int64(words[_U(pos)])
+            x0 = (x0 << 32) | np.int64(padded[_U(pos + PAD)])
             pos -= 1
         out[_U(i)] = np.uint16((e & 0xFF) << 7)
         e = np.int64(table[_U(x1 & M)])
         x1 = ((e >> 8) & M) * (x1 >> SCALE) + (e >> 20)
         if x1 < L:
-            if pos < 0:
-                return False
-            x1 = (x1 << 32) | np.int64(words[_U(pos)])
+            x1 = (x1 << 32) | np.int64(padded[_U(pos + PAD)])
             pos -= 1
         out[_U(i + 1)] = np.uint16((e & 0xFF) << 7)
         e = np.int64(table[_U(x2 & M)])
         x2 = ((e >> 8) & M) * (x2 >> SCALE) + (e >> 20)
         if x2 < L:
-            if pos < 0:
-                return False
-            x2 = (x2 << 32) | np.int64(words[_U(pos)])
+            x2 = (x2 << 32) | np.int64(padded[_U(pos + PAD)])
             pos -= 1
         out[_U(i + 2)] = np.uint16((e & 0xFF) << 7)
         e = np.int64(table[_U(x3 & M)])
         x3 = ((e >> 8) & M) * (x3 >> SCALE) + (e >> 20)
         if x3 < L:
-            if pos < 0:
-                return False
-            x3 = (x3 << 32) | np.int64(words[_U(pos)])
+            x3 = (x3 << 32) | np.int64(padded[_U(pos + PAD)])
             pos -= 1
         out[_U(i + 3)] = np.uint16((e & 0xFF) << 7)
         i += 4
+    if pos < -1:
+        return False
     while i < n:  # the last n % 4 elements: states 0, 1, 2 in turn
         k = i & 3
         x = x0 if k == 0 else (x1 if k == 1 else x2)
@@ -134,7 +136,7 @@ def decode_block(table, words, x0, x1, x2, x3, residual, out):
         if x < L:
             if pos < 0:
                 return False
-            x = (x << 32) | np.int64(words[_U(pos)])
+            x = (x << 32) | np.int64(padded[_U(pos + PAD)])
             pos -= 1
         out[_U(i)] = np.uint16((e & 0xFF) << 7)
         if k == 0:
