@@ -31,6 +31,7 @@ with keyed_by_sources():  # every compiled kernel is defined while these imports
     from .inspect import TensorDigests, describe, digests
     from .snapshot import (SnapshotEntry, SnapshotError, decode_snapshot, encode_snapshot, read_snapshot_index,
                            write_snapshot)
+    from .snapshot import MAGIC as SNAPSHOT_MAGIC
     from .snapshot import VERSION as SNAPSHOT_FORMAT_VERSION
 from ._warmup import WarmUp, warm_up
 
@@ -45,4 +46,4 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
 __all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "digests", "TensorDigests", "check_structure",
            "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "warm_up", "WarmUp",
            "encode_snapshot", "write_snapshot", "decode_snapshot", "read_snapshot_index", "SnapshotEntry",
-           "SnapshotError", "SNAPSHOT_FORMAT_VERSION"]
+           "SnapshotError", "SNAPSHOT_FORMAT_VERSION", "SNAPSHOT_MAGIC"]
