@@ -22,7 +22,8 @@ def _publish(args: argparse.Namespace) -> int:
     tensors, _ = checkpoint.load(args.checkpoint)
     with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=storage_options(args.storage_options),
                    resume=args.resume, background=False, signing_key=args.signing_key,
-                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned) as pub:
+                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned,
+                   snapshot_format=args.snapshot_format) as pub:
         pub.publish(tensors, args.step)
     print(f"published step {args.step} to {args.url}")
     return 0
@@ -108,6 +109,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
     p.add_argument("--snapshot-every", type=int, default=25)
+    p.add_argument("--snapshot-format", choices=("safetensors", "compressed"), default="safetensors",
+                   help="snapshot files as safetensors (default) or as compressed snapshot objects (docs/FORMAT.md), "
+                        "which watchers decode into safetensors in DEST")
     add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_publish)
