@@ -28,7 +28,8 @@ def _publish(args: argparse.Namespace) -> int:
     tensors, _ = checkpoint.load(args.checkpoint)
     with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=storage_options(args.storage_options),
                    resume=args.resume, background=False, signing_key=args.signing_key,
-                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned) as pub:
+                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned,
+                   snapshot_format=args.snapshot_format) as pub:
         start = pub.bytes_uploaded
         with progress.Poller(lambda: (pub.bytes_uploaded - start, None), f"publish step {args.step}",
                              enabled=progress.wanted() and not args.no_progress):
@@ -143,6 +144,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
     p.add_argument("--snapshot-every", type=int, default=25)
+    p.add_argument("--snapshot-format", choices=("safetensors", "compressed"), default="safetensors",
+                   help="snapshot files as safetensors (default) or as compressed snapshot objects (docs/FORMAT.md), "
+                        "which watchers decode into safetensors in DEST")
     add_writer_keys(p)
     add_storage_options(p)
     add_no_progress(p)

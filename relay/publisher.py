@@ -34,7 +34,8 @@ import torch
 
 import codec
 from codec.tensors import element_view
-from relay.checkpoint import DEFAULT_SHARD_BYTES, StreamedFile, index_bytes, safetensors_stream, shard_plan
+from relay.checkpoint import (DEFAULT_SHARD_BYTES, SNAPSHOT_FORMATS, SpooledSnapshot, StreamedFile, index_bytes,
+                              safetensors_stream, shard_plan, spool_compressed_snapshot)
 from relay.commit import check_writable, create_owned, extend_run, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, snapshot_prefix, tensor_blake3, tensor_infos)
@@ -79,23 +80,42 @@ def _on_host(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_cpu and t.is_contiguous() else _private_copy(t)
 
 
-def snapshot_files(step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str]
-                   ) -> dict[str, StreamedFile]:
+def snapshot_files(step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str],
+                   snapshot_format: str = "safetensors") -> dict[str, StreamedFile | SpooledSnapshot]:
     """Key -> streamed bytes of a full snapshot under snapshots/<step>/: safetensors shards (exactly what
     safetensors.torch.save writes, PROTOCOL §3.3) plus a Hugging Face index. Nothing is serialized here:
-    the shards hand out views of the tensors when read."""
+    the shards hand out views of the tensors when read. With `snapshot_format="compressed"` each shard is
+    a codec snapshot object instead, encoded here into a spool file (`close_files` removes them), and the
+    index's metadata says `"snapshot_format": "compressed"`."""
+    if snapshot_format not in SNAPSHOT_FORMATS:
+        raise ValueError(f"snapshot_format {snapshot_format!r} is not one of {SNAPSHOT_FORMATS}")
     prefix = snapshot_prefix(step)
-    files = {}
-    for shard in sorted(set(weight_map.values())):
-        part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
-        files[prefix + shard] = safetensors_stream(part, {"step": str(step)})
-    files[prefix + INDEX_NAME] = StreamedFile(index_bytes(tensors, weight_map, step=step))
+    files: dict[str, StreamedFile | SpooledSnapshot] = {}
+    try:
+        for shard in sorted(set(weight_map.values())):
+            part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
+            if snapshot_format == "compressed":
+                files[prefix + shard] = spool_compressed_snapshot(part)
+            else:
+                files[prefix + shard] = safetensors_stream(part, {"step": str(step)})
+    except BaseException:
+        close_files(files)
+        raise
+    extra = {"snapshot_format": "compressed"} if snapshot_format == "compressed" else {}
+    files[prefix + INDEX_NAME] = StreamedFile(index_bytes(tensors, weight_map, step=step, **extra))
     return files
 
 
-def store_files(files: Mapping[str, StreamedFile], put: PutStream, workers: int = 4, strong: bool = False,
-                stored: dict[str, ObjRef] | None = None, written: Callable[[str], None] | None = None
-                ) -> dict[str, ObjRef]:
+def close_files(files: Mapping[str, StreamedFile | SpooledSnapshot]) -> None:
+    """Remove the spool files of compressed snapshot shards (streamed ones hold nothing)."""
+    for f in files.values():
+        if isinstance(f, SpooledSnapshot):
+            f.close()
+
+
+def store_files(files: Mapping[str, StreamedFile | SpooledSnapshot], put: PutStream, workers: int = 4,
+                strong: bool = False, stored: dict[str, ObjRef] | None = None,
+                written: Callable[[str], None] | None = None) -> dict[str, ObjRef]:
     """Create every file (in parallel, streamed) and return key -> ObjRef, each computed by streaming over
     the same chunks (with SHA-256s when `strong`). `stored` holds files an earlier attempt created (skipped)
     and collects the new ones, so a retry writes only what is missing; `written(key)` is told as each file
@@ -123,11 +143,16 @@ def _snapshot_entry(step: int, refs: Mapping[str, ObjRef]) -> Snapshot:
 
 
 def upload_snapshot(store: Store, step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str],
-                    workers: int = 4, strong: bool = False, put: PutStream | None = None) -> Snapshot:
+                    workers: int = 4, strong: bool = False, put: PutStream | None = None,
+                    snapshot_format: str = "safetensors") -> Snapshot:
     """Write every snapshot file (in parallel, streamed with `put`, default store.put_immutable_stream), then
     return its manifest entry (with SHA-256s when `strong`). Memory: a few chunks per file in flight, never
     a serialized shard."""
-    refs = store_files(snapshot_files(step, tensors, weight_map), put or store.put_immutable_stream, workers, strong)
+    files = snapshot_files(step, tensors, weight_map, snapshot_format)
+    try:
+        refs = store_files(files, put or store.put_immutable_stream, workers, strong)
+    finally:
+        close_files(files)
     return _snapshot_entry(step, refs)
 
 
@@ -249,6 +274,10 @@ class Publisher:
     commit). A publisher without a key refuses to extend a signed run (it would strip the signatures).
     snapshot_attempts: tries of a background snapshot before it is reported failed (and retried at
     the next step).
+    snapshot_format: "safetensors" (default) or "compressed": snapshot files as codec snapshot objects
+    (docs/FORMAT.md; ~66% of BF16's bytes), which watchers decode and write to DEST as safetensors.
+    Each compressed snapshot is encoded into spool files during `publish` and uploaded there (not in
+    the background), so a snapshot step costs the encode's time.
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
@@ -257,7 +286,9 @@ class Publisher:
                  resume_timeout: float | None = 600.0, keep_snapshots: int | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, adopt_unsigned: bool = False,
                  snapshot_attempts: int = 3, workers: int | None = None, advance: str = "copy",
-                 snapshot_budget: float = 0.25) -> None:
+                 snapshot_budget: float = 0.25, snapshot_format: str = "safetensors") -> None:
+        if snapshot_format not in SNAPSHOT_FORMATS:
+            raise ValueError(f"snapshot_format must be one of {SNAPSHOT_FORMATS}, got {snapshot_format!r}")
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
@@ -272,7 +303,8 @@ class Publisher:
             raise ValueError("workers must be >= 1")
         self.url = url
         self.store = open_store(url, storage_options)
-        codec.warm_up(("encode",))  # a fresh host compiles the encoder while its first snapshot uploads
+        # a fresh host compiles the encoder while its first snapshot uploads
+        codec.warm_up(("encode", "snapshot_encode") if snapshot_format == "compressed" else ("encode",))
         self.snapshot_every = snapshot_every
         self.snapshot_fraction = snapshot_fraction
         self.max_shard_bytes = max_shard_bytes
@@ -281,6 +313,7 @@ class Publisher:
         self.workers = workers or min(os.cpu_count() or 1, 8)
         self.advance = advance
         self.snapshot_budget = snapshot_budget
+        self.snapshot_format = snapshot_format
         self.resume_timeout = resume_timeout
         self.snapshot_attempts = snapshot_attempts
         if keep_snapshots is not None and keep_snapshots < 1:
@@ -486,7 +519,8 @@ class Publisher:
         record_bytes = Record(self.run, step, infos, weight_map).to_bytes()
         rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
         self._put(rec_ref.key, record_bytes)
-        snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream)
+        snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream,
+                               snapshot_format=self.snapshot_format)
         self._commit(Step(step, rec_ref), snap)
         self.prev, self.step = prev, step
         self._snapshot_done(step, prev)
@@ -502,9 +536,9 @@ class Publisher:
         """The snapshot of the step just committed (prev is that step): in the background, or now."""
         if self.prev is None:
             return  # prev was lost to a failure: the next step is a snapshot anyway
-        if self._pool is None:
+        if self._pool is None or self.snapshot_format != "safetensors":
             self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers, strong,
-                                               put=self._put_stream))
+                                               put=self._put_stream, snapshot_format=self.snapshot_format))
         else:
             try:
                 job = _SnapshotJob(step, self.prev, weight_map)

@@ -438,13 +438,16 @@ class Reader:
         fetch = snap.files if files is None else files
         with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
             paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
+        # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
+        # DEST holds safetensors, written from the tensors in the record's layout
+        direct = direct and all(checkpoint.snapshot_file_format(p) == "safetensors" for p in paths)
         tensors: dict[str, torch.Tensor] = {}
         read = []
         for f, path in zip(fetch, paths):
             try:
-                part, meta = checkpoint.read_file_into(path, f.key)
+                part, meta = checkpoint.read_snapshot_file(path, f.key)
             except checkpoint.SafetensorsError as exc:
-                raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
+                raise _VerifyError([f], f"{f.key}: not a snapshot file ({exc})") from None
             if direct:
                 if set(part) != layout[path.name]:
                     raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
