@@ -51,6 +51,7 @@ from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot
 from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, ObjectMissing, Store, open_store
+from relay.traffic import CountingStore, split
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class _Region:
     synced_head: int | None = None  # and that version's head
     bytes_copied: int = 0
     objects_copied: int = 0
+    counted: CountingStore | None = None  # store as wrapped: what we wrote into the region, by kind
     bytes_read_back: int = 0  # in-region reads checking listed objects against the manifest
     failures: int = 0
     errors: int = 0
@@ -213,7 +215,8 @@ class Fanout:
         names = [d.name for d in destinations]
         if len(set(names)) != len(names):
             raise ValueError(f"destination names must be unique, got {names}")
-        self.source = source if isinstance(source, Store) else open_store(source, source_options)
+        # Every byte read from the origin is counted by kind (the relay's side of the cross-region link).
+        self.source = CountingStore(source if isinstance(source, Store) else open_store(source, source_options))
         if any(d.url.rstrip("/") == self.source.url for d in destinations):
             raise ValueError(f"{self.source.url}: a destination is the source itself")
         self.poll_interval = poll_interval
@@ -225,9 +228,10 @@ class Fanout:
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.replace_runs = self.trusted is None if replace_runs is None else bool(replace_runs)
         self._cache = _SourceCache(self.source, cache_bytes)
-        self.regions: dict[str, _Region] = {
-            d.name: _Region(d, d.store if d.store is not None else open_store(d.url, d.storage_options))
-            for d in destinations}
+        self.regions: dict[str, _Region] = {}
+        for d in destinations:
+            counted = CountingStore(d.store if d.store is not None else open_store(d.url, d.storage_options))
+            self.regions[d.name] = _Region(d, counted, counted=counted)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._origin: Manifest | None = None
@@ -594,6 +598,7 @@ class Fanout:
                 "source": self.source.url,
                 "origin": None if origin is None else {"run": origin.run, "head": origin.head, "base": origin.base},
                 "source_bytes_read": self._cache.bytes_read,
+                "source_bytes_by_kind": split(self.source.read.bytes()),
                 "source_error": self._source_error,
                 "regions": {},
             }
@@ -613,6 +618,8 @@ class Fanout:
                     "synced": origin is not None and r.synced_etag == self._origin_etag,
                     "bytes_copied": r.bytes_copied, "objects_copied": r.objects_copied,
                     "bytes_read_back": r.bytes_read_back,
+                    # written into the region, by kind (deltas, records, snapshots, manifests, ...)
+                    "bytes_by_kind": split(r.counted.written.bytes() if r.counted is not None else {}),
                     "run_refused": r.refused_etag is not None and r.refused_etag == self._origin_etag,
                     "failures": r.failures, "errors": r.errors, "last_error": r.last_error,
                     "last_commit": r.last_commit,
