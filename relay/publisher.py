@@ -33,10 +33,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 import codec
+from codec.tensors import element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, StreamedFile, index_bytes, safetensors_stream, shard_plan
 from relay.commit import check_writable, create_owned, extend_run, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            delta_key, record_key, snapshot_prefix, tensor_infos)
+                            delta_key, record_key, snapshot_prefix, tensor_blake3, tensor_infos)
 from relay.retry import Backoff
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
@@ -303,6 +304,7 @@ class Publisher:
         self._last_snapshot_step = 0  # meaningful once self.prev is set: both are set together
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
+        self._blake3: dict[str, str] = {}  # signed runs: the BLAKE3 of each tensor of prev, where known
         self.run = uuid.uuid4().hex
         self.writer = uuid.uuid4().hex  # this publisher's id in the manifest's `writer` field
         existing = self.store.read_manifest()
@@ -383,12 +385,15 @@ class Publisher:
         parts = self._parts(live, weight_map)
         payloads: list[bytes] = []
         digests: dict[str, codec.TensorDigests] = {}
+        strongs: dict[str, str] = {}  # signed runs: each tensor's BLAKE3, rehashed only where its bytes changed
         try:
             for names in parts:
                 target = {k: _on_host(live[k]) for k in names}  # host copies (device, strided): one part at a time
                 payload = codec.encode({k: prev[k] for k in names}, target, effort=self.effort, workers=self.workers)
-                del target
                 found = codec.digests(payload)
+                if strong:
+                    strongs.update(self._blake3_of(target, found))
+                del target
                 if self.advance == "apply":  # the payload must rebuild the trainer's tensors: proven before commit
                     self._apply(payload, found, budget)
                 payloads.append(payload)
@@ -397,8 +402,8 @@ class Publisher:
             if payloads and self.advance == "apply":
                 self.prev = None  # partly moved to an uncommitted step: the next step starts from a snapshot
             raise
-        record = Record(self.run, step, {k: TensorInfo(digests[k].dtype, digests[k].shape, digests[k].target)
-                                         for k in live}, weight_map)
+        record = Record(self.run, step, {k: TensorInfo(digests[k].dtype, digests[k].shape, digests[k].target,
+                                                       blake3=strongs.get(k)) for k in live}, weight_map)
         try:
             record_bytes = record.to_bytes()
             rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
@@ -418,6 +423,7 @@ class Publisher:
                 self.prev = None  # holds the uncommitted step: the next step starts from a snapshot
             raise
         self.step = step
+        self._blake3 = strongs
         self._chain_bytes += entry.delta_bytes
         if self.advance == "copy":
             try:
@@ -429,6 +435,18 @@ class Publisher:
                 raise
         if due:
             self._snapshot(step, weight_map, strong)
+
+    def _blake3_of(self, target: Mapping[str, torch.Tensor], found: Mapping[str, codec.TensorDigests]
+                   ) -> dict[str, str]:
+        """BLAKE3 (signed runs' records, PROTOCOL §3.1) of a part's target tensors: the base's for a tensor whose
+        bytes did not change (its xxh3 digests agree and the base's BLAKE3 is known), hashed otherwise."""
+        out = {}
+        for name, t in target.items():
+            d = found[name]
+            known = self._blake3.get(name)
+            out[name] = known if known is not None and d.base == d.target else tensor_blake3(
+                d.dtype, d.shape, element_view(t))
+        return out
 
     def _copy_into_prev(self, name: str, src: torch.Tensor, budget: int) -> None:
         """prev[name] := src, in place unless a pending snapshot still has to write the old tensor."""
@@ -461,7 +479,9 @@ class Publisher:
         self.prev = None  # the old base goes before the new one is copied: one checkpoint in memory
         strong = self.signer is not None
         prev = {k: _private_copy(t) for k, t in live.items()}
-        record_bytes = Record(self.run, step, tensor_infos(prev), weight_map).to_bytes()
+        infos = tensor_infos(prev, strong=strong)
+        self._blake3 = {k: v.blake3 for k, v in infos.items() if v.blake3 is not None}
+        record_bytes = Record(self.run, step, infos, weight_map).to_bytes()
         rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
         self._put(rec_ref.key, record_bytes)
         snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream)

@@ -13,6 +13,7 @@ crash) sees the old step or the new one, never a mix.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -34,7 +35,7 @@ import torch
 import codec
 import xxhash
 
-from relay import checkpoint, shards
+from relay import announce, checkpoint, shards
 from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
 from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
@@ -245,7 +246,7 @@ def _head_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, Tenso
         if dt is None or dt.name != info.dtype or tuple(t.shape) != info.shape or d.hex() != info.digest:
             bad.append(name)
     if rest:
-        bad += mismatches(rest, {k: expected[k] for k in rest})
+        bad += mismatches(rest, {k: expected[k] for k in rest}, strong=False)  # a chain: its deltas are the trainer's
     return bad
 
 
@@ -285,6 +286,7 @@ class Reader:
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
+        self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
@@ -300,6 +302,29 @@ class Reader:
             log.warning("%s: run is signed but this watcher trusts no key; signatures are not checked; "
                         "pass --trusted-key", self.store.url)
         return m
+
+    def _planning_view(self, m: Manifest) -> Manifest:
+        """The manifest as this store offers it (PROTOCOL §8.1): with the region's announced snapshots of steps
+        the manifest lists, and without the trainer's snapshots when the announcement says the region does not
+        keep them (they are then never planned from nor waited for). Without an announcement of this run: `m`."""
+        etag, ann = self._announced
+        got = self.store.read_object(announce.ANNOUNCE_KEY, if_none_match=etag)
+        if got is None:
+            self._announced = (None, None)
+            return m
+        if got is not NOT_MODIFIED:
+            try:
+                ann = announce.Announcement.parse(got.data, f"{self.store.url}/{announce.ANNOUNCE_KEY}")
+            except ManifestError as exc:
+                log.error("%s: ignoring the regional snapshot announcement: %s", self.store.url, exc)
+                ann = None
+            self._announced = (got.etag, ann)
+        if ann is None or ann.run != m.run:
+            return m
+        listed = {s.step for s in m.steps}
+        snaps = [s for s in ann.snapshots if s.step in listed] + (list(m.snapshots) if ann.origin_snapshots else [])
+        snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))  # a region's own first at equal cost
+        return dataclasses.replace(m, snapshots=snaps)
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
@@ -364,7 +389,9 @@ class Reader:
         a full snapshot of whole tensors in the record's layout keeps its files for the version (trail)."""
         rec_ref = m.step_of_snapshot(snap).record
         rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
-        self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        index = self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        if announce.is_regional(snap):
+            self._check_regional(snap, rec, index)
         layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
         names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
         # A sharded trainer's snapshot (one set of files per rank: row slices, or whole tensors by owner) and a
@@ -411,6 +438,17 @@ class Reader:
             trail.files = paths
             trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
         return tensors, rec
+
+    def _check_regional(self, snap: Snapshot, rec: Record, index: bytes) -> None:
+        """A region's own snapshot (PROTOCOL §8.1) is vouched for by nobody: its index must be exactly the one
+        its step's record implies, and in a run read with trusted keys the record must carry BLAKE3 digests
+        (its tensors are then checked against them; xxh3 alone is not collision resistant)."""
+        if index != checkpoint.index_bytes_of(rec.tensors, rec.weight_map, step=snap.step):
+            raise _VerifyError([snap.index], f"{snap.index.key}: not the index of the record of step {snap.step}")
+        if self.trusted is not None and any(info.blake3 is None for info in self.expected(rec).values()):
+            raise _VerifyError(list(snap.files), f"regional snapshot {snap.step}: record {rec.step} of this signed "
+                                                 f"run carries no BLAKE3 digests, so a snapshot nobody signed "
+                                                 f"cannot be checked; refused")
 
     def _apply_step(self, s: Step, parts: list[Part], tensors: dict[str, torch.Tensor], got: dict[str, bytes],
                     undo: codec.UndoLog) -> None:
@@ -598,6 +636,7 @@ class Reader:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
                                         m.head, held_step, held_step)
                         return m, None, None
+                    signed, m = m, self._planning_view(m)  # a region's own snapshots (§8.1); `signed` is returned
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     kw: dict[str, Any] = {}
                     if self.want is not None:
@@ -640,7 +679,7 @@ class Reader:
                     else:
                         for ref in plan.keys(m):
                             self._failures.pop(ref, None)
-                        return m, tensors, rec
+                        return signed, tensors, rec
                 waits += 1
                 delay = self.waiting.delay(waits)
                 if deadline is not None and time.monotonic() + delay > deadline:
