@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import overload
 
 from relay.store import Buffer, ManifestRead, Store, Unchanged
 
@@ -90,6 +91,12 @@ class CountingStore(Store):
 
     def list(self, prefix: str) -> dict[str, int]:
         return self.inner.list(prefix)
+
+    @overload
+    def read_object(self, key: str, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_object(self, key: str, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
 
     def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         got = self.inner.read_object(key, if_none_match)
