@@ -115,6 +115,10 @@ def _manifest_refs(m: Manifest, without: Set[int] = frozenset()) -> list[ObjRef]
     return list(refs.values())
 
 
+def _at_least(step: int | None, target: int) -> bool:
+    return step is not None and step >= target
+
+
 def servable_from(m: Manifest, ann: Announcement | None) -> list[int]:
     """Steps of the region's announced snapshots a reader of `m` can start from: of this run, listed in `m`
     at or after its oldest snapshot, and with a chain from there to the head (PROTOCOL §8.1)."""
@@ -684,7 +688,7 @@ class Fanout:
                     refused = [r.refused_etag is not None and r.refused_etag == self._origin_etag
                                for r in self.regions.values()]
                     done = [r.run == run and r.synced_head is not None and r.synced_head >= target
-                            and (r.materialiser is None or (r.materialiser.step or -1) >= target)
+                            and (r.materialiser is None or _at_least(r.materialiser.step, target))
                             for r in self.regions.values()]
                 if all(x or y for x, y in zip(refused, done)):
                     return not any(refused)
