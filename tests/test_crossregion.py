@@ -12,6 +12,8 @@ holds no key at all (neither a signing key nor trusted keys).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -28,6 +30,9 @@ from relay.store import open_store
 REGIONS = ("us-west-2", "eu-west-1", "ap-northeast-1")
 STEPS = 60
 EVERY = 10
+# What the CRR rules of infra/replication.tf replicate under a run: everything but snapshots/ (and regional/,
+# which is each region's own); tests/test_infra.py checks the Terraform against this list.
+CRR_REPLICATED = ("manifest.json", "records/", "deltas/")
 
 
 def states(steps: int, params: int = 1 << 20, lr: float = 1e-5, seed: int = 0):
@@ -100,7 +105,8 @@ def test_only_deltas_cross_after_bootstrap(moto_regions, tmp_path, caplog, signe
         region = open_store(dests[REGIONS.index(name)].url, dests[REGIONS.index(name)].storage_options)
         assert not region.list("snapshots/")  # no origin snapshot was ever copied into a region
         ann, _ = read_announcement(region)
-        assert ann is not None and not ann.origin_snapshots and [s.step for s in ann.snapshots] == sorted(origin_snaps)[-2:]
+        assert ann is not None and not ann.origin_snapshots
+        assert [s.step for s in ann.snapshots] == sorted(origin_snaps)[-2:]
         # a fresh watcher starts from the region's own snapshot (there is no other) and reaches the head
         m, tensors, rec = relay.Reader(region, trusted_keys=trusted).reach(None, None, timeout=60)
         assert rec.step == STEPS - 1 and same_bits(tensors, head)
@@ -126,3 +132,57 @@ def test_only_deltas_cross_after_bootstrap(moto_regions, tmp_path, caplog, signe
     assert rec.step == STEPS - 1 and same_bits(tensors, head)
     assert any(f.key in r.getMessage() or f"{victim.step}" in r.getMessage() for r in caplog.records
                if r.levelno >= logging.WARNING), [r.getMessage() for r in caplog.records]
+
+
+def test_crr_mode_without_snapshots_watchers_start_from_regional_snapshots(moto_regions, tmp_path):
+    """S3 CRR with rules that skip snapshots/ (the shuffled, late, manifest-first replicator, filtered by the
+    prefixes infra/replication.tf replicates) plus a Materialiser in each region: fresh watchers in every
+    region reach the head bit-exact from the region's own snapshots; only the bootstrap snapshot crosses."""
+    from relay.regional import Materialiser
+    from replicator import Replicator
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    east = moto_regions("us-east-1")
+    src = east.new_bucket("crr-src")
+    run = "runs/crr/"
+    prefixes = tuple(run + k for k in CRR_REPLICATED)
+    regions, reps, mats, threads = [], [], [], []
+    for i, name in enumerate(REGIONS):
+        region = moto_regions(name)
+        dst = region.new_bucket("crr-dst")
+        regions.append((region, dst))
+        reps.append(Replicator(east.client(), src, region.client(), dst, seed=i, max_delay=0.02, prefixes=prefixes,
+                               run_prefix=run).start())
+        mat = Materialiser(f"s3://{dst}/{run}", tmp_path / f"mat-{name}", storage_options=region.options,
+                           bootstrap_from=f"s3://{src}/{run}", bootstrap_options=east.options,
+                           retry_initial=0.03, retry_max=0.3)
+        mats.append(mat)
+        threads.append(threading.Thread(target=mat.run, args=(0.05,), daemon=True))
+        threads[-1].start()
+    steps = 25
+    try:
+        with Publisher(f"s3://{src}/{run}", storage_options=east.options, snapshot_every=EVERY,
+                       background=False) as pub:
+            for step, state in enumerate(states(steps, params=1 << 16)):
+                pub.publish(state, step)
+                head = state
+        for rep in reps:
+            rep.drain(timeout=60)
+        deadline = time.monotonic() + 120
+        while not all(m.status()["step"] == steps - 1 and len(m.status()["regional_snapshots"]) == 2 for m in mats):
+            assert time.monotonic() < deadline, [m.status() for m in mats]
+            time.sleep(0.05)
+    finally:
+        for mat in mats:
+            mat.stop()
+        for th in threads:
+            th.join(30)
+        for rep in reps:
+            rep.stop()
+    for (region, dst), rep, mat in zip(regions, reps, mats):
+        store = open_store(f"s3://{dst}/{run}", region.options)
+        assert not store.list("snapshots/")  # the rules never replicate the trainer's snapshots
+        assert rep.traffic.bytes()["snapshots"] == 0 and rep.manifest_ahead >= 1  # out of order, manifest first
+        assert mat.status()["bootstraps"] == 1  # the one origin snapshot that crossed
+        m, tensors, rec = relay.Reader(store, retry_initial=0.03, retry_max=0.3).reach(None, None, timeout=60)
+        assert rec.step == steps - 1 and same_bits(tensors, head)
