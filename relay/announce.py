@@ -46,19 +46,11 @@ _REGIONAL_KEY = re.compile(r"regional/snapshots/(\d{1,20})/(.+)")
 
 def _ref(obj: Any, where: str, step: int) -> ObjRef:
     """A REF (key, size, xxh3, optional sha256) whose key is regional/snapshots/<step>/<one safe name>."""
-    _only(obj, {"key", "size", "xxh3", "sha256"}, where)
-    key = _need(obj, "key", str, where)
-    m = _REGIONAL_KEY.fullmatch(key)
-    if m is None or int(m.group(1)) != step or not safe_file_name(m.group(2)):
-        raise ManifestError(f"{where}.key: {key[:300]!r} is not regional/snapshots/{step}/<name>")
-    size = _step_int(_need(obj, "size", int, where), f"{where}.size")
-    xxh3 = _hex32(_need(obj, "xxh3", str, where), f"{where}.xxh3", "an object tag")
-    sha = None
-    if "sha256" in obj:
-        sha = _need(obj, "sha256", str, where)
-        if not re.fullmatch(r"[0-9a-f]{64}", sha):
-            raise ManifestError(f"{where}.sha256: expected 64 lower-case hex digits")
-    return ObjRef(key, size, xxh3, sha)
+    def ok(key: str) -> bool:
+        m = _REGIONAL_KEY.fullmatch(key)
+        return m is not None and int(m.group(1)) == step and safe_file_name(m.group(2))
+
+    return ObjRef.parse(obj, where, key_rule=(ok, f"regional/snapshots/{step}/<name>"))
 
 
 def _snapshot(obj: Any, where: str) -> Snapshot:

@@ -70,8 +70,9 @@ def _rebase(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     out = ops.gc(args.url, args.keep_snapshots, storage_options(args.storage_options), signing_key=args.signing_key,
-                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
-    print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects "
+                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned, regional_only=args.regional_only)
+    regional = f", regional snapshots {out['regional_snapshots']}" if out["regional_snapshots"] else ""
+    print(f"{args.url}: kept snapshots {out['snapshots']}{regional}, deleted {out['deleted']} objects "
           f"({out['freed_bytes']} bytes)")
     return 0
 
@@ -152,6 +153,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("gc", help="delete objects the last K snapshots no longer need")
     p.add_argument("url")
     p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
+    p.add_argument("--regional-only", action="store_true",
+                   help="a regional store: collect only its own snapshots (regional/snapshots/), leave the manifest "
+                        "alone (a signed run's region, whose manifest only the trainer's key may change)")
     add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_gc)

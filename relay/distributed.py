@@ -349,7 +349,8 @@ class ShardedPublisher:
         """This rank's digests, and its delta part uploaded ("mismatch": its tensors changed structure,
         None: it holds nothing or there is no previous step)."""
         infos = {name: _info(name, e) for name, e in local.items()}
-        out: dict[str, Any] = {"infos": infos, "part": None, "names": list(local), "blake3": self._blake3_of(local, infos),
+        out: dict[str, Any] = {"infos": infos, "part": None, "names": list(local),
+                               "blake3": self._blake3_of(local, infos),
                                "rows": {k: e.rows for k, e in local.items() if e.rows is not None},
                                "bytes": sum(e.tensor.numel() * e.tensor.element_size() for e in local.values())}
         prev = self.prev

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, Union
 
@@ -192,10 +192,16 @@ class ObjRef:
         return None
 
     @classmethod
-    def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset()) -> "ObjRef":
+    def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset(),
+              key_rule: tuple[Callable[[str], bool], str] | None = None) -> "ObjRef":
+        """A REF (§4). Its key must be in the run's layout, or pass `key_rule` (a test and what it asks for:
+        a region's own objects, relay.announce)."""
         _only(obj, {"key", "size", "xxh3", "sha256"} | set(extra), where)
         key = _need(obj, "key", str, where)
-        if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
+        if key_rule is not None:
+            if not key_rule[0](key):
+                raise ManifestError(f"{where}.key: {key[:300]!r} is not {key_rule[1]}")
+        elif key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
             raise ManifestError(f"{where}.key: {key[:300]!r} is not a deltas/, records/ or snapshots/ key")
         size = _need(obj, "size", int, where)
         if not 0 <= size <= MAX_INT:

@@ -192,10 +192,10 @@ class Materialiser:
         self.every, self.keep, self.origin_snapshots, self.workers = every, keep, origin_snapshots, workers
         options = {"trusted_keys": trusted_keys, "workers": workers, "retry_initial": retry_initial,
                    "retry_max": retry_max}
-        self._reader = _StepReader(self.store, **options)  # type: ignore[arg-type]
+        self._reader = _StepReader(self.store, **options)
         self._boot_store = _Bootstrap(self.store, self.origin)
-        self._boot = _StepReader(self._boot_store, **options)  # type: ignore[arg-type]
-        self._manifest_reader = Reader(self.store, **options)  # type: ignore[arg-type]
+        self._boot = _StepReader(self._boot_store, **options)
+        self._manifest_reader = Reader(self.store, **options)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one sync at a time
         self.step: int | None = None
@@ -285,7 +285,7 @@ class Materialiser:
             return True
         if self.every is not None and (newest is None or step - newest >= self.every):
             return True
-        return newest is not None and any(newest < o < step for o in origin)
+        return any((newest is None or newest < o) and o < step for o in origin)
 
     def _materialise(self, m: Manifest) -> None:
         """Write and announce the region's snapshot of the held step (checked against its record first)."""
@@ -336,7 +336,7 @@ class Materialiser:
             log.warning("%s: the region now holds run %s (was %s); starting again", self.store.url, m.run,
                         self.run_id)
             self.step = self.tensors = self.run_id = None
-        if self.step is not None and self.step >= m.head:
+        if self.step is not None and self.step > m.head:
             return False
         did = False
         if self.step is None or m.step(self.step) is None:

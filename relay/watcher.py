@@ -260,6 +260,10 @@ class Reader:
 
     `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
     parts and snapshot files that hold those tensors and returns and verifies exactly them.
+
+    In a region that announces its own snapshots (regional/snapshots.json, PROTOCOL §8.1) it plans from
+    those, checked against the record (index, digests, BLAKE3 with trusted keys), and from the manifest's
+    snapshots only if the region says it keeps them.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
