@@ -3,7 +3,8 @@
 An origin and N rollout regions, each a moto S3 server in its own process on loopback (or plain
 directories with `--store file://DIR`); a trainer fine-tuning the real all-MiniLM-L6-v2 with the
 RL-style step of relay.lab.corpus and publishing every step in BF16; one `deltarelay relay`
-process and K `deltarelay watch` processes per region. After each step the demo waits until every
+process per region (`--regional-snapshots`: the region builds its own snapshots, only a bootstrap snapshot
+crosses) and K `deltarelay watch` processes per region. After each step the demo waits until every
 watcher holds that step and compares its files bit for bit with the trainer's weights, then prints
 what crossed each region boundary against the naive designs, the bytes per step against a full
 checkpoint and the published baselines, and the staleness per region, and draws a chart.
@@ -286,8 +287,11 @@ def fireworks_bytes(manifest: Any, manifests: int, every: int = FIREWORKS_EVERY)
 def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, watchers: int = 2,
              chart: str | os.PathLike | None = "out/demo.png", tiny: bool = False, baseline_every: int | None = None,
              workdir: str | os.PathLike | None = None, json_path: str | os.PathLike | None = None,
-             step_timeout: float = 180.0, log: Callable[[str], None] = print) -> dict:
-    """Run the pipeline; returns the summary (`text`, `ok` and the numbers behind them)."""
+             step_timeout: float = 180.0, copy_snapshots: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Run the pipeline; returns the summary (`text`, `ok` and the numbers behind them).
+
+    By default each region's relay runs in regional-snapshot mode (one origin snapshot crosses, to
+    bootstrap; the region builds the others); `copy_snapshots` copies every origin snapshot instead."""
     Manifest, open_store = relay.Manifest, relay.open_store
     if not 1 <= regions <= len(REGION_NAMES):
         raise ValueError(f"--regions must be 1..{len(REGION_NAMES)}")
@@ -309,9 +313,11 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
             opts = [] if site.options is None else ["--storage-options", json.dumps(origin.options),
                                                     "--storage-options", json.dumps(site.options)]
             rlog = work / "logs" / f"relay-{site.region}.log"
+            mode = [] if copy_snapshots else ["--regional-snapshots", "--workdir",
+                                              str(work / "materialise" / site.region)]
             procs.append(_spawn(["-v", "relay", "--source", origin.url, "--dest", site.url, *opts, "--poll-interval",
                                  str(POLL_S), "--status-every", "10", "--status-file",
-                                 str(work / f"relay-{site.region}.json")], rlog))
+                                 str(work / f"relay-{site.region}.json"), *mode], rlog))
             for i in range(watchers):
                 dest = work / "hosts" / f"{site.region}-{i}"
                 wlog = work / "logs" / f"watch-{site.region}-{i}.log"
@@ -423,6 +429,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         "model": trainer.name, "parameters": params, "regime": trainer.regime, "full_bytes": full_bytes,
         "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1,
         "regions": names, "watchers_per_region": watchers,
+        "relay_mode": "copy snapshots" if copy_snapshots else "regional snapshots",
         "store": "file" if store else "s3 (moto on loopback)", "checks": checks, "check_failures": failures,
         "problems": problems, "delta_bytes": delta_sizes, "publish_seconds": publish_s,
         "baselines": {k: {"label": BASELINES[k].label, "sizes": v} for k, v in baseline_sizes.items()},
@@ -460,8 +467,9 @@ def format_summary(s: dict) -> str:
         f"deltarelay demo: {s['model']}, {s['parameters'] / 1e6:.1f}M parameters, "
         f"{_fmt_bytes(s['full_bytes'])} in BF16;"
         f" {s['steps']} steps published (0..{s['steps'] - 1}), regime {s['regime']}",
-        f"stores: {s['store']}; origin + {len(s['regions'])} regions ({', '.join(s['regions'])}), one relay and "
-        f"{s['watchers_per_region']} watcher processes per region; {s['seconds']:.0f}s in all",
+        f"stores: {s['store']}; origin + {len(s['regions'])} regions ({', '.join(s['regions'])}), one relay "
+        f"({s.get('relay_mode', 'copy snapshots')}) and {s['watchers_per_region']} watcher processes per region; "
+        f"{s['seconds']:.0f}s in all",
         f"bit-exact checks: {s['checks'] - s['check_failures']}/{s['checks']} (every watcher, every step)"
         + ("" if s["ok"] else "  FAILED"),
     ]
