@@ -7,7 +7,15 @@ fsspec stores and keeps each regional manifest consistent: it copies every objec
 manifest will name, verified against the hashes the origin manifest carries, and only then
 commits that manifest with the store's conditional write (the writer rules of docs/PROTOCOL.md
 sections 3 and 4.1, applied to the regional store). It writes nothing but deltas/, records/,
-snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that).
+snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that), and in
+regional-snapshot mode no snapshots/ but regional/ (through its materialisers, PROTOCOL §8).
+
+Regional-snapshot mode (`regional_snapshots=True`): full snapshots are most of what would cross, and
+a region already holds every delta, so the origin's snapshots are never copied. A Materialiser per
+region (relay/regional.py) bootstraps once from an origin snapshot and builds the region's own; a
+regional manifest is committed only once the region announces a snapshot its chain starts from (until
+then the relay stages it for the materialiser, `_Staged`), so a fresh watcher never waits on a
+snapshot that will not come. Bytes moved are counted by kind (relay/traffic.py) on every link.
 
 Each destination has its own worker thread, its own backoff and its own view of what it holds,
 so a slow or unreachable region never holds up the others. A destination's manifest is the
