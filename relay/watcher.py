@@ -640,7 +640,7 @@ class Reader:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
                                         m.head, held_step, held_step)
                         return m, None, None
-                    signed, m = m, self._planning_view(m)  # a region's own snapshots (§8.1); `signed` is returned
+                    as_read, m = m, self._planning_view(m)  # with a region's own snapshots (§8.1); as_read is returned
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     kw: dict[str, Any] = {}
                     if self.want is not None:
@@ -683,7 +683,7 @@ class Reader:
                     else:
                         for ref in plan.keys(m):
                             self._failures.pop(ref, None)
-                        return signed, tensors, rec
+                        return as_read, tensors, rec
                 waits += 1
                 delay = self.waiting.delay(waits)
                 if deadline is not None and time.monotonic() + delay > deadline:

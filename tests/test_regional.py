@@ -284,3 +284,17 @@ def test_signed_records_without_blake3_give_no_regional_snapshot_to_a_trusting_r
         assert w.step is None
     with Watcher(run.region, tmp_path / "keyless") as w:
         assert w.sync(timeout=30) == 3 and bits_equal(w.tensors, run.states[3])
+
+
+def test_materialise_command(tmp_path, trainer, capsys):
+    from relay.cli import main
+
+    run = start_run(tmp_path, trainer, "cli")
+    run.publish(range(4))
+    run.pub.close()
+    assert main(["materialise", run.region, "--workdir", str(tmp_path / "work"), "--bootstrap-from", run.origin,
+                 "--once", "--timeout", "60"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["step"] == 3 and st["regional_snapshots"] == [3] and st["bootstraps"] == 1
+    assert main(["gc", run.region, "--keep-snapshots", "1", "--regional-only"]) == 0
+    assert "regional snapshots [3]" in capsys.readouterr().out
