@@ -497,7 +497,7 @@ def format_summary(s: dict) -> str:
                   f"{s['steps']} steps",
               f"  deltarelay (each object crosses once)     {_fmt_bytes(total):>12}   "
               f"(snapshots {_fmt_bytes(snaps)}, deltas+records {_fmt_bytes(total - snaps)}; "
-              f"snapshots at steps {s['snapshots']})",
+              f"the trainer snapshotted steps {s['snapshots']}; {s.get('relay_mode', 'copy snapshots')})",
               f"  every host pulls full checkpoints        {_fmt_bytes(naive_full):>12}   ({naive_full / total:.1f}x)",
               f"  every host pulls deltas from the origin   {_fmt_bytes(naive_delta):>12}   "
               f"({naive_delta / total:.1f}x)",
