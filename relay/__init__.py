@@ -8,7 +8,8 @@
 The store layout and protocol are specified in docs/PROTOCOL.md.
 
 Public API: the names in `__all__`, `relay.checkpoint` (safetensors checkpoints, single file or
-Hugging Face shards: load, save, Layout) and `relay.cli.main`. The rest is internal. relay.lab
+Hugging Face shards: load, save, Layout), `relay.traffic` (bytes moved per store, by kind) and
+`relay.cli.main`. The rest is internal. relay.lab
 (demo, bench, corpus generator) is not runtime: nothing outside it imports it, it uses only this
 public API and codec's, and its commands reach `deltarelay` through the `deltarelay.commands`
 entry point group (tests/test_import_graph.py, tests/test_cli_commands.py).
