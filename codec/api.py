@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import container, hashing, methods, patching, tensors
+from . import container, hashing, interim, methods, patching, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import Running, digest_elements, header_bytes, running
@@ -241,19 +241,23 @@ class _Pending:
 
 
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
-           format_version: int = container.CURRENT_VERSION, workers: int = 1) -> bytes:
+           format_version: int = container.CURRENT_VERSION, workers: int = 1, compiled: bool = True) -> bytes:
     """Delta payload that turns `base` into `target`, bit for bit.
 
     Both map tensor names to tensors with the same names, dtypes and shapes (else
     CheckpointMismatchError). `effort` trades encode time for size: "fast", "default" or "max".
     `format_version=1` writes payloads that v1 decoders read. `workers` > 1 codes tensors on
-    that many threads (the compiled kernels release the GIL).
+    that many threads (the compiled kernels release the GIL). `compiled=False` runs no compiled
+    kernel (codec/interim.py): a larger payload of the same format, for a host whose kernels are
+    still compiling (`warm_up`).
     """
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {EFFORTS}")
     if format_version not in container.SUPPORTED_VERSIONS:
         raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
+    if not compiled:
+        return interim.encode(base, target, format_version, effort, lambda fn, names: _map(workers, fn, names))
     plan = _Plan(format_version, effort)
     batched: dict[Method, list[str]] = {}
     for name, t in target.items():
@@ -783,6 +787,11 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
                     target.put(patch.index, patch.values, count)
                     raise DeltaError("change positions are out of order or outside the tensor", tensor=entry.name)
                 logs[i].append(_Write(target, patch.index, patch.values))  # values now hold the old elements
+            if undo is not None:  # kept beyond this call: the smaller form, made here on the workers
+                try:
+                    logs[i][-1].compact()
+                except MemoryError:  # the log stays exact in int64
+                    pass
             got = digest.digest() if digest is not None else target.digest(entry.dtype, entry.shape)
             if got != entry.target_digest:
                 raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
@@ -802,12 +811,7 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
             raise _explain(entry, tensors.element_view(tensors_[entry.name]), failure) from None
         raise failure
     if undo is not None:
-        writes = [w for log in logs for w in log]
-        for w in writes:
-            try:
-                w.compact()
-            except MemoryError:  # the log stays exact in int64
-                break
+        writes = [w for log in logs for w in log]  # compacted by `write`, on the workers
         undo._extend(writes, {e.name: _alias(tensors_[e.name]) for e in parsed.entries},
                      {e.name: e.target_digest for e in parsed.entries})
 

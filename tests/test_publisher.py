@@ -388,3 +388,47 @@ def test_payload_digests_are_the_states_digests():
                                                        want_b[k].digest)
     with pytest.raises(codec.DeltaError):
         codec.digests(b"not a payload")
+
+
+# -- cold start -----------------------------------------------------------------------------------------
+class _Compiling:
+    """A warm-up that has not finished (a fresh host whose encoder is still compiling) until `finish`."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_deltas_while_the_encoder_compiles_need_no_kernel(file_run, trainer, tmp_path, monkeypatch):
+    """Until the encoder's warm-up is done, deltas are coded without compiled kernels (sparse-split records:
+    larger, the same format); watchers reach every step bit-exact, and once the kernels are ready the
+    publisher codes with them again."""
+    import codec
+    from codec import container
+    from codec.methods import conditional, sparse
+
+    warm = _Compiling()
+    monkeypatch.setattr(codec, "warm_up", lambda paths=None, **kw: warm)
+    calls = []
+    real = codec.encode
+    monkeypatch.setattr(codec, "encode", lambda *a, **kw: calls.append(kw.get("compiled", True)) or real(*a, **kw))
+    t = trainer(seed=8)
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    store = open_store(file_run.url)
+    with relay.Publisher(file_run.url, background=False) as pub:
+        for step in range(5):
+            if step == 3:
+                warm.finish()
+            state = t.state() if step == 0 else t.step()
+            pub.publish(t.model, step)
+            assert w.sync(timeout=30) == step and same_bits(w.tensors, state)
+    assert calls == [False, False, True, True]
+    m = manifest_of(file_run.url)
+    methods = {s.step: {e.method for e in container.unpack(store.get(s.parts[0].ref.key)).entries
+                        if e.changes} for s in m.steps[1:]}
+    assert methods[1] == methods[2] == {sparse.ID} and methods[3] == methods[4] == {conditional.ID}
