@@ -432,3 +432,34 @@ def test_deltas_while_the_encoder_compiles_need_no_kernel(file_run, trainer, tmp
     methods = {s.step: {e.method for e in container.unpack(store.get(s.parts[0].ref.key)).entries
                         if e.changes} for s in m.steps[1:]}
     assert methods[1] == methods[2] == {sparse.ID} and methods[3] == methods[4] == {conditional.ID}
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+def test_resume_streams_the_head_into_memory(file_run, trainer, tmp_path, monkeypatch, caplog):
+    """A resuming publisher reads the head's snapshot from the store straight into its tensors (no file is
+    spooled or written), every byte checked against the manifest: a snapshot file whose bytes were
+    replaced (same size) is refused, and the head is rebuilt from the older snapshot and its chain; the
+    resumed run's next step reaches a watcher bit-exact."""
+    from relay.watcher import Reader
+
+    t = trainer(seed=9)
+    states = {}
+    with relay.Publisher(file_run.url, background=False, snapshot_every=3) as pub:
+        for step in range(5):
+            states[step] = t.state() if step == 0 else t.step()
+            pub.publish(t.model, step)
+    m = manifest_of(file_run.url)
+    assert [s.step for s in m.snapshots] == [0, 3]
+    victim = Path(file_run.url.removeprefix("file://")) / m.snapshots[-1].files[0].key
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0x01  # a tensor's last byte: the header still parses, the hash does not match
+    victim.write_bytes(bytes(raw))
+    with monkeypatch.context() as mp:
+        mp.setattr(Reader, "_spool_one", lambda *a: pytest.fail("a resume spooled a snapshot file"))
+        with relay.Publisher(file_run.url, background=False, resume=True, resume_timeout=30) as pub:
+            assert pub.step == 4 and same_bits(pub.prev, states[4])
+            assert f"{m.snapshots[-1].files[0].key}: xxh3" in caplog.text  # refused, then planned around
+            states[5] = t.step()
+            pub.publish(t.model, 5)
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    assert w.sync(timeout=30) == 5 and same_bits(w.tensors, states[5])
