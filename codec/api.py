@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import container, hashing, methods, patching, tensors
+from . import container, hashing, interim, methods, patching, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import Running, digest_elements, header_bytes, running
@@ -241,19 +241,23 @@ class _Pending:
 
 
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
-           format_version: int = container.CURRENT_VERSION, workers: int = 1) -> bytes:
+           format_version: int = container.CURRENT_VERSION, workers: int = 1, compiled: bool = True) -> bytes:
     """Delta payload that turns `base` into `target`, bit for bit.
 
     Both map tensor names to tensors with the same names, dtypes and shapes (else
     CheckpointMismatchError). `effort` trades encode time for size: "fast", "default" or "max".
     `format_version=1` writes payloads that v1 decoders read. `workers` > 1 codes tensors on
-    that many threads (the compiled kernels release the GIL).
+    that many threads (the compiled kernels release the GIL). `compiled=False` runs no compiled
+    kernel (codec/interim.py): a larger payload of the same format, for a host whose kernels are
+    still compiling (`warm_up`).
     """
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {EFFORTS}")
     if format_version not in container.SUPPORTED_VERSIONS:
         raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
+    if not compiled:
+        return interim.encode(base, target, format_version, effort, lambda fn, names: _map(workers, fn, names))
     plan = _Plan(format_version, effort)
     batched: dict[Method, list[str]] = {}
     for name, t in target.items():
@@ -382,6 +386,24 @@ def _patch(entry: Entry, elems: np.ndarray, parsed: Payload) -> Patch:
     if patch is None:
         raise AssertionError(f"internal: {entry.name!r} decoded without a patch")
     return patch
+
+
+def _decodes_in_place(entry: Entry, version: int) -> bool:
+    """Whether the record's method writes its target into the base as it decodes (`Method.decodes_in_place`)."""
+    method = methods.REGISTRY.get(entry.method)
+    return method is not None and method.exists_in(version) and method.decodes_in_place
+
+
+def _decoded_in_place(entry: Entry, elems: np.ndarray, parsed: Payload, digest: Running | None) -> Patch:
+    """The record written into `elems` as it is decoded (`Method.decode_in_place`): its positions and the
+    elements they held. Every failure is a DeltaError naming the tensor, with `elems` back at the base."""
+    method = methods.lookup(entry, parsed.version)
+    try:
+        return method.decode_in_place(entry, elems.reshape(-1), parsed.shared, digest)
+    except DeltaError:
+        raise
+    except (ValueError, IndexError, OverflowError) as exc:  # defence in depth on forged input
+        raise DeltaError(f"cannot decode ({type(exc).__name__}: {exc})", tensor=entry.name) from None
 
 
 def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np.ndarray, bytes]:
@@ -711,13 +733,22 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     views = {entry.name: _base_view(entry, tensors_.get(entry.name)) for entry in parsed.entries}
     changed = [e for e in parsed.entries if not _unchanged(e)]
     targets = {e.name: _Target(e.name, tensors_[e.name]) for e in changed}  # refuses strided ones now
-    # 1. Every check that needs no write, and every patch decoded, before the first write: names that
-    # share storage (tied weights) must not see each other's writes, and a bad stream or a wrong base is
-    # refused with nothing touched. Largest first, so one big tensor does not start last.
+    groups: dict[tuple, list[Entry]] = {}
+    for entry in changed:
+        groups.setdefault(targets[entry.name].storage, []).append(entry)
+    # A record whose method decodes in place, into a CPU tensor no other written name shares, is decoded
+    # and written in one pass (step 2): one read of the tensor instead of two. Its failure restores it.
+    fused = {e.name for e in changed if _decodes_in_place(e, parsed.version) and targets[e.name].elems is not None
+             and len(groups[targets[e.name].storage]) == 1}
+    # 1. Every other check that needs no write, and every other patch decoded, before the first write:
+    # names that share storage (tied weights) must not see each other's writes, and a bad stream or a wrong
+    # base is refused with nothing touched. Largest first, so one big tensor does not start last.
     patches: dict[str, Patch] = {}
 
     def prepare(entry: Entry) -> None:
         elems = views[entry.name]
+        if entry.name in fused:
+            return
         if _unchanged(entry):
             if not _base_matches(entry, elems):
                 raise DeltaError(_WRONG_BASE, tensor=entry.name)
@@ -735,22 +766,32 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
     failure = next((exc for exc in _map_all(workers, prepare, order) if exc is not None), None)
     if failure is not None:
         raise failure
-    # 2. Swap each patch in and verify the tensor in the same pass; one job per memory (storage).
-    groups: dict[tuple, list[Entry]] = {}
-    for entry in changed:
-        groups.setdefault(targets[entry.name].storage, []).append(entry)
+    # 2. Swap each patch in (or decode a fused record in place) and verify the tensor in the same pass; one
+    # job per memory (storage).
     jobs = sorted(groups.values(), key=lambda g: -sum(e.numel for e in g))
     logs: list[list[_Write]] = [[] for _ in jobs]
 
     def write(i: int) -> None:
         for entry in jobs[i]:
-            target, patch = targets[entry.name], patches[entry.name]
+            target = targets[entry.name]
             digest = running(entry.dtype.name, entry.shape) if target.elems is not None else None
-            count = target.swap(patch.index, patch.values, digest)
-            if count != patch.count:  # positions out of order or outside: undo this partial swap now
-                target.put(patch.index, patch.values, count)
-                raise DeltaError("change positions are out of order or outside the tensor", tensor=entry.name)
-            logs[i].append(_Write(target, patch.index, patch.values))  # values now hold the old elements
+            if entry.name in fused and target.elems is not None:
+                patch = _decoded_in_place(entry, target.elems, parsed, digest)  # restores the tensor if it fails
+                logs[i].append(_Write(target, patch.index, patch.values))  # the old elements
+                if patch.count != entry.changes:
+                    raise DeltaError(f"decoded {patch.count} changes, index says {entry.changes}", tensor=entry.name)
+            else:
+                patch = patches[entry.name]
+                count = target.swap(patch.index, patch.values, digest)
+                if count != patch.count:  # positions out of order or outside: undo this partial swap now
+                    target.put(patch.index, patch.values, count)
+                    raise DeltaError("change positions are out of order or outside the tensor", tensor=entry.name)
+                logs[i].append(_Write(target, patch.index, patch.values))  # values now hold the old elements
+            if undo is not None:  # kept beyond this call: the smaller form, made here on the workers
+                try:
+                    logs[i][-1].compact()
+                except MemoryError:  # the log stays exact in int64
+                    pass
             got = digest.digest() if digest is not None else target.digest(entry.dtype, entry.shape)
             if got != entry.target_digest:
                 raise DeltaError("reconstruction does not match the target digest", tensor=entry.name)
@@ -770,12 +811,7 @@ def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearr
             raise _explain(entry, tensors.element_view(tensors_[entry.name]), failure) from None
         raise failure
     if undo is not None:
-        writes = [w for log in logs for w in log]
-        for w in writes:
-            try:
-                w.compact()
-            except MemoryError:  # the log stays exact in int64
-                break
+        writes = [w for log in logs for w in log]  # compacted by `write`, on the workers
         undo._extend(writes, {e.name: _alias(tensors_[e.name]) for e in parsed.entries},
                      {e.name: e.target_digest for e in parsed.entries})
 

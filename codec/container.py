@@ -86,10 +86,12 @@ def index_limit(frame_len: int) -> int:
     return min(MAX_INDEX_BYTES, max(INDEX_FLOOR_BYTES, MAX_INDEX_RATIO * frame_len))
 
 
-def pack(payload: Payload) -> bytes:
+def pack(payload: Payload, *, compiled: bool = True) -> bytes:
+    """The payload's bytes; with compiled=False the index is written field by field in Python (the
+    same bytes, for callers that must not wait for a kernel to compile: codec/interim.py)."""
     if payload.version not in SUPPORTED_VERSIONS:
         raise ValueError(f"cannot write format version {payload.version}")
-    raw = _index_bytes(payload)
+    raw = _index_bytes(payload) if compiled else _index_bytes_reference(payload)
     # level 3: within 1.2% of level 9's size on a model's index (its digests do not compress), 4x faster
     index = zstandard.ZstdCompressor(level=3).compress(raw)
     if len(raw) > index_limit(len(index)):  # never write what a decoder refuses
@@ -211,18 +213,19 @@ def checksum(head: bytes | memoryview, rest: bytes | memoryview) -> bytes:
     return h.digest()
 
 
-def unpack(data: bytes | bytearray | memoryview) -> Payload:
-    """Parse and validate a payload's structure; no tensor is decoded here.
+def unpack(data: bytes | bytearray | memoryview, *, compiled: bool = True) -> Payload:
+    """Parse and validate a payload's structure; no tensor is decoded here. With compiled=False the
+    index is parsed in Python only (the same result; no kernel runs, none waits to compile).
 
     Every refusal is a DeltaError, running out of memory included (a payload this machine cannot
     parse is one it cannot use)."""
     try:
-        return _unpack(data)
+        return _unpack(data, compiled)
     except MemoryError:
         raise DeltaError("the payload's index needs more memory than is available") from None
 
 
-def _unpack(data: bytes | bytearray | memoryview) -> Payload:
+def _unpack(data: bytes | bytearray | memoryview, compiled: bool = True) -> Payload:
     # read-only whatever the caller's buffer (bytes, bytearray, mmap): the kernels' arrays over
     # the streams then have one type, so no kernel compiles a second time for a writable buffer
     view = memoryview(data).toreadonly()
@@ -254,7 +257,7 @@ def _unpack(data: bytes | bytearray | memoryview) -> Payload:
     except zstandard.ZstdError as exc:
         beyond = f", or inflates past the {limit} bytes a decoder accepts from it" if claimed < 0 else ""
         raise DeltaError(f"index is corrupt ({exc}){beyond}") from None
-    fast = _entries_fast(raw_index, rest, index_len)
+    fast = _entries_fast(raw_index, rest, index_len) if compiled else None
     if fast is not None:
         return Payload(version, *fast)
     return Payload(version, *_entries_checked(raw_index, rest, index_len))

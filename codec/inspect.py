@@ -62,10 +62,11 @@ class TensorDigests(NamedTuple):
     target: str
 
 
-def digests(payload: bytes | bytearray | memoryview) -> dict[str, TensorDigests]:
+def digests(payload: bytes | bytearray | memoryview, *, compiled: bool = True) -> dict[str, TensorDigests]:
     """Per tensor, in payload order, what its index records: encode digests base and target while it
     scans them, so a publisher writes its step's record from here instead of hashing the state again.
-    The payload's checksum and structure are checked (DeltaError); nothing is decoded."""
-    parsed = container.unpack(payload)
+    The payload's checksum and structure are checked (DeltaError); nothing is decoded. compiled=False
+    parses in Python only (no kernel runs: `encode(..., compiled=False)`'s caller)."""
+    parsed = container.unpack(payload, compiled=compiled)
     return {e.name: TensorDigests(e.dtype.name, e.shape, e.base_digest.hex(), e.target_digest.hex())
             for e in parsed.entries}

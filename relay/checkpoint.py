@@ -12,7 +12,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,7 +258,14 @@ class _Span:
 
 
 def read_header(fd: int, size: int, where: str) -> tuple[list[_Span], dict[str, str], int]:
-    """(tensors in file order, metadata, data start) of the safetensors file open at `fd` (`size` bytes).
+    """(tensors in file order, metadata, data start) of the safetensors file open at `fd` (`size` bytes):
+    `parse_header` over positional reads."""
+    return parse_header(lambda n, offset: _pread_exact(fd, n, offset, where), size, where)
+
+
+def parse_header(read: Callable[[int, int], bytes], size: int, where: str) -> tuple[list[_Span], dict[str, str], int]:
+    """(tensors in file order, metadata, data start) of a safetensors object of `size` bytes, whose bytes
+    [offset, offset + n) `read(n, offset)` returns (the 8-byte length first, then the header).
 
     Strict, since the file may come from anywhere: the header length (8 bytes, little-endian) is
     capped before it is read; every entry needs a known dtype, a shape of non-negative integers and
@@ -270,11 +277,11 @@ def read_header(fd: int, size: int, where: str) -> tuple[list[_Span], dict[str, 
     by_name = {d.name: d for d in DTYPES}
     if size < 8:
         raise SafetensorsError(f"{where}: {size} bytes, too short for a safetensors header")
-    n = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+    n = int.from_bytes(read(8, 0), "little")
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise SafetensorsError(f"{where}: header of {n} bytes (file {size} bytes, cap {MAX_HEADER_BYTES})")
     try:
-        doc = json.loads(_pread_exact(fd, n, 8, where), object_pairs_hook=_no_duplicates)
+        doc = json.loads(read(n, 8), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise SafetensorsError(f"{where}: header is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(doc, dict):
@@ -345,12 +352,7 @@ class SafetensorsFile:
             raise
 
     def read(self, span: _Span) -> torch.Tensor:
-        try:
-            t = torch.empty(span.shape, dtype=span.dtype.torch)
-        except RuntimeError as exc:  # torch's CPU allocator reports exhaustion as a RuntimeError
-            if "alloc" in str(exc).lower():
-                raise MemoryError(f"{self.where}: cannot allocate {span.name!r} ({exc})") from None
-            raise
+        t = _new_tensor(span, self.where)
         if span.end > span.begin:
             _preadinto(self.fd, t.view(-1).view(torch.uint8).numpy().data, self.start + span.begin,
                        self.where)
@@ -366,6 +368,75 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _new_tensor(span: _Span, where: str) -> torch.Tensor:
+    try:
+        return torch.empty(span.shape, dtype=span.dtype.torch)
+    except RuntimeError as exc:  # torch's CPU allocator reports exhaustion as a RuntimeError
+        if "alloc" in str(exc).lower():
+            raise MemoryError(f"{where}: cannot allocate {span.name!r} ({exc})") from None
+        raise
+
+
+def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[memoryview], None]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
+    """(tensors, metadata, each tensor's codec digest) of a safetensors object of `size` bytes arriving as
+    `chunks`, copied straight into new tensors (no file, no copy of the object's bytes: memory is the
+    tensors and one chunk). Every byte is passed to `feed` in order (the caller's check of the object's
+    hash, which must pass before any tensor is used); each tensor is digested (codec.hashing) as its bytes
+    arrive, while in cache. Strict header (parse_header); SafetensorsError if the object is malformed, or
+    ends before or runs past `size` bytes."""
+    from codec.hashing import digester
+
+    it = iter(chunks)
+    head = bytearray()
+    got = 0
+
+    def pull() -> memoryview | None:
+        nonlocal got
+        for chunk in it:
+            if chunk:
+                view = memoryview(chunk).cast("B")
+                got += len(view)
+                if got > size:
+                    raise SafetensorsError(f"{where}: runs past its {size} bytes")
+                feed(view)
+                return view
+        return None
+
+    def header_bytes(n: int, offset: int) -> bytes:
+        while len(head) < offset + n:
+            view = pull()
+            if view is None:
+                raise SafetensorsError(f"{where}: ends after {len(head)} bytes, in its header")
+            head.extend(view)
+        return bytes(head[offset:offset + n])
+
+    if size > 8:  # the length, and then (within the cap parse_header checks first) the header
+        header_bytes(8, 0)
+        header_bytes(min(int.from_bytes(head[:8], "little"), MAX_HEADER_BYTES, size - 8), 8)
+    spans, meta, start = parse_header(header_bytes, size, where)
+    tensors = {sp.name: _new_tensor(sp, where) for sp in spans}
+    hashers = {sp.name: digester(sp.dtype.name, sp.shape) for sp in spans}
+    flat = {sp.name: tensors[sp.name].view(-1).view(torch.uint8).numpy().data for sp in spans if sp.end > sp.begin}
+    pending = memoryview(bytes(head[start:]))  # data bytes already read with the header
+    for sp in (x for x in spans if x.end > x.begin):
+        out, h = flat[sp.name], hashers[sp.name]
+        done = 0
+        while done < sp.end - sp.begin:
+            if not len(pending):
+                view = pull()
+                if view is None:
+                    raise SafetensorsError(f"{where}: ends {size - got} bytes early")
+                pending = view
+            take = min(len(pending), sp.end - sp.begin - done)
+            out[done:done + take] = pending[:take]
+            h.update(pending[:take])
+            pending, done = pending[take:], done + take
+    if len(pending) or pull() is not None or got != size:
+        raise SafetensorsError(f"{where}: {got} bytes where its header and size say {size}")
+    return tensors, meta, {name: h.digest() for name, h in hashers.items()}
 
 
 def read_file_into(path: str | os.PathLike, where: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -303,8 +303,11 @@ class Publisher:
             raise ValueError("workers must be >= 1")
         self.url = url
         self.store = open_store(url, storage_options)
-        # a fresh host compiles the encoder while its first snapshot uploads
-        codec.warm_up(("encode", "snapshot_encode") if snapshot_format == "compressed" else ("encode",))
+        # a fresh host compiles the encoder while its first snapshot uploads; deltas published before that is
+        # done are coded without the kernels (codec.encode compiled=False: larger, same format, no wait)
+        self._warm = codec.warm_up(("encode",))
+        if snapshot_format == "compressed":
+            codec.warm_up(("snapshot_encode",))
         self.snapshot_every = snapshot_every
         self.snapshot_fraction = snapshot_fraction
         self.max_shard_bytes = max_shard_bytes
@@ -418,14 +421,20 @@ class Publisher:
         strong = self.signer is not None
         budget = int(self.snapshot_budget * sum(_nbytes(t) for t in live.values()))
         parts = self._parts(live, weight_map)
+        # "apply" runs apply_'s kernels anyway; else, while the encoder's still compile, code without them
+        compiled = self.advance == "apply" or self._warm.done()
+        if not compiled:
+            log.info("%s: step %d is coded without compiled kernels (they are still compiling): a larger delta",
+                     self.url, step)
         payloads: list[bytes] = []
         digests: dict[str, codec.TensorDigests] = {}
         strongs: dict[str, str] = {}  # signed runs: each tensor's BLAKE3, rehashed only where its bytes changed
         try:
             for names in parts:
                 target = {k: _on_host(live[k]) for k in names}  # host copies (device, strided): one part at a time
-                payload = codec.encode({k: prev[k] for k in names}, target, effort=self.effort, workers=self.workers)
-                found = codec.digests(payload)
+                payload = codec.encode({k: prev[k] for k in names}, target, effort=self.effort, workers=self.workers,
+                                       compiled=compiled)
+                found = codec.digests(payload, compiled=compiled)
                 if strong:
                     strongs.update(self._blake3_of(target, found))
                 del target

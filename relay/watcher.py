@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import re
+import json
 import shutil
 import tempfile
 import threading
@@ -402,6 +403,49 @@ class Reader:
         self._spooled[ref] = path
         return path
 
+    def _stream_one(self, ref: ObjRef) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
+        """`ref`'s safetensors object read from the store straight into new tensors (no file, no copy of its
+        bytes), with each tensor's digest (checkpoint.stream_into); its size, xxh3 and (when the manifest
+        gives one) SHA-256 are checked over the same bytes before anything is returned."""
+        import hashlib
+
+        import xxhash
+
+        tag = xxhash.xxh3_128()
+        strong = hashlib.sha256() if ref.sha256 is not None else None
+        seen = 0
+
+        def feed(view: memoryview) -> None:
+            nonlocal seen
+            seen += len(view)
+            tag.update(view)
+            if strong is not None:
+                strong.update(view)
+
+        chunks = iter(self.store.iter_chunks(ref.key))
+        malformed = None
+        try:
+            part, meta, digests = checkpoint.stream_into(chunks, ref.size, ref.key, feed)
+        except checkpoint.SafetensorsError as exc:
+            malformed = exc
+            for chunk in chunks:  # the rest, to say whether the object is the manifest's at all
+                if seen > ref.size:
+                    break
+                feed(memoryview(chunk).cast("B"))
+        finally:
+            with self._count_lock:
+                self.bytes_downloaded += seen
+        if seen != ref.size:
+            raise _VerifyError([ref], f"{ref.key}: {seen}{'+' if seen > ref.size else ''} bytes, manifest says "
+                                      f"{ref.size}")
+        if tag.hexdigest() != ref.xxh3:
+            raise _VerifyError([ref], f"{ref.key}: xxh3 {tag.hexdigest()}, manifest says {ref.xxh3}")
+        if strong is not None and strong.hexdigest() != ref.sha256:
+            raise _VerifyError([ref], f"{ref.key}: sha256 {strong.hexdigest()}, manifest says {ref.sha256}")
+        if malformed is not None:
+            raise _VerifyError([ref], f"{ref.key}: not a safetensors file ({malformed})")
+        return part, meta, digests
+
     def _record(self, data: bytes, ref: ObjRef, run: str, step: int) -> Record:
         key = ref.key
         try:
@@ -412,18 +456,26 @@ class Reader:
             raise _VerifyError([ref], f"{key}: record of run {rec.run} step {rec.step}, expected {run} step {step}")
         return rec
 
-    def _load_snapshot(self, m: Manifest, snap: Snapshot, spool: Path, trail: Trail,
+    def _load_snapshot(self, m: Manifest, snap: Snapshot, spool: Path | None, trail: Trail,
                        files: tuple[ObjRef, ...] | None = None) -> tuple[dict[str, torch.Tensor], Record]:
         """The snapshot's tensors (a partial replica's selection), checked against its step's record. Its
         files (`files`: the ones a partial replica needs; default all) are downloaded into `spool` (verified
         from disk before use), then read straight into new tensors: one copy of the model in memory, never
-        the files' bytes as well. A sharded trainer's row slices are put together into whole tensors; only
-        a full snapshot of whole tensors in the record's layout keeps its files for the version (trail)."""
+        the files' bytes as well. Without a spool (nothing will keep the files: a publisher resuming) they
+        are streamed from the store into the tensors, verified and digested on the way: one read of each
+        file instead of a download, a read-back and a read. A sharded trainer's row slices are put together
+        into whole tensors; only a full snapshot of whole tensors in the record's layout keeps its spooled
+        files for the version (trail)."""
         rec_ref = m.step_of_snapshot(snap).record
         rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
         index = self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
         if announce.is_regional(snap):
             self._check_regional(snap, rec, index)
+        if spool is None and _declares_compressed(index):
+            # compressed files are decoded from a file (codec.decode_snapshot), not streamed into tensors:
+            # spooled for this read only (an index that hides its format is refused by stream_into instead)
+            with tempfile.TemporaryDirectory(prefix=".deltarelay-snapshot-") as tmp:
+                return self._load_snapshot(m, snap, Path(tmp), trail, files)
         layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
         names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
         # A sharded trainer's snapshot (one set of files per rank: row slices, or whole tensors by owner) and a
@@ -436,22 +488,34 @@ class Reader:
             raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
                                                  f"record's layout {sorted(layout)[:5]}")
         fetch = snap.files if files is None else files
+        paths: list[Path] = []
+        streamed: list[tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]] = []
         with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
-            paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
+            if spool is None:
+                streamed = list(pool.map(self._stream_one, fetch))
+            else:
+                paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
         # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
         # DEST holds safetensors, written from the tensors in the record's layout
         direct = direct and all(checkpoint.snapshot_file_format(p) == "safetensors" for p in paths)
         tensors: dict[str, torch.Tensor] = {}
+        digests: dict[str, bytes] = {}  # of the streamed tensors, made as they arrived
         read = []
-        for f, path in zip(fetch, paths):
-            try:
-                part, meta = checkpoint.read_snapshot_file(path, f.key)
-            except checkpoint.SafetensorsError as exc:
-                raise _VerifyError([f], f"{f.key}: not a snapshot file ({exc})") from None
+        for i, f in enumerate(fetch):
+            if spool is None:
+                part, meta, made = streamed[i]
+                streamed[i] = ({}, {}, {})  # held once, in `tensors` or `read`
+            else:
+                made = {}
+                try:
+                    part, meta = checkpoint.read_snapshot_file(paths[i], f.key)
+                except checkpoint.SafetensorsError as exc:
+                    raise _VerifyError([f], f"{f.key}: not a snapshot file ({exc})") from None
             if direct:
-                if set(part) != layout[path.name]:
+                if set(part) != layout[f.key.rsplit("/", 1)[-1]]:
                     raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
                 tensors.update(part)
+                digests.update(made)
             else:
                 try:
                     read.append((f, shards.metadata_rows(meta, f), part))
@@ -462,14 +526,16 @@ class Reader:
                 tensors = shards.assemble_read(read, rec.tensors, self.want)
             except shards.ShardError as exc:
                 raise _VerifyError(exc.refs, str(exc)) from None
-        bad = mismatches(tensors, self.expected(rec))
+        # streamed whole tensors are checked by the digests made on the way; the others are hashed
+        bad = _head_mismatches(tensors, self.expected(rec), digests) if digests else mismatches(tensors,
+                                                                                                 self.expected(rec))
         if bad:
             # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
             # good one (typically the head's) must stay usable for the chain from another snapshot.
             raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
                                                  f"(tensors {bad[:5]})")
         trail.snapshot, trail.snapshot_record = snap, rec
-        if direct:
+        if direct and spool is not None:
             trail.files = paths
             trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
         return tensors, rec
@@ -512,7 +578,7 @@ class Reader:
                                f"step {s.step}: parts leave tensors unverified {sorted(set(tensors) - covered)[:5]}")
 
     def _execute(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None, undo: codec.UndoLog,
-                 spool: Path, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
+                 spool: Path | None, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
         """Run `plan`: from the snapshot (new tensors) or from `held` itself, applied in place. Whatever fails,
         `held` is back to its exact bits (from `undo`) before the exception leaves."""
         try:
@@ -522,7 +588,7 @@ class Reader:
             raise
 
     def _execute_logged(self, m: Manifest, plan: Plan, held: dict[str, torch.Tensor] | None, undo: codec.UndoLog,
-                        spool: Path, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
+                        spool: Path | None, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
         rec: Record | None = None
         trail.reset()  # what this attempt used, only
         if plan.snapshot is not None:
@@ -634,7 +700,8 @@ class Reader:
         codec.UndoLog), a successful in-place reach leaves there what it overwrote, so the caller can still
         take the step back (its persist failed, say). A snapshot plan returns new tensors, `held` untouched.
         Snapshot files are downloaded into `spool` (a directory the caller owns and cleans; the watcher
-        passes its next version's) or, without one, a temporary directory removed before returning.
+        passes its next version's) or, without one, streamed from the store straight into the tensors
+        (verified on the way; no file is written: a publisher resuming keeps none).
         `trail`, if given, is filled with what the successful plan used (Trail).
         """
         if undo is None:
@@ -642,13 +709,10 @@ class Reader:
         elif len(undo):
             raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
         trail = Trail() if trail is None else trail
-        if spool is not None:
-            return self._reach(held_step, held, run, timeout, undo, Path(spool), trail)
-        with tempfile.TemporaryDirectory(prefix=".deltarelay-spool-") as tmp:
-            return self._reach(held_step, held, run, timeout, undo, Path(tmp), trail)
+        return self._reach(held_step, held, run, timeout, undo, None if spool is None else Path(spool), trail)
 
     def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
-               timeout: float | None, undo: codec.UndoLog, spool: Path, trail: Trail
+               timeout: float | None, undo: codec.UndoLog, spool: Path | None, trail: Trail
                ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
@@ -740,6 +804,15 @@ def _failure_reason(exc: BaseException) -> str:
     if isinstance(exc, (OSError, ConnectionError)):
         return "store"
     return "other"
+
+
+def _declares_compressed(index: bytes) -> bool:
+    """Whether a snapshot index says its files are compressed snapshot objects (metadata snapshot_format)."""
+    try:
+        meta = json.loads(index).get("metadata", {})
+        return isinstance(meta, dict) and meta.get("snapshot_format") == "compressed"
+    except (ValueError, AttributeError):
+        return False
 
 
 def _remove_entry(p: Path) -> None:

@@ -3,8 +3,11 @@
 Each run is a new process with an empty kernel cache (NUMBA_CACHE_DIR in a new temp dir), as on
 a fresh host. A publisher's first delta is an encode, a watcher's an apply_; each follows a
 simulated snapshot transfer of --download seconds (sleep: the snapshot path runs no kernel).
-Modes: "none" (today: the first call compiles), "overlap" (warm_up started before the transfer,
-in the background), "inline" (warm_up waited for before the transfer). The extra time is the
+Modes: "none" (the first call compiles), "overlap" (warm_up started before the transfer, in the
+background, waited for after it), "inline" (warm_up waited for before the transfer), "interim"
+(the publisher's way, relay.Publisher: warm_up in the background, and a first delta that finds it
+unfinished is coded without kernels, `codec.encode(compiled=False)`, a larger payload; watchers as
+"overlap"). The extra time is the
 first call's wall time after the transfer, plus any wait past it, minus a steady-state call.
 --baseline-tree runs "none" against another checkout (main) in the same run.
 
@@ -34,28 +37,36 @@ blob = torch.load(data)
 base, target, payload = blob["base"], blob["target"], blob["payload"]
 path = {"publisher": "encode", "watcher": "apply_"}[role]
 run = (lambda: codec.encode(base, target)) if role == "publisher" else (
-    lambda: codec.apply_({k: v.clone() for k, v in base.items()}, payload))
+    lambda: codec.apply_({k: v.clone() for k, v in base.items()}, payload) or payload)
 handle = None
 start = time.perf_counter()
-if mode == "overlap":
+if mode in ("overlap", "interim"):
     handle = codec.warm_up((path,))
 elif mode == "inline":
     codec.warm_up((path,), background=False)
 time.sleep(download)  # the snapshot moves; no kernel runs on that path
 s = time.perf_counter()
 waited = 0.0
-if handle is not None:
-    handle.wait()
-    waited = time.perf_counter() - s
-run()
+interim = False
+if mode == "interim" and role == "publisher" and not handle.done():
+    interim = True  # what relay.Publisher does: this delta without kernels, no wait
+    size = len(codec.encode(base, target, compiled=False))
+else:
+    if handle is not None:
+        handle.wait()
+        waited = time.perf_counter() - s
+    size = len(run())
 first = time.perf_counter() - s
+to_first = time.perf_counter() - start
+if handle is not None:
+    handle.wait()  # the next delta is a compiled one
 s = time.perf_counter()
 run()
 steady = time.perf_counter() - s
-total = time.perf_counter() - start
 cpu = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"import_s": imported, "first_s": first, "steady_s": steady, "waited_s": waited,
-                  "to_first_delta_s": total - steady, "cpu_s": cpu.ru_utime + cpu.ru_stime}))
+                  "interim": interim, "first_bytes": size, "steady_bytes": len(payload),
+                  "to_first_delta_s": to_first - steady, "cpu_s": cpu.ru_utime + cpu.ru_stime}))
 """
 
 
@@ -94,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs per cell (medians)")
     ap.add_argument("--baseline-tree", default=None, help="checkout whose codec has no warm_up (e.g. /work/main)")
     ap.add_argument("--roles", default="publisher,watcher")
+    ap.add_argument("--modes", default="none,overlap,inline,interim")
     ap.add_argument("--json", type=Path, default=Path("out/coldstart.json"))
     args = ap.parse_args(argv)
     here = str(Path(__file__).resolve().parent.parent)
-    cells = [(here, "none"), (here, "overlap"), (here, "inline")]
+    cells = [(here, mode) for mode in args.modes.split(",")]
     if args.baseline_tree:
         cells.insert(0, (args.baseline_tree, "none"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(role=role, mode=mode, tree="baseline" if tree != here else "this")
                 rows.append(row)
                 print(f"{role:9} {row['tree']:8} {mode:8} extra {row['extra_s']:6.1f} s  first call "
-                      f"{row['first_s']:6.2f} s (waited {row['waited_s']:5.1f})  steady {row['steady_s']:.3f} s  "
+                      f"{row['first_s']:6.2f} s (waited {row['waited_s']:5.1f}; {row['first_bytes'] / 1e3:.0f} KB, "
+                      f"steady {row['steady_bytes'] / 1e3:.0f} KB)  steady {row['steady_s']:.3f} s  "
                       f"cpu {row['cpu_s']:5.1f} s  import {row['import_s']:.1f} s", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"download_s": args.download, "repeats": args.repeats, "rows": rows,

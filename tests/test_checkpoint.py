@@ -208,7 +208,8 @@ def test_read_file_into_matches_safetensors_for_every_dtype(tmp_path):
 
 @pytest.mark.parametrize("case", ["unknown-dtype", "overlap", "gap", "past-end", "short-span", "header-too-big",
                                   "not-json", "duplicate", "negative-shape", "trailing-bytes", "truncated"])
-def test_read_file_into_refuses_malformed_headers(tmp_path, case):
+@pytest.mark.parametrize("reader", ["file", "stream"])
+def test_read_file_into_refuses_malformed_headers(tmp_path, case, reader):
     t = {"dtype": "BF16", "shape": [4], "data_offsets": [0, 8]}
     u = {"dtype": "BF16", "shape": [4], "data_offsets": [8, 16]}
     header, data, raw_len = {"a": t, "b": u}, bytes(16), None
@@ -243,7 +244,51 @@ def test_read_file_into_refuses_malformed_headers(tmp_path, case):
     else:
         p = _st_file(tmp_path, header, data, raw_len=raw_len)
     with pytest.raises(checkpoint.SafetensorsError, match="x.safetensors"):
-        checkpoint.read_file_into(p)
+        if reader == "file":
+            checkpoint.read_file_into(p)
+        else:
+            _stream(p.read_bytes(), 5)
+
+
+def _stream(data: bytes, step: int, size: int | None = None, where: str = "x.safetensors"):
+    """checkpoint.stream_into over `data` in chunks of `step` bytes: (its result, the bytes it fed)."""
+    fed: list[bytes] = []
+    chunks = (data[i:i + step] for i in range(0, len(data), step))
+    out = checkpoint.stream_into(chunks, len(data) if size is None else size, where, lambda v: fed.append(bytes(v)))
+    return out, b"".join(fed)
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 24])
+def test_stream_into_matches_safetensors_and_digests_every_tensor(tmp_path, step):
+    """Any chunking: every dtype and edge tensor (empty, 0-d, NaN) as safetensors reads it, every byte fed to
+    the caller's hash in order, and each tensor's codec digest made on the way."""
+    from safetensors.torch import save_file as st_save_file
+
+    from codec import hashing, tensors
+
+    base, _ = edge_pair(seed=2)
+    st_save_file(base, str(tmp_path / "e.safetensors"), metadata={"step": "4"})
+    data = (tmp_path / "e.safetensors").read_bytes()
+    (got, meta, digests), fed = _stream(data, step)
+    assert fed == data and meta == {"step": "4"}
+    assert_bit_exact(got, base)
+    assert digests == {k: hashing.digest_elements(tensors.dtype_of(v, k).name, tuple(v.shape), tensors.element_view(v))
+                       for k, v in base.items()}
+
+
+def test_stream_into_refuses_an_object_of_another_size(tmp_path):
+    from safetensors.torch import save_file as st_save_file
+
+    st_save_file({"a": torch.ones(64)}, str(tmp_path / "e.safetensors"))
+    data = (tmp_path / "e.safetensors").read_bytes()
+    with pytest.raises(checkpoint.SafetensorsError, match="runs past"):
+        _stream(data + b"xx", 7, size=len(data))
+    with pytest.raises(checkpoint.SafetensorsError, match="x.safetensors"):
+        _stream(data, 7, size=len(data) - 1)
+    with pytest.raises(checkpoint.SafetensorsError, match="x.safetensors"):
+        _stream(data[:-3], 7, size=len(data))
+    with pytest.raises(checkpoint.SafetensorsError, match="x.safetensors"):
+        _stream(b"", 7, size=0)
 
 
 def test_streamed_writer_round_trips(tmp_path):

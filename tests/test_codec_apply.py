@@ -25,6 +25,7 @@ from codec_cases import (
     clone_all,
     edge_pair,
     model_pair,
+    random_bf16_weights,
     rl_step,
     snapshot,
 )
@@ -438,3 +439,74 @@ def test_only_applies_the_named_records():
     assert_bit_exact(one, {names[1]: states[1][names[1]]})
     with pytest.raises(codec.DeltaError, match="does not name"):
         codec.apply_({names[1]: states[0][names[1]].clone()}, payloads[0], only=["nope"])
+
+
+def _stream_word_flipped(e, word: int):
+    """The record with bit 0 of stream word `word` flipped (the decoder reads the words from the end:
+    word 0 last, so its damage shows only at the stream's end)."""
+    s = e.streams[0]
+    raw = bytearray(s.stored)
+    raw[4 * word] ^= 1
+    s.stored = bytes(raw)
+    return e
+
+
+@pytest.mark.parametrize("word", ["first", "middle"])
+def test_in_place_decode_failing_after_its_writes_restores_the_tensor(monkeypatch, word):
+    """A conditional record is decoded straight into the live tensor, chunk by chunk (one pass over it, no
+    patch decoded beforehand): a stream that fails only near its end, after most chunks were written, or
+    halfway, leaves every bit as it was, and the genuine payload then applies."""
+    from codec.methods import conditional
+
+    rng = np.random.default_rng(11)
+    base = {"w": random_bf16_weights((256, 1024), rng), "b": random_bf16_weights((4096,), rng)}
+    target = {k: rl_step(v, 0.02, rng) for k, v in base.items()}
+    payload = codec.encode(base, target)
+    entry = next(e for e in container.unpack(payload).entries if e.name == "w")
+    assert entry.method == conditional.ID and len(entry.streams[0].stored) > 64
+    written = []
+    real = conditional._decode_in_place
+
+    def spy(b, *args):
+        out = real(b, *args)
+        written.append((b.size, int(out[2]), int(out[3])))  # elements, changes written before the verdict, status
+        return out
+
+    monkeypatch.setattr(conditional, "_decode_in_place", spy)
+    monkeypatch.setattr(conditional.Conditional, "decode", lambda *a: pytest.fail("a separate decode pass"))
+    words = len(entry.streams[0].stored) // 4 - 2 * conditional.FOUR_STATES
+    at = 0 if word == "first" else words // 2
+    forged = _forge(payload, "w", lambda e: _stream_word_flipped(e, at))
+    live = _refused_untouched(base, forged, "w")
+    size, done, status = next(w for w in written if w[0] == base["w"].numel())
+    assert status != 0 and done > (entry.changes * 3 // 4 if word == "first" else 0)  # it had written, then failed
+    written.clear()
+    codec.apply_(live, payload)
+    assert_bit_exact(live, target)
+    assert {w[0] for w in written} == {base["w"].numel(), base["b"].numel()} and all(w[2] == 0 for w in written)
+
+
+def test_tied_names_are_decoded_before_any_write():
+    """Names sharing memory keep the two-pass path (every patch decoded against the untouched base first):
+    a record decoded in place would read its tied partner's writes as its base."""
+    from codec.methods import conditional
+
+    rng = np.random.default_rng(12)
+    w = random_bf16_weights((64, 64), rng)
+    base = {"embed.weight": w, "head.weight": w}
+    new = rl_step(w, 0.05, rng)
+    target = {"embed.weight": new, "head.weight": new}
+    payload = codec.encode(clone_all(base), target)
+    shared = w.clone()
+    live = {"embed.weight": shared, "head.weight": shared}
+    calls = []
+    real = conditional.Conditional.decode_in_place
+
+    def spy(self, *a, **k):
+        calls.append(a[0].name)
+        return real(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conditional.Conditional, "decode_in_place", spy)
+        codec.apply_(live, payload)
+    assert calls == [] and np.array_equal(bits_of(shared), bits_of(new))

@@ -54,6 +54,8 @@ def test_registered_method_implements_the_interface(method):
         assert _overrides(method, "analyse") and _overrides(method, "fit")
     if method.builds_target:
         assert _overrides(method, "decode_target")
+    if method.decodes_in_place:
+        assert _overrides(method, "decode_in_place")
     if _overrides(method, "batch_encodable"):
         assert method.analyses and _overrides(method, "analyse_batch") and _overrides(method, "encode_batch")
     if _overrides(method, "batch_decodable"):

@@ -388,3 +388,78 @@ def test_payload_digests_are_the_states_digests():
                                                        want_b[k].digest)
     with pytest.raises(codec.DeltaError):
         codec.digests(b"not a payload")
+
+
+# -- cold start -----------------------------------------------------------------------------------------
+class _Compiling:
+    """A warm-up that has not finished (a fresh host whose encoder is still compiling) until `finish`."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_deltas_while_the_encoder_compiles_need_no_kernel(file_run, trainer, tmp_path, monkeypatch):
+    """Until the encoder's warm-up is done, deltas are coded without compiled kernels (sparse-split records:
+    larger, the same format); watchers reach every step bit-exact, and once the kernels are ready the
+    publisher codes with them again."""
+    import codec
+    from codec import container
+    from codec.methods import conditional, sparse
+
+    warm = _Compiling()
+    monkeypatch.setattr(codec, "warm_up", lambda paths=None, **kw: warm)
+    calls = []
+    real = codec.encode
+    monkeypatch.setattr(codec, "encode", lambda *a, **kw: calls.append(kw.get("compiled", True)) or real(*a, **kw))
+    t = trainer(seed=8)
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    store = open_store(file_run.url)
+    with relay.Publisher(file_run.url, background=False) as pub:
+        for step in range(5):
+            if step == 3:
+                warm.finish()
+            state = t.state() if step == 0 else t.step()
+            pub.publish(t.model, step)
+            assert w.sync(timeout=30) == step and same_bits(w.tensors, state)
+    assert calls == [False, False, True, True]
+    m = manifest_of(file_run.url)
+    methods = {s.step: {e.method for e in container.unpack(store.get(s.parts[0].ref.key)).entries
+                        if e.changes} for s in m.steps[1:]}
+    assert methods[1] == methods[2] == {sparse.ID} and methods[3] == methods[4] == {conditional.ID}
+
+
+# -- resume ---------------------------------------------------------------------------------------------
+def test_resume_streams_the_head_into_memory(file_run, trainer, tmp_path, monkeypatch, caplog):
+    """A resuming publisher reads the head's snapshot from the store straight into its tensors (no file is
+    spooled or written), every byte checked against the manifest: a snapshot file whose bytes were
+    replaced (same size) is refused, and the head is rebuilt from the older snapshot and its chain; the
+    resumed run's next step reaches a watcher bit-exact."""
+    from relay.watcher import Reader
+
+    t = trainer(seed=9)
+    states = {}
+    with relay.Publisher(file_run.url, background=False, snapshot_every=3) as pub:
+        for step in range(5):
+            states[step] = t.state() if step == 0 else t.step()
+            pub.publish(t.model, step)
+    m = manifest_of(file_run.url)
+    assert [s.step for s in m.snapshots] == [0, 3]
+    victim = Path(file_run.url.removeprefix("file://")) / m.snapshots[-1].files[0].key
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0x01  # a tensor's last byte: the header still parses, the hash does not match
+    victim.write_bytes(bytes(raw))
+    with monkeypatch.context() as mp:
+        mp.setattr(Reader, "_spool_one", lambda *a: pytest.fail("a resume spooled a snapshot file"))
+        with relay.Publisher(file_run.url, background=False, resume=True, resume_timeout=30) as pub:
+            assert pub.step == 4 and same_bits(pub.prev, states[4])
+            assert f"{m.snapshots[-1].files[0].key}: xxh3" in caplog.text  # refused, then planned around
+            states[5] = t.step()
+            pub.publish(t.model, 5)
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    assert w.sync(timeout=30) == 5 and same_bits(w.tensors, states[5])

@@ -19,8 +19,9 @@ Encoder, per payload of format version v (over methods that exist in v, by `pref
 Decoder: a record's method is `lookup`ed (unknown or not in the payload's version: DeltaError
 naming the tensor); `identity` methods' records change nothing; `batch_decodable` records are
 decoded together by `decode_batch`, the others by `decode_target` (`builds_target` methods) or
-`decode` (a Patch). Blocks in `Payload.shared` are declared by their owner (`SharedBlock`) and
-parsed at most once per payload (`parsed_block`).
+`decode` (a Patch); apply_ has `decodes_in_place` records write themselves into the live
+tensor (`decode_in_place`). Blocks in `Payload.shared` are declared by their owner
+(`SharedBlock`) and parsed at most once per payload (`parsed_block`).
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ class Method(abc.ABC):
     identity: ClassVar[bool] = False  # its records change nothing: the target is the base
     analyses: ClassVar[bool] = False  # analyses tensors before coding them (`analyse`, `fit`)
     builds_target: ClassVar[bool] = False  # `decode_target` builds the whole target
+    decodes_in_place: ClassVar[bool] = False  # `decode_in_place` writes the target into the base
 
     def exists_in(self, version: int) -> bool:
         return version in self.versions
@@ -238,6 +240,14 @@ class Method(abc.ABC):
                       digest: Running | None = None) -> tuple[int, np.ndarray]:
         """(`builds_target` methods) (changes decoded, the whole target, flat), feeding `digest`."""
         raise NotImplementedError(f"method {self.name!r} does not build targets")
+
+    def decode_in_place(self, entry: Entry, elems: np.ndarray, shared: dict,
+                        digest: Running | None = None) -> Patch:
+        """(`decodes_in_place` methods) The record applied to `elems` (the base's writable flat
+        elements) as it is decoded, feeding `digest` the target in order: one pass over the
+        tensor instead of a decode then a write. Returns the changed positions and the elements
+        they held (apply_'s undo log). On DeltaError `elems` hold the base's exact bits again."""
+        raise NotImplementedError(f"method {self.name!r} does not decode in place")
 
     def batch_decodable(self, entry: Entry) -> bool:
         """Whether `decode_batch` takes this record (others are decoded alone)."""

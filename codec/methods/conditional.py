@@ -535,6 +535,53 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
     return at[:at.size - ec.POSITION_SLACK], vals, st[5], status
 
 
+@nb.njit(cache=True, nogil=True)
+def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq,
+                     vslot, vrow_of_key, function, digest):
+    """The three phases writing the target into the base b itself, in one pass over it: chunk by
+    chunk, the positions from the scan of bb (b, or its padded copy), those changes' values,
+    then each swapped into b (the old element kept in its place in `vals`: the undo log) and the
+    finished chunk fed to the running digest while in L1 (`function` not 0). Separate decode
+    and write passes read the tensor twice from memory. Returns (positions, old values, changes
+    decoded, status); on a status other than 0, every element written is put back first (b is
+    exactly the base again). A chunk's values are decoded before any of them is written, so the
+    writes are always changes [0, total) of a prefix of chunks."""
+    bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds,
+                                                                       levels, counts, mcum, mfreq, mslot)
+    expected = counts.sum()
+    at = np.empty(expected + ec.POSITION_SLACK, np.int64)
+    vals = np.empty(expected, np.uint16)
+    none = np.zeros(0, np.uint16)
+    total = 0
+    if status == 0:
+        x, y1, y2, y3, pos = st[0], st[1], st[2], st[3], st[4]
+        for o in range(0, bb.size, CHUNK):
+            end = min(o + CHUNK, bb.size)
+            k, status = ec.positions_between(b.size, bb, o, end, lanes, nclass, ge, bits, cursor, guard, at, total,
+                                             none)
+            if status:
+                break
+            x, y1, y2, y3, pos, status = _decode_values(b, at, total, k, words, x, y1, y2, y3, four, pos, vcum, vfreq,
+                                                        vslot, vrow_of_key, vals, none)
+            if status:
+                break
+            for j in range(total, k):
+                p = _U(at[j])
+                old = b[p]
+                b[p] = vals[j]
+                vals[j] = old
+            total = k
+            if function:
+                hash_update(function, digest, b, o, min(end, b.size))
+        st[0], st[1], st[2], st[3], st[4], st[5] = x, y1, y2, y3, pos, total
+        if status == 0:
+            status = _decode_end(st, expected)
+    if status:
+        for j in range(total):  # back to the base, exactly
+            b[_U(at[j])] = vals[j]
+    return at[:expected], vals, total, status
+
+
 _STATUS = {
     1: "entropy stream ends early", 2: "a class's changes lie beyond its elements",
     3: "a change falls under an exponent with no value table", 4: "a decoded step leaves the BF16 range",
@@ -1149,6 +1196,24 @@ def decode_target(entry: Entry, base: np.ndarray, shared: dict, digest: Running 
     return count, out
 
 
+def decode_in_place(entry: Entry, elems: np.ndarray, shared: dict, digest: Running | None = None) -> Patch:
+    """The record applied to `elems` (the base's writable elements) in the decoding pass itself
+    (`_decode_in_place`), feeding `digest` the target as it is finished. Returns the changed
+    positions with the elements they held (the undo log). On DeltaError `elems` hold the base."""
+    if not elems.flags.writeable or not elems.flags.c_contiguous:
+        raise ValueError(f"{entry.name!r}: decode_in_place needs writable contiguous elements")
+    base, thresholds, levels, counts, words, states, four, model = _checked(entry, elems, shared)
+    x0, x1, x2, x3 = (np.int64(x) for x in states)
+    function, state = (digest.function, digest.state) if digest is not None else (0, 0)
+    mfreq, mcum, mslot = mask_tables()
+    at, old, _, status = _decode_in_place(base, ec.blocks(base), words, x0, x1, x2, x3, four, thresholds, levels,
+                                          counts, mcum, mfreq, mslot, model.cum, model.freq, model.slots,
+                                          model.row_of_key, np.uintp(function), np.uintp(state))
+    if status:
+        raise DeltaError(_STATUS[status], tensor=entry.name)
+    return Patch(at, old)
+
+
 _NO_OUT = np.empty(0, np.uint16)
 
 
@@ -1390,6 +1455,7 @@ class Conditional(Method):
     shared_kinds = (VALUE_TABLES, INTERLEAVE)
     analyses = True
     builds_target = True
+    decodes_in_place = True
 
     def applicable(self, dtype: tensors.DType) -> bool:
         return dtype is tensors.BF16
@@ -1454,6 +1520,9 @@ class Conditional(Method):
     def decode_target(self, entry: Entry, base: np.ndarray, shared: dict, digest: Running | None = None
                       ) -> tuple[int, np.ndarray]:
         return decode_target(entry, base, shared, digest)
+
+    def decode_in_place(self, entry: Entry, elems: np.ndarray, shared: dict, digest: Running | None = None) -> Patch:
+        return decode_in_place(entry, elems, shared, digest)
 
     def batch_decodable(self, entry: Entry) -> bool:
         return batchable(entry)

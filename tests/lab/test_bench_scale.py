@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,10 @@ def test_summary_targets_and_cost_model(report):
     for check in r["summary"]["checks"]:
         assert check["pass"] == (check["value"] <= check["target"]) and math.isfinite(check["value"])
     cm = r["cost_model"]
+    # the watcher's rate is the journal mode's (a step that costs what changed), not the full mode's
+    assert cm["watcher_mode"] == "journal"
+    assert math.isclose(cm["watcher_s_per_gb"], statistics.median(r["watchers"]["journal"]["step_s"])
+                        / cm["measured_at_gb"])
     assert {(row["model"], row["cores"]) for row in cm["rows"]} == {("70B", 32), ("70B", 128), ("1T", 32), ("1T", 128)}
     for row in cm["rows"]:
         assert row["publish_s"] > 0 and row["watcher_s"] > 0 and row["net_bytes"] < row["model_bytes"]
