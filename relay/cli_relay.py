@@ -37,12 +37,26 @@ def tensor_selector(patterns: list[str] | None) -> Callable[[str], bool] | None:
     return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
 
 
+def engine_of(spec: str | None, pause_mode: str):
+    """--engine: `vllm+http://HOST:PORT` drives `vllm serve` there (relay.engines.vllm.VLLMServer)."""
+    if spec is None:
+        return None
+    kind, sep, rest = spec.partition("+")
+    if kind != "vllm" or not sep or not rest.startswith(("http://", "https://")):
+        raise SystemExit(f"--engine {spec!r}: expected vllm+http://HOST:PORT (a `vllm serve` started with "
+                         f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls relay.engines.vllm.WorkerExtension)")
+    from relay.engines.vllm import VLLMServer
+
+    return VLLMServer(rest, pause_mode=pause_mode)
+
+
 def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
                  trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors), persist=args.persist,
-                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps) as w:
+                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps,
+                 engine=engine_of(args.engine, args.engine_pause)) as w:
         try:
             if args.once:
                 step = w.sync(timeout=args.timeout)
@@ -132,6 +146,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="journal mode: compact once the journal exceeds F times the model's bytes")
     p.add_argument("--compact-steps", type=int, default=64, metavar="N",
                    help="journal mode: compact once the journal holds more than N steps")
+    p.add_argument("--engine", metavar="URL",
+                   help="also put each verified step into a running inference engine, without a restart: "
+                        "vllm+http://HOST:PORT for `vllm serve` (README, Serving with vLLM); needs --persist full")
+    p.add_argument("--engine-pause", choices=("abort", "wait", "keep"), default="abort",
+                   help="what the engine does with in-flight requests while it applies a step (vLLM's pause "
+                        "modes: abort them, wait for them, keep them frozen until resume)")
     add_trusted_key(p)
     add_storage_options(p)
     p.set_defaults(func=_watch)
