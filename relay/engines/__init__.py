@@ -28,6 +28,25 @@ from relay.manifest import TensorInfo
 __all__ = ["Engine", "EngineError", "Update", "changed_names"]
 
 
+def _tolerate_vllm_kernel_scan() -> None:
+    """Let vLLM start in a process that imported numba (the codec does).
+
+    At engine start vLLM 0.32's CPU platform rebinds kernels by scanning every module attribute with
+    `vars(value).get("kernel")`; llvmlite's `binding.ffi.lib` answers any attribute, `__dict__` too,
+    with a C-function wrapper, so the scan raises AttributeError and the engine never starts. An empty
+    `__dict__` entry in the lib's function table (consulted first, never used by llvmlite) makes
+    vars(lib) an empty mapping. Applied on import (relay imports this package), before any engine starts."""
+    try:
+        from llvmlite.binding import ffi
+
+        ffi.lib._fntab.setdefault("__dict__", {})
+    except (ImportError, AttributeError):  # another llvmlite: nothing to tolerate, or nothing we know
+        pass
+
+
+_tolerate_vllm_kernel_scan()
+
+
 class EngineError(RuntimeError):
     """The engine did not take the step: it stays on (and serves) the step it held before."""
 
