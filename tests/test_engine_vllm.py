@@ -28,6 +28,7 @@ from safetensors.torch import save_file  # noqa: E402
 from relay import Publisher  # noqa: E402
 from relay.engines import EngineError, Update  # noqa: E402
 from relay.engines.vllm import VLLMEngine  # noqa: E402
+from relay.manifest import Manifest  # noqa: E402
 from relay.watcher import SyncError, Watcher  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -126,9 +127,9 @@ def test_engine_follows_the_run_bit_identically(run, monkeypatch):
                     pauses.append(st["last_pause_s"])
             # a tampered delta: refused, the engine keeps serving step STEPS
             pub.publish(states[STEPS + 1], STEPS + 1)
-            m = w.store.read_manifest()
-            part = m.step(STEPS + 1).delta_parts[0].ref
-            obj = Path(root / "store" / part.key)
+            part = Manifest.parse(w.store.read_manifest().data).step(STEPS + 1).delta_parts[0].ref
+            obj = root / "store" / part.key
+            assert obj.is_file(), obj
             bad = bytearray(obj.read_bytes())
             bad[len(bad) // 2] ^= 0xFF
             obj.write_bytes(bytes(bad))
@@ -150,3 +151,71 @@ def test_engine_follows_the_run_bit_identically(run, monkeypatch):
     finally:
         llm.llm_engine.engine_core.shutdown()
     print(f"\npause per step: median {sorted(pauses)[len(pauses) // 2] * 1e3:.1f} ms over {len(pauses)} steps")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def completions(base: str) -> list[dict]:
+    """The fixed prompts through `vllm serve`'s /v1/completions: greedy tokens and their logprobs."""
+    import urllib.request
+
+    from vllm_reference import MAX_TOKENS, PROMPTS
+
+    out = []
+    for p in PROMPTS:
+        body = {"model": "m", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
+                "return_token_ids": True}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            choice = json.loads(resp.read())["choices"][0]
+        out.append({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]})
+    return out
+
+
+def test_sidecar_drives_vllm_serve_over_http(run):
+    """`vllm serve` with the worker extension, driven by VLLMServer (what `deltarelay watch --engine
+    vllm+http://...` builds) through a few steps; it serves what a fresh engine serves at each."""
+    from relay.cli_relay import engine_of
+
+    root, states, refs = run
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(root / "model"), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "m", "--worker-extension-cls",
+           "relay.engines.vllm.WorkerExtension", "--skip-tokenizer-init", "--dtype", "bfloat16",
+           "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--seed", "0",
+           "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--max-num-seqs", "8"]
+    log = open(root / "serve.log", "wb")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight versions
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    engine = engine_of(f"vllm+{base}", "abort")
+    try:
+        deadline = time.monotonic() + 900
+        while True:  # up once /weight_info answers
+            assert server.poll() is None, (root / "serve.log").read_text()[-3000:]
+            try:
+                engine.weight_version()
+                break
+            except EngineError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        url = (root / "store-http").as_uri()
+        with Publisher(url, background=False, snapshot_every=100) as pub, \
+                Watcher(url, root / "dest-http", engine=engine) as w:
+            for k in range(4):
+                pub.publish(states[k], k)
+                assert w.sync() == k and w.engine_step == k
+                assert engine.weight_version() == str(k)
+                got = completions(base)
+                assert same(got, refs[k]), f"step {k}: the server differs from a fresh engine"
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+        log.close()
