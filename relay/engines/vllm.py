@@ -142,16 +142,20 @@ class WorkerExtension:
         modules = dict(model.named_modules())
         backup = {layer: {k: v.detach().clone() for k, v in _own_tensors(modules[layer])} for layer in touched}
         t0 = time.perf_counter()
-        quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)  # "Failed to load weights" for every layer a partial reload leaves as is
+        # a partial reload makes vLLM warn of every layer it leaves as is ("Failed to load weights",
+        # "Following weights were not loaded"): expected here, so those two loggers keep errors only
+        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+        levels = [q.level for q in quiet]
+        for q in quiet:
+            q.setLevel(logging.ERROR)
         try:
             self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # type: ignore[attr-defined]
         except BaseException:
             _restore(model, backup)
             raise
         finally:
-            quiet.setLevel(level)
+            for q, level in zip(quiet, levels):
+                q.setLevel(level)
         return {"step": step, "tensors": len(weights), "layers": len(touched), "apply_s": time.perf_counter() - t0}
 
 
