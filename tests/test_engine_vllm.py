@@ -161,21 +161,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def completions(base: str) -> list[dict]:
-    """The fixed prompts through `vllm serve`'s /v1/completions: greedy tokens and their logprobs."""
+def served(base: str) -> list[dict]:
+    """The fixed prompts through the server's tokens-in/tokens-out /inference/v1/generate: greedy tokens,
+    their logprobs and the weight versions that produced them."""
     import urllib.request
 
     from vllm_reference import MAX_TOKENS, PROMPTS
 
     out = []
     for p in PROMPTS:
-        body = {"model": "m", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 0,
-                "return_token_ids": True}
-        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+        body = {"token_ids": p, "sampling_params": {"temperature": 0.0, "max_tokens": MAX_TOKENS, "logprobs": 0,
+                                                     "detokenize": False}}
+        req = urllib.request.Request(base + "/inference/v1/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as resp:
             choice = json.loads(resp.read())["choices"][0]
-        out.append({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]})
+        out.append({"tokens": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
+                    "weight_versions": sorted({v["version"] for v in choice.get("weight_versions") or ()})})
     return out
 
 
@@ -216,8 +218,9 @@ def test_sidecar_drives_vllm_serve_over_http(run):
                 pub.publish(states[k], k)
                 assert w.sync() == k and w.engine_step == k
                 assert engine.weight_version() == str(k)
-                got = completions(base)
+                got = served(base)
                 assert same(got, refs[k]), f"step {k}: the server differs from a fresh engine"
+                assert all(o["weight_versions"] == [str(k)] for o in got), got
     finally:
         server.terminate()
         server.wait(timeout=120)
