@@ -22,7 +22,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process (2 cores)
 
-import torch  # noqa: E402
+import torch
 
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "tiny": (128, 256, 2, 2, 1, 512),
@@ -111,8 +111,9 @@ def main() -> None:
     print(f"\n{'model':>6} {'params':>8} {'start':>7} {'moved':>6} {'publish->serving':>17} {'pause':>9} "
           f"{'full reload':>12} {'pause vs full':>14}")
     for r in rows:
+        ratio = r["full_reload_s"] / r["pause_s"]
         print(f"{r['size']:>6} {r['params_m']:>7.1f}M {r['start_s']:>6.1f}s {r['moved']:>6.0%} {r['serve_s']:>16.3f}s "
-              f"{r['pause_s'] * 1e3:>7.1f}ms {r['full_reload_s'] * 1e3:>10.1f}ms {r['full_reload_s'] / r['pause_s']:>13.1f}x")
+              f"{r['pause_s'] * 1e3:>7.1f}ms {r['full_reload_s'] * 1e3:>10.1f}ms {ratio:>13.1f}x")
     print(f"(medians of {args.steps} steps each; 'moved': tensors staged of the checkpoint's, whole layers)")
 
 
