@@ -197,7 +197,8 @@ def test_sidecar_drives_vllm_serve_over_http(run):
            "--port", str(port), "--served-model-name", "m", "--worker-extension-cls",
            "relay.engines.vllm.WorkerExtension", "--skip-tokenizer-init", "--dtype", "bfloat16",
            "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--seed", "0",
-           "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--max-num-seqs", "8"]
+           "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--max-num-seqs", "8",
+           "--enable-scale-out"]  # /inference/v1/generate: tokens in, tokens and logprobs out, no tokenizer
     log = open(root / "serve.log", "wb")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight versions
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
