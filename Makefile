@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-demo venv-bench venv-vllm test lint demo bench bench-fanout bench-scale corpora clean infra-check
+.PHONY: venv venv-demo venv-bench venv-vllm test lint demo bench bench-fanout bench-scale bench-snapshot corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,12 @@ bench-fanout: venv
 SIZES ?= 1
 bench-scale: venv-demo
 	flock /tmp/deltarelay-bigmem.lock $(PY) scripts/bench_scale.py --sizes $(SIZES)
+
+# Compressed snapshot objects against ZipNN and zstd-1 on MiniLM in BF16 and a synthetic checkpoint
+# (SNAPSHOT_MB of BF16: 1 GB by default, so it takes the shared big-memory lock).
+SNAPSHOT_MB ?= 1024
+bench-snapshot: venv-demo
+	flock /tmp/deltarelay-bigmem.lock $(PY) scripts/bench_snapshot.py --synthetic-mb $(SNAPSHOT_MB)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) corpus out

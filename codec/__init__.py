@@ -6,7 +6,10 @@
     codec.digests(payload)                    # per tensor: dtype, shape, base and target digests
     codec.warm_up(("apply_",))                # compile the kernels in the background (a fresh host)
 
-The payload format is specified in docs/FORMAT.md.
+    chunks = codec.encode_snapshot(state_dict.items())   # a compressed snapshot object, streamed
+    for name, t in codec.decode_snapshot(f): ...          # verified tensors, one at a time
+
+The payload and snapshot object formats are specified in docs/FORMAT.md.
 
 Public API: the names in `__all__`, and three building-block modules whose names without a
 leading underscore are public too: `codec.tensors` (the dtype table, zero-copy element views),
@@ -26,6 +29,10 @@ with keyed_by_sources():  # every compiled kernel is defined while these imports
     from .container import CURRENT_VERSION as FORMAT_VERSION
     from .errors import CheckpointMismatchError, DeltaError
     from .inspect import TensorDigests, describe, digests
+    from .snapshot import (SnapshotEntry, SnapshotError, decode_snapshot, encode_snapshot, read_snapshot_index,
+                           write_snapshot)
+    from .snapshot import MAGIC as SNAPSHOT_MAGIC
+    from .snapshot import VERSION as SNAPSHOT_FORMAT_VERSION
 from ._warmup import WarmUp, warm_up
 
 
@@ -37,4 +44,6 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
 
 
 __all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "digests", "TensorDigests", "check_structure",
-           "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "warm_up", "WarmUp"]
+           "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "warm_up", "WarmUp",
+           "encode_snapshot", "write_snapshot", "decode_snapshot", "read_snapshot_index", "SnapshotEntry",
+           "SnapshotError", "SNAPSHOT_FORMAT_VERSION", "SNAPSHOT_MAGIC"]

@@ -27,7 +27,7 @@ import xxhash
 
 HERE = Path(__file__).resolve().parent
 KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "patching.py", "methods/conditional.py",
-                  "methods/exponent_classes.py")
+                  "methods/exponent_classes.py", "snapshot_rans.py")
 KEEP = 4  # cache directories kept: this version's and the three used most recently before it
 _DIGEST_NAME = re.compile(r"[0-9a-f]{16}")
 

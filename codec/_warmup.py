@@ -310,9 +310,29 @@ def _warm_apply() -> None:
     apply_(checkpoint()[0], memoryview(bytearray(payload)))  # a writable buffer, as a download may be
 
 
+def _warm_snapshot_decode() -> None:
+    """A snapshot object's decoder on every BF16 block kind (its encoder runs too: a snapshot of
+    the tiny checkpoint, so that nothing embedded here can go stale)."""
+    from .snapshot import decode_snapshot, encode_snapshot
+    named = list(checkpoint()[0].items())
+    named.append(("zeros", torch.zeros(64, dtype=torch.bfloat16)))  # kind 2 with a zstd residual plane
+    blob = b"".join(encode_snapshot(named))
+    for src in (blob, bytearray(blob)):
+        for _ in decode_snapshot(src):
+            pass
+
+
+def _warm_snapshot_encode() -> None:
+    from .snapshot import encode_snapshot
+    for _ in encode_snapshot(checkpoint()[0].items()):
+        pass
+
+
 register("encode", _warm_encode)
 register("decode", _warm_decode)
 register("apply_", _warm_apply)
+register("snapshot_encode", _warm_snapshot_encode)  # a publisher or relay that writes compressed snapshots
+register("snapshot_decode", _warm_snapshot_decode)  # a watcher that reads them
 
 PAYLOAD = (  # encoded() of checkpoint(); tests/test_warmup.py checks it still decodes
     "RFJERUxUQQADAAAAGwMAAE/TaD0k/EgJPfdgv9GhnBAotS/9YGICjRgAtCwOC2JmMTYubWF0cml4BwJAQAMfiu7h0S9XclaMmfRyFergIKlE2kIkkeya"

@@ -42,6 +42,7 @@ def _table() -> list[DType]:
 DTYPES: tuple[DType, ...] = tuple(_table())
 BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES}
+BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 BF16 = BY_TORCH[torch.bfloat16]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -18,6 +18,10 @@ locals {
   ])
 
   regional_manifest_keys = [for r in local.regional : "${r.bucket_arn}/${var.run_prefix}*/manifest.json"]
+  # A region's own snapshots and their announcement (docs/PROTOCOL.md §8.1), written by the relay in
+  # regional-snapshot mode (`deltarelay relay --regional-snapshots`) or by a materialiser (modules/region).
+  regional_snapshot_keys = [for r in local.regional : "${r.bucket_arn}/${var.run_prefix}*/regional/snapshots/*"]
+  regional_announce_keys = [for r in local.regional : "${r.bucket_arn}/${var.run_prefix}*/regional/snapshots.json"]
   regional_kms_key_arns  = [for r in local.regional : r.kms_key_arn]
   regional_s3_services   = [for r in keys(local.regional) : "s3.${r}.amazonaws.com"]
 }
@@ -128,7 +132,8 @@ resource "aws_iam_role_policy" "trainer" {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Relay (relay mode only): `deltarelay relay` reads the origin and writes every regional bucket;
+# Relay (relay mode only): `deltarelay relay` reads the origin and writes every regional bucket
+# (with --regional-snapshots also regional/: the regions' own snapshots and their announcements);
 # it is the only writer of those buckets, so regional `deltarelay gc` runs under it too.
 
 data "aws_iam_policy_document" "relay_assume" {
@@ -178,6 +183,27 @@ data "aws_iam_policy_document" "relay" {
     sid       = "DecryptOrigin"
     effect    = "Allow"
     actions   = ["kms:Decrypt"]
+    resources = [module.origin.kms_key_arn]
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${var.origin_region}.amazonaws.com"]
+    }
+  }
+
+  # The fleet ledger (docs/PROTOCOL.md §9): each region's host entries gathered into the origin's
+  # fleet/regions/, the one origin prefix the relay writes (advisory: no reader loads weights by it).
+  statement {
+    sid       = "WriteOriginFleetRegions"
+    effect    = "Allow"
+    actions   = ["s3:PutObject"]
+    resources = ["${module.origin.bucket_arn}/${var.run_prefix}*/fleet/regions/*"]
+  }
+
+  statement {
+    sid       = "EncryptOriginFleetRegions"
+    effect    = "Allow"
+    actions   = ["kms:GenerateDataKey"]
     resources = [module.origin.kms_key_arn]
     condition {
       test     = "StringEquals"
@@ -237,6 +263,46 @@ data "aws_iam_policy_document" "relay" {
     effect    = "Allow"
     actions   = ["s3:PutObject"]
     resources = local.regional_manifest_keys
+    condition {
+      test     = "Null"
+      variable = "s3:if-none-match"
+      values   = ["false"]
+    }
+  }
+
+  # --regional-snapshots: the region's own snapshots (create-only, collected by the materialiser) ...
+  statement {
+    sid       = "WriteRegionalSnapshots"
+    effect    = "Allow"
+    actions   = ["s3:PutObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
+    resources = local.regional_snapshot_keys
+  }
+
+  statement {
+    sid       = "CollectRegionalSnapshots"
+    effect    = "Allow"
+    actions   = ["s3:DeleteObject"]
+    resources = local.regional_snapshot_keys
+  }
+
+  # ... and their announcement, by compare-and-swap only.
+  statement {
+    sid       = "CommitRegionalAnnouncementIfMatch"
+    effect    = "Allow"
+    actions   = ["s3:PutObject"]
+    resources = local.regional_announce_keys
+    condition {
+      test     = "Null"
+      variable = "s3:if-match"
+      values   = ["false"]
+    }
+  }
+
+  statement {
+    sid       = "CreateRegionalAnnouncementIfNoneMatch"
+    effect    = "Allow"
+    actions   = ["s3:PutObject"]
+    resources = local.regional_announce_keys
     condition {
       test     = "Null"
       variable = "s3:if-none-match"

@@ -23,6 +23,7 @@ module "origin" {
   delta_expiration_days              = var.delta_expiration_days
   record_expiration_days             = var.record_expiration_days
   snapshot_expiration_days           = var.snapshot_expiration_days
+  regional_snapshot_expiration_days  = var.regional_snapshot_expiration_days
   run_expiration_days                = var.run_expiration_days
   noncurrent_version_expiration_days = var.noncurrent_version_expiration_days
   abort_incomplete_multipart_days    = var.abort_incomplete_multipart_days
@@ -42,15 +43,23 @@ resource "terraform_data" "config_guard" {
       error_message = "rollout_principal_arns needs an entry for every region in rollout_regions."
     }
     precondition {
+      condition     = !var.enable_crr || !var.crr_regional_snapshots || length(var.runs) > 0
+      error_message = "CRR without snapshots (crr_regional_snapshots) replicates per run: list the runs in var.runs, or set crr_regional_snapshots = false."
+    }
+    precondition {
+      condition     = !var.enable_crr || !var.crr_regional_snapshots || alltrue([for r in var.rollout_regions : length(lookup(var.materialiser_principal_arns, r, [])) > 0])
+      error_message = "CRR without snapshots needs materialiser_principal_arns for every rollout region (each runs `deltarelay materialise`)."
+    }
+    precondition {
       condition     = var.enable_crr || length(var.relay_principal_arns) > 0
       error_message = "Relay mode (enable_crr = false) needs relay_principal_arns for the relay role."
     }
     precondition {
-      condition     = alltrue([for d in [var.delta_expiration_days, var.record_expiration_days, var.snapshot_expiration_days, var.run_expiration_days] : d >= local.retention_floor_days])
+      condition     = alltrue([for d in [var.delta_expiration_days, var.record_expiration_days, var.snapshot_expiration_days, var.regional_snapshot_expiration_days, var.run_expiration_days] : d >= local.retention_floor_days])
       error_message = "Lifecycle expiry is shorter than what `deltarelay gc --keep-snapshots K` keeps (K * snapshot_every * max_step_interval_seconds, plus a day); raise the *_expiration_days."
     }
     precondition {
-      condition     = alltrue([for d in [var.delta_expiration_days, var.record_expiration_days, var.snapshot_expiration_days] : d <= var.run_expiration_days])
+      condition     = alltrue([for d in [var.delta_expiration_days, var.record_expiration_days, var.snapshot_expiration_days, var.regional_snapshot_expiration_days] : d <= var.run_expiration_days])
       error_message = "Per-kind expiry days must not exceed run_expiration_days (S3 applies the shortest matching expiry)."
     }
   }

@@ -21,6 +21,8 @@ output "regions" {
       bucket           = m.bucket
       kms_key_arn      = m.kms_key_arn
       rollout_role_arn = m.rollout_role_arn
+      # CRR mode: the role `deltarelay materialise` assumes there; null in relay mode
+      materialiser_role_arn = m.materialiser_role_arn
       runs_url         = "${local.url_scheme}${m.bucket}/${var.run_prefix}"
       endpoint_url     = "https://s3.${r}.amazonaws.com"
     }

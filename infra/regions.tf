@@ -25,9 +25,15 @@ module "region_ap_northeast_1" {
   delta_expiration_days              = var.delta_expiration_days
   record_expiration_days             = var.record_expiration_days
   snapshot_expiration_days           = var.snapshot_expiration_days
+  regional_snapshot_expiration_days  = var.regional_snapshot_expiration_days
   run_expiration_days                = var.run_expiration_days
   noncurrent_version_expiration_days = var.noncurrent_version_expiration_days
   abort_incomplete_multipart_days    = var.abort_incomplete_multipart_days
+  enable_crr                         = var.enable_crr
+  origin_region                      = var.origin_region
+  origin_bucket_arn                  = module.origin.bucket_arn
+  origin_kms_key_arn                 = module.origin.kms_key_arn
+  materialiser_principal_arns        = lookup(var.materialiser_principal_arns, "ap-northeast-1", [])
   rollout_principal_arns             = lookup(var.rollout_principal_arns, "ap-northeast-1", [])
 }
 
@@ -54,9 +60,15 @@ module "region_eu_central_1" {
   delta_expiration_days              = var.delta_expiration_days
   record_expiration_days             = var.record_expiration_days
   snapshot_expiration_days           = var.snapshot_expiration_days
+  regional_snapshot_expiration_days  = var.regional_snapshot_expiration_days
   run_expiration_days                = var.run_expiration_days
   noncurrent_version_expiration_days = var.noncurrent_version_expiration_days
   abort_incomplete_multipart_days    = var.abort_incomplete_multipart_days
+  enable_crr                         = var.enable_crr
+  origin_region                      = var.origin_region
+  origin_bucket_arn                  = module.origin.bucket_arn
+  origin_kms_key_arn                 = module.origin.kms_key_arn
+  materialiser_principal_arns        = lookup(var.materialiser_principal_arns, "eu-central-1", [])
   rollout_principal_arns             = lookup(var.rollout_principal_arns, "eu-central-1", [])
 }
 
@@ -83,9 +95,15 @@ module "region_eu_west_1" {
   delta_expiration_days              = var.delta_expiration_days
   record_expiration_days             = var.record_expiration_days
   snapshot_expiration_days           = var.snapshot_expiration_days
+  regional_snapshot_expiration_days  = var.regional_snapshot_expiration_days
   run_expiration_days                = var.run_expiration_days
   noncurrent_version_expiration_days = var.noncurrent_version_expiration_days
   abort_incomplete_multipart_days    = var.abort_incomplete_multipart_days
+  enable_crr                         = var.enable_crr
+  origin_region                      = var.origin_region
+  origin_bucket_arn                  = module.origin.bucket_arn
+  origin_kms_key_arn                 = module.origin.kms_key_arn
+  materialiser_principal_arns        = lookup(var.materialiser_principal_arns, "eu-west-1", [])
   rollout_principal_arns             = lookup(var.rollout_principal_arns, "eu-west-1", [])
 }
 
@@ -112,9 +130,15 @@ module "region_us_east_2" {
   delta_expiration_days              = var.delta_expiration_days
   record_expiration_days             = var.record_expiration_days
   snapshot_expiration_days           = var.snapshot_expiration_days
+  regional_snapshot_expiration_days  = var.regional_snapshot_expiration_days
   run_expiration_days                = var.run_expiration_days
   noncurrent_version_expiration_days = var.noncurrent_version_expiration_days
   abort_incomplete_multipart_days    = var.abort_incomplete_multipart_days
+  enable_crr                         = var.enable_crr
+  origin_region                      = var.origin_region
+  origin_bucket_arn                  = module.origin.bucket_arn
+  origin_kms_key_arn                 = module.origin.kms_key_arn
+  materialiser_principal_arns        = lookup(var.materialiser_principal_arns, "us-east-2", [])
   rollout_principal_arns             = lookup(var.rollout_principal_arns, "us-east-2", [])
 }
 
@@ -141,9 +165,15 @@ module "region_us_west_2" {
   delta_expiration_days              = var.delta_expiration_days
   record_expiration_days             = var.record_expiration_days
   snapshot_expiration_days           = var.snapshot_expiration_days
+  regional_snapshot_expiration_days  = var.regional_snapshot_expiration_days
   run_expiration_days                = var.run_expiration_days
   noncurrent_version_expiration_days = var.noncurrent_version_expiration_days
   abort_incomplete_multipart_days    = var.abort_incomplete_multipart_days
+  enable_crr                         = var.enable_crr
+  origin_region                      = var.origin_region
+  origin_bucket_arn                  = module.origin.bucket_arn
+  origin_kms_key_arn                 = module.origin.kms_key_arn
+  materialiser_principal_arns        = lookup(var.materialiser_principal_arns, "us-west-2", [])
   rollout_principal_arns             = lookup(var.rollout_principal_arns, "us-west-2", [])
 }
 

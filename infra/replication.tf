@@ -1,5 +1,9 @@
-# CRR mode (enable_crr = true): S3 copies every object under run_prefix from the origin to each
-# regional bucket, with Replication Time Control (99.99% within 15 minutes) and its metrics.
+# CRR mode (enable_crr = true): S3 copies the run objects from the origin to each regional bucket,
+# with Replication Time Control (99.99% within 15 minutes) and its metrics. With crr_regional_snapshots
+# (the default) only each listed run's manifest.json, records/ and deltas/ are replicated: never the
+# trainer's snapshots/ (each region's materialiser builds its own under regional/, which is region-local
+# and has no origin copy to replicate). S3 filters are literal prefixes, so there is one rule per
+# region, run and replicated kind; without crr_regional_snapshots one rule per region covers run_prefix.
 # No order between objects: a regional manifest may name objects that have not arrived yet, which
 # watchers handle by waiting and retrying. Delete markers are not replicated: gc on the origin must
 # not pull objects from a region whose watchers may still be catching up; regional lifecycle rules
@@ -85,21 +89,36 @@ resource "aws_iam_role_policy" "replication" {
   policy = data.aws_iam_policy_document.replication[0].json
 }
 
+locals {
+  # What a run replicates in CRR mode without snapshots (tests/test_crossregion.py CRR_REPLICATED).
+  crr_replicated_kinds = ["manifest.json", "records/", "deltas/"]
+  crr_rules = var.crr_regional_snapshots ? merge([
+    for r, m in local.regional : {
+      for pair in setproduct(var.runs, local.crr_replicated_kinds) : "${r}-${pair[0]}-${trimsuffix(pair[1], "/")}" => {
+        region = m
+        prefix = "${var.run_prefix}${pair[0]}/${pair[1]}"
+      }
+    }
+    ]...) : {
+    for r, m in local.regional : r => { region = m, prefix = var.run_prefix }
+  }
+}
+
 resource "aws_s3_bucket_replication_configuration" "origin" {
   count  = var.enable_crr ? 1 : 0
   role   = aws_iam_role.replication[0].arn
   bucket = module.origin.bucket
 
-  # One rule per rollout region, all over run_prefix; priorities only need to be distinct.
+  # Priorities only need to be distinct.
   dynamic "rule" {
-    for_each = local.regional
+    for_each = local.crr_rules
     content {
       id       = "to-${rule.key}"
-      priority = index(keys(local.regional), rule.key) + 1
+      priority = index(keys(local.crr_rules), rule.key) + 1
       status   = "Enabled"
 
       filter {
-        prefix = var.run_prefix
+        prefix = rule.value.prefix
       }
 
       delete_marker_replication {
@@ -113,11 +132,11 @@ resource "aws_s3_bucket_replication_configuration" "origin" {
       }
 
       destination {
-        bucket        = rule.value.versioned_bucket_arn
+        bucket        = rule.value.region.versioned_bucket_arn
         storage_class = "STANDARD"
 
         encryption_configuration {
-          replica_kms_key_id = rule.value.kms_key_arn
+          replica_kms_key_id = rule.value.region.kms_key_arn
         }
 
         replication_time {

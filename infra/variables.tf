@@ -89,6 +89,12 @@ variable "snapshot_expiration_days" {
   default     = 21
 }
 
+variable "regional_snapshot_expiration_days" {
+  description = "Expiry of <run>/regional/snapshots/ objects (each region's own snapshots) of the listed runs: a backstop for a materialiser that stopped; the materialiser deletes snapshots it drops itself."
+  type        = number
+  default     = 21
+}
+
 variable "run_expiration_days" {
   description = "Expiry of any object under run_prefix whose current version is older than this: abandoned runs, objects gc missed. Must be at least each per-kind expiry."
   type        = number
@@ -121,6 +127,23 @@ variable "enable_crr" {
   description = "true: S3 Cross-Region Replication with RTC copies the origin to every regional bucket (no relay process, no relay role). false: run `deltarelay relay` under the relay role."
   type        = bool
   default     = false
+}
+
+variable "crr_regional_snapshots" {
+  description = "With enable_crr: replicate each listed run's manifest.json, records/ and deltas/ only (never snapshots/), and let a materialiser per region build that region's snapshots. Needs the runs in var.runs (S3 replication filters are plain prefixes). false: replicate everything under run_prefix."
+  type        = bool
+  default     = true
+}
+
+variable "materialiser_principal_arns" {
+  description = "CRR mode: per rollout region, the principals allowed to assume that region's materialiser role (`deltarelay materialise`)."
+  type        = map(list(string))
+  default     = {}
+
+  validation {
+    condition     = alltrue([for arns in values(var.materialiser_principal_arns) : alltrue([for a in arns : can(regex("^arn:aws[a-z-]*:iam::[0-9]{12}:", a))])])
+    error_message = "materialiser_principal_arns values must be lists of IAM ARNs (no wildcards)."
+  }
 }
 
 variable "trainer_principal_arns" {

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import codec
 from codec.tensors import dtype_of, element_view
 from relay.files import atomic_path
 from relay.manifest import INDEX_NAME
@@ -438,3 +439,82 @@ def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata
             n *= d
         total += n
     return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()
+
+
+# ---------------------------------------------------------------- snapshot files in either format
+
+SNAPSHOT_FORMATS = ("safetensors", "compressed")  # a snapshot file's bytes: safetensors, or codec's DRSN object
+
+
+def snapshot_file_format(path: str | os.PathLike) -> str:
+    """"compressed" for a codec snapshot object (its magic `DRSN`), else "safetensors" (which
+    `read_header` then parses strictly): what a reader of a snapshot file needs, whatever the index says."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        head = os.pread(fd, 4, 0)
+    finally:
+        os.close(fd)
+    return "compressed" if head == codec.SNAPSHOT_MAGIC else "safetensors"
+
+
+def read_snapshot_file(path: str | os.PathLike, where: str | None = None, only: set[str] | None = None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a snapshot file in either format (`snapshot_file_format`): a safetensors file
+    as `read_file_into` reads it (`only` then filters), a compressed one decoded tensor by tensor, each
+    checked against its own digest (`only`: just those, by seeking). A compressed file has no metadata
+    ({}). SafetensorsError, naming `where`, for any file this refuses, in either format; links are not
+    followed. The caller still checks the tensors against the step's record, as for any snapshot."""
+    where = where or str(path)
+    if snapshot_file_format(path) == "safetensors":
+        tensors, meta = read_file_into(path, where)
+        return (tensors if only is None else {k: v for k, v in tensors.items() if k in only}), meta
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            return dict(codec.decode_snapshot(f, only=only, where=where)), {}
+    except codec.SnapshotError as exc:
+        raise SafetensorsError(f"compressed snapshot {exc}") from None
+
+
+@dataclass
+class SpooledSnapshot:
+    """A compressed snapshot file encoded into a spool file (memory: one tensor's output), with what
+    `Store.put_new_stream` needs up front: `size`, `xxh3`; `chunks()` streams it again on every call.
+    `close()` (or the context manager) removes the spool file."""
+
+    path: Path
+    size: int
+    xxh3: str
+
+    def chunks(self, chunk: int = 8 << 20) -> Iterator[bytes]:
+        with open(self.path, "rb") as f:
+            while True:
+                data = f.read(chunk)
+                if not data:
+                    return
+                yield data
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SpooledSnapshot":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def spool_compressed_snapshot(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike | None = None
+                              ) -> SpooledSnapshot:
+    """`tensors` as a compressed snapshot file (codec.encode_snapshot, in the mapping's order) in a new
+    temporary file under `directory` (default the system's): the writer counterpart of
+    `read_snapshot_file` for a publisher or relay that uploads with `put_new_stream(key, s.chunks(),
+    s.size, xxh3=s.xxh3)`."""
+    fd, name = tempfile.mkstemp(prefix=".snapshot-", suffix=".drsn", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            size, tag = codec.write_snapshot(tensors.items(), f)
+    except BaseException:
+        os.unlink(name)
+        raise
+    return SpooledSnapshot(Path(name), size, tag)

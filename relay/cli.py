@@ -24,6 +24,8 @@ COMMAND_MODULES = (
     "relay.cli_relay",  # publish, watch, rebase, gc, status
     "relay.cli_fanout",  # relay
     "relay.cli_security",  # keygen, verify
+    "relay.cli_regional",  # materialise
+    "relay.cli_fleet",  # wait-fleet (and status --fleet)
 )
 COMMAND_GROUP = "deltarelay.commands"
 LAB_HINT = "The lab commands (demo, bench) come with the demo extra: pip install 'deltarelay[demo]'."

@@ -2,6 +2,7 @@
 
     deltarelay relay --source s3://origin/runs/r --dest s3://eu/runs/r --dest s3://ap/runs/r
     deltarelay relay --config relay.toml [--once --timeout 600]
+    deltarelay relay --source s3://origin/runs/r --dest s3://eu/runs/r --regional-snapshots --workdir /var/lib/relay
 
 A config file names each store with its own fsspec options (regions sit behind different endpoints):
 
@@ -25,7 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from relay.cli_options import add_trusted_key, storage_options
+from relay import fleet
+from relay.cli_options import add_metrics, add_trusted_key, storage_options
 from relay.fanout import Destination, Fanout
 
 
@@ -118,9 +120,23 @@ def _status_writer(path: str | None):
 
 def _relay(args: argparse.Namespace) -> int:
     source, source_options, dests = _from_args(args)
+    if args.regional_snapshots and not args.workdir:
+        raise ValueError("--regional-snapshots needs --workdir DIR (where each region's materialiser spools snapshots)")
     fan = Fanout(source, dests, source_options=source_options, poll_interval=args.poll_interval,
                  workers=args.workers, retry_max=args.retry_max, trusted_keys=args.trusted_key,
-                 replace_runs=True if args.replace_run else None)
+                 replace_runs=True if args.replace_run else None, regional_snapshots=args.regional_snapshots,
+                 workdir=args.workdir, materialise_every=args.materialise_every, materialise_keep=args.materialise_keep,
+                 fleet_interval=None if args.no_fleet else args.fleet_interval, metrics_port=args.metrics_port,
+                 metrics_addr=args.metrics_addr)
+    if fan.metrics_port is not None:
+        print(f"metrics on http://{args.metrics_addr}:{fan.metrics_port}/metrics", file=sys.stderr, flush=True)
+    try:
+        return _relay_with(fan, args)
+    finally:
+        fan.close()
+
+
+def _relay_with(fan: Fanout, args: argparse.Namespace) -> int:
     on_status = _status_writer(args.status_file)
     if not args.once:
         try:
@@ -159,9 +175,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-max", type=float, default=30.0, metavar="S", help="longest backoff of a failing region")
     p.add_argument("--status-file", metavar="PATH", help="keep per-region lag and bytes in this JSON file")
     p.add_argument("--status-every", type=float, default=30.0, metavar="S", help="log per-region lag this often")
+    p.add_argument("--fleet-interval", type=float, default=fleet.DEFAULT_AGGREGATE_INTERVAL, metavar="S",
+                   help="gather each region's fleet ledger (fleet/hosts/) into the origin's fleet/regions/ this often")
+    p.add_argument("--no-fleet", action="store_true", help="do not gather the fleet ledger")
+    add_metrics(p)
     add_trusted_key(p)
     p.add_argument("--replace-run", action="store_true",
                    help="with --trusted-key: let a new run at the origin replace the run a region holds (without it "
                         "such a switch is refused, since a replayed manifest of an older run looks the same; "
                         "without keys runs are always replaced)")
+    p.add_argument("--regional-snapshots", action="store_true",
+                   help="never copy the origin's snapshots into a region: a materialiser per region builds the "
+                        "region's own snapshots from the chain (one origin snapshot crosses, to bootstrap); needs "
+                        "--workdir; run the relay in the region it serves (PROTOCOL section 8)")
+    p.add_argument("--workdir", metavar="DIR", help="with --regional-snapshots: the materialisers' spool "
+                                                     "(one subdirectory per destination)")
+    p.add_argument("--materialise-every", type=int, default=None, metavar="N",
+                   help="with --regional-snapshots: also snapshot N steps past a region's newest snapshot (default: "
+                        "at the origin's snapshot steps only)")
+    p.add_argument("--materialise-keep", type=int, default=2, metavar="K",
+                   help="with --regional-snapshots: regional snapshots kept per region (default 2)")
     p.set_defaults(func=_relay)

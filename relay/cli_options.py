@@ -54,3 +54,16 @@ def add_writer_keys(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adopt-unsigned", action="store_true",
                    help="sign an UNSIGNED run from now on (refused otherwise: whoever can write the bucket can strip "
                         "signatures); check it first with deltarelay verify --deep")
+
+
+def add_metrics(p: argparse.ArgumentParser) -> None:
+    """--metrics-port / --metrics-addr: Prometheus metrics over HTTP (relay.metrics)."""
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port (/metrics; 0: any free port, logged)")
+    p.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR",
+                   help="address the metrics server binds (default all interfaces, for the scraper)")
+
+
+def add_no_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none anyway when stderr is not a terminal)")

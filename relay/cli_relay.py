@@ -9,11 +9,17 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
+import os
+import sys
+from pathlib import Path
 from typing import Callable
 
-from relay import checkpoint, dest, ops
+from relay import checkpoint, dest, fleet, ops, progress
 from relay.manifest import PERSIST_MODES
-from relay.cli_options import add_storage_options, add_trusted_key, add_writer_keys, storage_options
+from relay.cli_fleet import add_fleet_status, fleet_status
+from relay.cli_options import (add_metrics, add_no_progress, add_storage_options, add_trusted_key, add_writer_keys,
+                               storage_options)
 from relay.publisher import Publisher
 from relay.watcher import SyncError, Watcher
 
@@ -22,8 +28,12 @@ def _publish(args: argparse.Namespace) -> int:
     tensors, _ = checkpoint.load(args.checkpoint)
     with Publisher(args.url, snapshot_every=args.snapshot_every, storage_options=storage_options(args.storage_options),
                    resume=args.resume, background=False, signing_key=args.signing_key,
-                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned) as pub:
-        pub.publish(tensors, args.step)
+                   trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned,
+                   snapshot_format=args.snapshot_format) as pub:
+        start = pub.bytes_uploaded
+        with progress.Poller(lambda: (pub.bytes_uploaded - start, None), f"publish step {args.step}",
+                             enabled=progress.wanted() and not args.no_progress):
+            pub.publish(tensors, args.step)
     print(f"published step {args.step} to {args.url}")
     return 0
 
@@ -55,22 +65,45 @@ def _watch(args: argparse.Namespace) -> int:
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
                  trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors), persist=args.persist,
-                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps,
+                 compact_fraction=args.compact_fraction, compact_steps=args.compact_steps, host=args.host,
+                 region=args.region, report_interval=None if args.no_report else args.report_interval,
+                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
                  engine=engine_of(args.engine, args.engine_pause)) as w:
+        if w.metrics_port is not None:
+            print(f"metrics on http://{args.metrics_addr}:{w.metrics_port}/metrics", file=sys.stderr, flush=True)
         try:
-            if args.once:
-                step = w.sync(timeout=args.timeout)
-                print(f"{args.dest}: step {step}")
-            else:
-                w.run(sync_timeout=args.timeout)
+            with progress.Poller(w.reader.progress, f"{args.dest}: download",
+                                 enabled=progress.wanted() and not args.no_progress):
+                if args.once:
+                    step = w.sync(timeout=args.timeout)
+                    print(f"{args.dest}: step {step}")
+                else:
+                    w.run(sync_timeout=args.timeout)
         except SyncError as exc:
             held = "no step yet" if w.step is None else f"step {w.step}"
             raise SyncError(f"{exc}; {args.dest} stays on {held}") from None
     return 0
 
 
+def _held_bytes(directory: str) -> int | None:
+    """The tensor bytes of the step a watcher's DIR holds (what materialize writes, headers aside)."""
+    from codec.tensors import DTYPES
+
+    version = dest.current_version(directory)
+    if version is None:
+        return None
+    sizes = {d.name: d.itemsize for d in DTYPES}
+    return sum(math.prod(t.shape) * sizes.get(t.dtype, 0) for t in dest.read_state(version).tensors.values())
+
+
 def _dest_materialize(args: argparse.Namespace) -> int:
-    step = dest.materialize(args.dest, args.out)
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # where dest.materialize writes before its rename
+    bar = progress.wanted() and not args.no_progress
+    total = _held_bytes(args.dest) if bar else None
+    with progress.Poller(lambda: (progress.written_bytes(tmp if tmp.exists() else out), total),
+                         f"materialize {args.out}", enabled=bar):
+        step = dest.materialize(args.dest, args.out)
     print(f"{args.out}: step {step} of {args.dest}")
     return 0
 
@@ -84,13 +117,16 @@ def _rebase(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     out = ops.gc(args.url, args.keep_snapshots, storage_options(args.storage_options), signing_key=args.signing_key,
-                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
-    print(f"{args.url}: kept snapshots {out['snapshots']}, deleted {out['deleted']} objects "
+                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned, regional_only=args.regional_only)
+    regional = f", regional snapshots {out['regional_snapshots']}" if out["regional_snapshots"] else ""
+    print(f"{args.url}: kept snapshots {out['snapshots']}{regional}, deleted {out['deleted']} objects "
           f"({out['freed_bytes']} bytes)")
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
+    if args.fleet:
+        return fleet_status(args)
     given = args.storage_options or []
     if len(given) > 1 and len(given) != len(args.urls):
         raise ValueError(f"{len(given)} --storage-options for {len(args.urls)} URLs: give one, or one per URL")
@@ -122,8 +158,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--resume", action="store_true", help="continue an existing run (required unless it is empty)")
     p.add_argument("--snapshot-every", type=int, default=25)
+    p.add_argument("--snapshot-format", choices=("safetensors", "compressed"), default="safetensors",
+                   help="snapshot files as safetensors (default) or as compressed snapshot objects (docs/FORMAT.md), "
+                        "which watchers decode into safetensors in DEST")
     add_writer_keys(p)
     add_storage_options(p)
+    add_no_progress(p)
     p.set_defaults(func=_publish)
 
     p = subparsers.add_parser("watch", help="keep a directory on a run's head")
@@ -146,6 +186,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="journal mode: compact once the journal exceeds F times the model's bytes")
     p.add_argument("--compact-steps", type=int, default=64, metavar="N",
                    help="journal mode: compact once the journal holds more than N steps")
+    p.add_argument("--host", default=None, metavar="ID",
+                   help="this watcher's id in the fleet ledger (fleet/hosts/ID.json in the store it follows; "
+                        "default <hostname>-<hash of DIR>)")
+    p.add_argument("--region", default=None, help="the region the ledger entry names (informational)")
+    p.add_argument("--report-interval", type=float, default=fleet.DEFAULT_INTERVAL, metavar="S",
+                   help="ledger heartbeat: report the held step at least every S seconds (and after every sync)")
+    p.add_argument("--no-report", action="store_true", help="write no fleet ledger entry (a read-only store)")
+    add_metrics(p)
     p.add_argument("--engine", metavar="URL",
                    help="also put each verified step into a running inference engine, without a restart: "
                         "vllm+http://HOST:PORT for `vllm serve` (README, Serving with vLLM); needs --persist full")
@@ -154,6 +202,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "modes: abort them, wait for them, keep them frozen until resume)")
     add_trusted_key(p)
     add_storage_options(p)
+    add_no_progress(p)
     p.set_defaults(func=_watch)
 
     p = subparsers.add_parser("dest", help="read a watcher's directory")
@@ -161,6 +210,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     q = dsub.add_parser("materialize", help="write the step DEST holds (either persist mode) as a shard directory")
     q.add_argument("dest", metavar="DEST")
     q.add_argument("out", metavar="OUT", help="new directory (must not exist)")
+    add_no_progress(q)
     q.set_defaults(func=_dest_materialize)
 
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
@@ -172,12 +222,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("gc", help="delete objects the last K snapshots no longer need")
     p.add_argument("url")
     p.add_argument("--keep-snapshots", type=int, required=True, metavar="K")
+    p.add_argument("--regional-only", action="store_true",
+                   help="a regional store: collect only its own snapshots (regional/snapshots/), leave the manifest "
+                        "alone (a signed run's region, whose manifest only the trainer's key may change)")
     add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_gc)
 
-    p = subparsers.add_parser("status", help="head, base, chain length and bytes per run")
+    p = subparsers.add_parser("status", help="head, base, chain length and bytes per run; --fleet: which hosts "
+                                             "hold which step")
     p.add_argument("urls", nargs="+", metavar="URL")
     p.add_argument("--json", action="store_true")
+    add_fleet_status(p)
     add_storage_options(p, many=True)
     p.set_defaults(func=_status)

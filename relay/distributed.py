@@ -40,7 +40,8 @@ from codec.tensors import dtype_of, element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
 from relay.commit import create_owned, extend_run, update_manifest
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            delta_key, record_key, safe_shard_name, sliced_digest, snapshot_prefix)
+                            delta_key, record_key, safe_shard_name, sliced_blake3, sliced_digest, snapshot_prefix,
+                            tensor_blake3)
 from relay.shards import ROWS_KEY, SLICES_KEY
 from relay.signing import Signer, TrustedKeys
 from relay.store import open_store
@@ -134,11 +135,17 @@ def _info(name: str, e: _Local) -> tuple[str, tuple[int, ...], str, tuple[int, i
 
 def whole_infos(step: int, reports: list[dict]) -> dict[str, TensorInfo]:
     """The record's tensors from every rank's (dtype, shape, digest, rows): whole tensors once, sliced
-    ones tiled exactly by the ranks' rows. ShardedPublishError when the ranks' tensors do not fit."""
+    ones tiled exactly by the ranks' rows. ShardedPublishError when the ranks' tensors do not fit.
+    A signed run's reports also give each held tensor's (or slice's) BLAKE3 (`blake3`: name -> hex): the
+    record then carries them (a sliced tensor's combined by sliced_blake3)."""
     whole: dict[str, TensorInfo] = {}
     sliced: dict[str, list[tuple[int, int, str, str, tuple[int, ...], int]]] = {}
+    strong: dict[tuple[str, int], str] = {}  # (name, first row) -> BLAKE3 of what a rank holds
     order: list[str] = []
     for rank, rep in enumerate(reports):
+        for name, value in (rep.get("blake3") or {}).items():
+            rows = rep["infos"][name][3]
+            strong[(name, 0 if rows is None else rows[0])] = value
         for name, (dtype, shape, digest, rows) in rep["infos"].items():
             if name not in whole and name not in sliced:
                 order.append(name)
@@ -146,7 +153,7 @@ def whole_infos(step: int, reports: list[dict]) -> dict[str, TensorInfo]:
                 if name in whole or name in sliced:
                     raise ShardedPublishError(f"step {step}: tensor {name!r} is held whole by rank {rank} and by "
                                               f"another rank")
-                whole[name] = TensorInfo(dtype, tuple(shape), digest)
+                whole[name] = TensorInfo(dtype, tuple(shape), digest, blake3=strong.get((name, 0)))
             else:
                 if name in whole:
                     raise ShardedPublishError(f"step {step}: tensor {name!r} is held whole and sliced (rank {rank})")
@@ -167,7 +174,12 @@ def whole_infos(step: int, reports: list[dict]) -> dict[str, TensorInfo]:
         if pos != shape[0]:
             raise ShardedPublishError(f"step {step}: the ranks hold rows 0-{pos} of {name!r}, which has {shape[0]}")
         slices = tuple((a, b, d) for a, b, d, *_ in ps)
-        whole[name] = TensorInfo(dtype, shape, sliced_digest(dtype, shape, slices), slices)
+        parts = tuple(strong.get((name, a), "") for a, *_ in ps)
+        if all(parts):
+            whole[name] = TensorInfo(dtype, shape, sliced_digest(dtype, shape, slices), slices,
+                                     sliced_blake3(dtype, shape, slices, parts), parts)
+        else:
+            whole[name] = TensorInfo(dtype, shape, sliced_digest(dtype, shape, slices), slices)
     if not whole:
         raise ShardedPublishError(f"step {step}: no rank holds any tensor")
     return {name: whole[name] for name in order}
@@ -226,6 +238,9 @@ class ShardedPublisher:
         self._chain_bytes = 0
         self._snapshot_retry = False
         self._broken: str | None = None
+        # signed runs: name -> (xxh3 digest, rows, BLAKE3) of what this rank published last (and is publishing)
+        self._strong_local: dict[str, tuple[str, tuple[int, int] | None, str]] = {}
+        self._next_strong: dict[str, tuple[str, tuple[int, int] | None, str]] = {}
         hello: list[Any] = [None, None, None, False]
         if self.rank == 0:
             try:
@@ -328,12 +343,14 @@ class ShardedPublisher:
             self._last_snapshot_bytes = sum(rep["bytes"] for rep in reports)
             self._chain_bytes = 0
         self.prev, self.step = local, step
+        self._strong_local, self._next_strong = self._next_strong, {}
 
     def _upload_part(self, local: dict[str, _Local], step: int) -> dict[str, Any]:
         """This rank's digests, and its delta part uploaded ("mismatch": its tensors changed structure,
         None: it holds nothing or there is no previous step)."""
         infos = {name: _info(name, e) for name, e in local.items()}
         out: dict[str, Any] = {"infos": infos, "part": None, "names": list(local),
+                               "blake3": self._blake3_of(local, infos),
                                "rows": {k: e.rows for k, e in local.items() if e.rows is not None},
                                "bytes": sum(e.tensor.numel() * e.tensor.element_size() for e in local.values())}
         prev = self.prev
@@ -355,6 +372,22 @@ class ShardedPublisher:
         ref = ObjRef.of(delta_key(step, self.rank), payload, self.strong)
         self._put(ref.key, payload)
         out["part"] = ref
+        return out
+
+    def _blake3_of(self, local: dict[str, _Local], infos: dict[str, tuple]) -> dict[str, str]:
+        """Signed runs: the BLAKE3 of each tensor (or slice) this rank holds, reused from the previous step where
+        its xxh3 digest and rows did not change (only changed bytes are rehashed). Empty for unsigned runs."""
+        if not self.strong:
+            return {}
+        out = {}
+        for name, e in local.items():
+            dtype, _, digest, rows = infos[name]
+            known = self._strong_local.get(name)
+            if known is not None and known[:2] == (digest, rows):
+                out[name] = known[2]
+            else:
+                out[name] = tensor_blake3(dtype, tuple(e.tensor.shape), element_view(e.tensor))
+        self._next_strong = {k: (infos[k][2], infos[k][3], v) for k, v in out.items()}
         return out
 
     def _upload_snapshot(self, local: dict[str, _Local], step: int) -> dict[str, Any]:

@@ -7,7 +7,16 @@ fsspec stores and keeps each regional manifest consistent: it copies every objec
 manifest will name, verified against the hashes the origin manifest carries, and only then
 commits that manifest with the store's conditional write (the writer rules of docs/PROTOCOL.md
 sections 3 and 4.1, applied to the regional store). It writes nothing but deltas/, records/,
-snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that).
+snapshots/ objects and manifest.json (infra/README.md grants the relay role exactly that), in
+regional-snapshot mode no snapshots/ but regional/ (through its materialisers, PROTOCOL §8), and, in
+the origin, each region's gathered fleet ledger (fleet/regions/, relay.fleet, PROTOCOL §9).
+
+Regional-snapshot mode (`regional_snapshots=True`): full snapshots are most of what would cross, and
+a region already holds every delta, so the origin's snapshots are never copied. A Materialiser per
+region (relay/regional.py) bootstraps once from an origin snapshot and builds the region's own; a
+regional manifest is committed only once the region announces a snapshot its chain starts from (until
+then the relay stages it for the materialiser, `_Staged`), so a fresh watcher never waits on a
+snapshot that will not come. Bytes moved are counted by kind (relay/traffic.py) on every link.
 
 Each destination has its own worker thread, its own backoff and its own view of what it holds,
 so a slow or unreachable region never holds up the others. A destination's manifest is the
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 import threading
 import time
@@ -45,12 +55,18 @@ from collections import OrderedDict
 from collections.abc import Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, overload
 
+from relay import fleet
+from relay.announce import Announcement, read_announcement
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot
+from relay.regional import Materialiser
 from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
-from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, ObjectMissing, Store, open_store
+from relay.store import (MANIFEST_KEY, NOT_MODIFIED, ConflictError, ManifestRead, ObjectMissing, Store, Unchanged,
+                         content_tag, open_store)
+from relay.traffic import CountingStore, split
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +123,59 @@ def _manifest_refs(m: Manifest, without: Set[int] = frozenset()) -> list[ObjRef]
             for r in snapshot_refs(snap):
                 refs[r.key] = r
     return list(refs.values())
+
+
+def _at_least(step: int | None, target: int) -> bool:
+    return step is not None and step >= target
+
+
+def servable_from(m: Manifest, ann: Announcement | None) -> list[int]:
+    """Steps of the region's announced snapshots a reader of `m` can start from: of this run, listed in `m`
+    at or after its oldest snapshot, and with a chain from there to the head (PROTOCOL §8.1)."""
+    if ann is None or ann.run != m.run or not m.snapshots:
+        return []
+    return [s.step for s in ann.snapshots if s.step >= m.snapshots[0].step and m.step(s.step) is not None
+            and (s.step == m.head or m.chain(s.step) is not None)]
+
+
+def regional_floor(m: Manifest, ann: Announcement | None) -> int | None:
+    """The snapshot a regional manifest of `m` starts at in regional-snapshot mode: the origin's newest at or
+    before the oldest regional snapshot a reader can start from (so every one of them stays usable, and the
+    manifest does not grow with the run); None when the region has none yet."""
+    usable = servable_from(m, ann)
+    if not usable:
+        return None
+    return max(s.step for s in m.snapshots if s.step <= min(usable))
+
+
+class _Staged(CountingStore):
+    """The region as its materialiser sees it: the region itself (what it writes is counted), except that
+    while a manifest is staged, that is the region's manifest. The relay stages the manifest it wants to
+    commit until the region can serve it: the materialiser bootstraps from it (deltas and records are in the
+    region already, the snapshot comes from the origin), announces a snapshot, and only then is it committed."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self._staged: bytes | None = None
+        self._stage_lock = threading.Lock()
+
+    def stage(self, data: bytes | None) -> None:
+        with self._stage_lock:
+            self._staged = data
+
+    @overload
+    def read_object(self, key: str, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_object(self, key: str, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
+
+    def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
+        with self._stage_lock:
+            staged = self._staged if key == MANIFEST_KEY else None
+        if staged is None:
+            return super().read_object(key, if_none_match)
+        tag = content_tag(staged)
+        return NOT_MODIFIED if tag == if_none_match else ManifestRead(staged, tag)
 
 
 class _SourceCache:
@@ -174,6 +243,13 @@ class _Region:
     synced_head: int | None = None  # and that version's head
     bytes_copied: int = 0
     objects_copied: int = 0
+    counted: CountingStore | None = None  # store as wrapped: what we wrote into the region, by kind
+    # regional-snapshot mode: the region's materialiser, its view of the region, its origin reads (bootstrap)
+    materialiser: Materialiser | None = None
+    staged: _Staged | None = None
+    boot: CountingStore | None = None
+    mat_thread: threading.Thread | None = None
+    waiting: bool = False  # the origin's head is held back until the region announces a snapshot to start from
     bytes_read_back: int = 0  # in-region reads checking listed objects against the manifest
     failures: int = 0
     errors: int = 0
@@ -195,6 +271,11 @@ class Fanout:
     retry_initial / retry_max: per-destination backoff after a failure.
     recheck_interval: a region in sync re-reads its own manifest this often, so an emptied or
     recreated bucket is re-seeded even while the origin is idle.
+    regional_snapshots: never copy the origin's snapshots/ into a region; a Materialiser per region (relay/
+    regional.py, its state under `workdir`/<region name>) builds the region's own snapshots from the chain,
+    bootstrapping once from an origin snapshot, and a regional manifest is committed only when the region
+    announces a snapshot its chain starts from (PROTOCOL §8). materialise_every / materialise_keep: the
+    Materialiser's `every` and `keep`.
     trusted_keys: Ed25519 public keys (PEM paths): only origin manifests signed by one of them are mirrored,
     and a regional manifest that does not verify under them is treated as damage and replaced.
     replace_runs: whether a region holding another run than the origin's is switched to the origin's run.
@@ -202,18 +283,26 @@ class Fanout:
     there) and False with them (a verified regional run is kept; a replayed genuine manifest of an older
     run at the origin must not switch it): the refusal is logged as an error and counted in the region's
     status, and sync_once reports that region as not synced.
+    fleet_interval: seconds between gatherings of each region's fleet ledger into the origin
+    (`fleet/regions/<name>.json`, relay.fleet; None: none). metrics_port / metrics_registry: Prometheus
+    metrics (relay.metrics), served on metrics_addr until close().
     """
 
     def __init__(self, source: str | Store, destinations: list[Destination], *, source_options: dict | None = None,
                  poll_interval: float = 1.0, workers: int = 4, cache_bytes: int = 1 << 30,
                  retry_initial: float = 0.5, retry_max: float = 30.0, recheck_interval: float = 30.0,
-                 trusted_keys: Any = None, replace_runs: bool | None = None) -> None:
+                 trusted_keys: Any = None, replace_runs: bool | None = None, regional_snapshots: bool = False,
+                 workdir: str | os.PathLike | None = None, materialise_every: int | None = None,
+                 materialise_keep: int = 2, fleet_interval: float | None = fleet.DEFAULT_AGGREGATE_INTERVAL,
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
+                 metrics_registry: Any = None) -> None:
         if not destinations:
             raise ValueError("the relay needs at least one destination")
         names = [d.name for d in destinations]
         if len(set(names)) != len(names):
             raise ValueError(f"destination names must be unique, got {names}")
-        self.source = source if isinstance(source, Store) else open_store(source, source_options)
+        # Every byte read from the origin is counted by kind (the relay's side of the cross-region link).
+        self.source = CountingStore(source if isinstance(source, Store) else open_store(source, source_options))
         if any(d.url.rstrip("/") == self.source.url for d in destinations):
             raise ValueError(f"{self.source.url}: a destination is the source itself")
         self.poll_interval = poll_interval
@@ -225,9 +314,21 @@ class Fanout:
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.replace_runs = self.trusted is None if replace_runs is None else bool(replace_runs)
         self._cache = _SourceCache(self.source, cache_bytes)
-        self.regions: dict[str, _Region] = {
-            d.name: _Region(d, d.store if d.store is not None else open_store(d.url, d.storage_options))
-            for d in destinations}
+        self.regional = regional_snapshots
+        if regional_snapshots and workdir is None:
+            raise ValueError("regional snapshots need a workdir (the materialisers' snapshot spool)")
+        self.regions: dict[str, _Region] = {}
+        for d in destinations:
+            inner = d.store if d.store is not None else open_store(d.url, d.storage_options)
+            counted = CountingStore(inner)
+            region = self.regions[d.name] = _Region(d, counted, counted=counted)
+            if regional_snapshots:
+                region.staged = _Staged(inner)
+                region.boot = CountingStore(self.source.inner)
+                region.materialiser = Materialiser(
+                    region.staged, Path(workdir or ".") / d.name, bootstrap_from=region.boot,
+                    every=materialise_every, keep=materialise_keep, trusted_keys=trusted_keys,
+                    retry_initial=min(retry_initial, poll_interval), retry_max=retry_max)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._origin: Manifest | None = None
@@ -236,6 +337,16 @@ class Fanout:
         self._seen: dict[int, tuple[float, float]] = {}  # origin head -> (monotonic, wall) when first seen
         self._source_error: str | None = None
         self._last_sig: tuple | None = None
+        self.fleet = None if fleet_interval is None else fleet.RegionGatherer(
+            self.source, {name: r.store for name, r in self.regions.items()}, fleet_interval)
+        self.metrics: Any = None
+        self.metrics_port: int | None = None
+        if metrics_port is not None or metrics_registry is not None:
+            from relay import metrics  # prometheus_client only for a relay that exports metrics
+
+            self.metrics = metrics.FanoutMetrics(self, registry=metrics_registry)
+            if metrics_port is not None:
+                self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
 
     # -- origin ---------------------------------------------------------------------------------
     def poll_source(self) -> bool:
@@ -436,6 +547,8 @@ class Fanout:
             region.known = {k: r for k, r in region.known.items() if listed.get(k) == r.size}
         data = None if got is None else got.data
         etag = None if got is None else got.etag
+        if self.regional:
+            return self._sync_regional(region, m, current, data, etag, origin_etag, origin_data)
         if m.signatures:  # a signature covers the whole manifest: mirror it as is, after every object it names
             self._ensure(region, _manifest_refs(m))
             self._commit(region, m, data, etag, raw=origin_data)
@@ -460,6 +573,39 @@ class Fanout:
         if extra:
             self._commit(region, target, data, etag)
         with self._cond:
+            region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
+        return True
+
+    def _sync_regional(self, region: _Region, m: Manifest, current: Manifest | None, data: bytes | None,
+                       etag: str | None, origin_etag: str | None, origin_data: bytes | None) -> bool:
+        """Regional-snapshot mode: copy the records and deltas of the regional manifest (never a snapshot), and
+        commit it once the region announces a snapshot its chain starts from. Until then the manifest is staged
+        for the region's materialiser, which bootstraps from it (one origin snapshot) and announces."""
+        if region.staged is None:
+            raise AssertionError("unreachable: regional mode without a materialiser")
+        ann, _ = read_announcement(region.store)
+        floor = regional_floor(m, ann)
+        if m.signatures:  # a signature covers the whole manifest: the origin's bytes, untrimmed
+            target, raw, servable = m, origin_data, bool(servable_from(m, ann))
+        else:
+            servable = floor is not None
+            target = trim(m, floor if floor is not None else choose_floor(m, current))
+            raw = None
+        self._ensure(region, _manifest_refs(target, without={s.step for s in target.snapshots}))
+        if not servable:
+            region.staged.stage(raw if raw is not None else target.to_bytes())
+            if not region.waiting:
+                log.info("%s: records and deltas to step %d are in; waiting for the region's materialiser to "
+                         "announce a snapshot to start from before committing the manifest", region.dest.name,
+                         m.head)
+            with self._cond:
+                region.waiting = True
+                region.next_try = time.monotonic() + self.poll_interval
+            return False
+        self._commit(region, target, data, etag, raw=raw)
+        region.staged.stage(None)
+        with self._cond:
+            region.waiting = False
             region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
         return True
 
@@ -496,7 +642,14 @@ class Fanout:
     # -- lifecycle ------------------------------------------------------------------------------
     def _start(self) -> None:
         self._stop.clear()
+        if self.fleet is not None:
+            self.fleet.start()
         for region in self.regions.values():
+            mat = region.materialiser
+            if mat is not None and (region.mat_thread is None or not region.mat_thread.is_alive()):
+                region.mat_thread = threading.Thread(target=mat.run, args=(self.poll_interval,), daemon=True,
+                                                     name=f"materialise-{region.dest.name}")
+                region.mat_thread.start()
             if region.thread is None or not region.thread.is_alive():
                 region.thread = threading.Thread(target=self._worker, args=(region,), daemon=True,
                                                  name=f"fanout-{region.dest.name}")
@@ -510,6 +663,15 @@ class Fanout:
             if region.thread is not None:
                 region.thread.join(timeout=30)
                 region.thread = None
+        if self.fleet is not None:
+            self.fleet.stop()
+        for region in self.regions.values():
+            thread, mat = region.mat_thread, region.materialiser
+            deadline = time.monotonic() + 30
+            while thread is not None and mat is not None and thread.is_alive() and time.monotonic() < deadline:
+                mat.stop()  # again each time: run() clears the flag when it starts
+                thread.join(0.2)
+            region.mat_thread = None
 
     def run(self, status_every: float = 30.0, on_status: Any = None) -> None:
         """Poll the origin and mirror it into every destination until stop().
@@ -555,6 +717,7 @@ class Fanout:
                     refused = [r.refused_etag is not None and r.refused_etag == self._origin_etag
                                for r in self.regions.values()]
                     done = [r.run == run and r.synced_head is not None and r.synced_head >= target
+                            and (r.materialiser is None or _at_least(r.materialiser.step, target))
                             for r in self.regions.values()]
                 if all(x or y for x, y in zip(refused, done)):
                     return not any(refused)
@@ -572,6 +735,12 @@ class Fanout:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+
+    def close(self) -> None:
+        """stop(), and stop serving metrics."""
+        self.stop()
+        if self.metrics is not None:
+            self.metrics.close()
 
     # -- reporting ------------------------------------------------------------------------------
     def _report(self, on_status: Any, force: bool = False) -> None:
@@ -594,8 +763,10 @@ class Fanout:
                 "source": self.source.url,
                 "origin": None if origin is None else {"run": origin.run, "head": origin.head, "base": origin.base},
                 "source_bytes_read": self._cache.bytes_read,
+                "source_bytes_by_kind": split(self.source.read.bytes()),
                 "source_error": self._source_error,
                 "regions": {},
+                "fleet": None if self.fleet is None else self.fleet.status(),
             }
             for name, r in self.regions.items():
                 lag_steps = lag_seconds = None
@@ -613,6 +784,14 @@ class Fanout:
                     "synced": origin is not None and r.synced_etag == self._origin_etag,
                     "bytes_copied": r.bytes_copied, "objects_copied": r.objects_copied,
                     "bytes_read_back": r.bytes_read_back,
+                    # written into the region, by kind (deltas, records, snapshots, manifests, ...)
+                    "bytes_by_kind": split(r.counted.written.bytes() if r.counted is not None else {}),
+                    # regional-snapshot mode: the materialiser's reads from the origin (its bootstrap snapshot
+                    # crossing) and its writes into the region (in region when it runs there)
+                    "bootstrap_bytes_by_kind": split(r.boot.read.bytes()) if r.boot is not None else None,
+                    "materialised_bytes_by_kind": split(r.staged.written.bytes()) if r.staged is not None else None,
+                    "materialiser": r.materialiser.status() if r.materialiser is not None else None,
+                    "waiting_for_snapshot": r.waiting,
                     "run_refused": r.refused_etag is not None and r.refused_etag == self._origin_etag,
                     "failures": r.failures, "errors": r.errors, "last_error": r.last_error,
                     "last_commit": r.last_commit,

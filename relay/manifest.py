@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, Union
 
@@ -33,12 +33,16 @@ MAX_RECORD_BYTES = 64 << 20  # ~300k tensors
 MAX_SIGNATURES = 16
 SIGNED_PAYLOAD_PREFIX = b"deltarelay.manifest signed payload v1\n"  # domain separation for the signing key
 SLICED_DIGEST_PREFIX = b"deltarelay.sliced-digest v1\n"  # domain separation of a row-sliced tensor's digest
+BLAKE3_PREFIX = b"deltarelay.tensor-blake3 v1\n"  # domain separation of a tensor's cryptographic digest
+SLICED_BLAKE3_PREFIX = b"deltarelay.sliced-blake3 v1\n"  # ... and of a row-sliced tensor's
+BLAKE3_THREADS_FROM = 4 << 20  # tensors of at least this many bytes are hashed on every core (blake3's AUTO)
 
 # One path component that is safe on every filesystem we write to: no separator, no leading dot
 # (dot names are the watcher's and the store's own), no NUL or control characters, bounded length.
 _SAFE_NAME = r"[A-Za-z0-9_][A-Za-z0-9._+-]{0,199}"
 _SAFE_NAME_RE = re.compile(_SAFE_NAME)
 _HEX32 = re.compile(r"[0-9a-f]{32}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 _PRINTABLE = re.compile(r"[\x20-\x7e]*")  # the only characters a manifest string may hold (canonical JSON)
 MAX_INT = (1 << 63) - 1  # steps and sizes: signed 64-bit, so every implementation holds them exactly
 _KEY_STEP = re.compile(r"^(?:deltas/(\d{1,20})-\d{1,9}\.drd|records/(\d{1,20})\.json|snapshots/(\d{1,20})/"
@@ -188,10 +192,16 @@ class ObjRef:
         return None
 
     @classmethod
-    def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset()) -> "ObjRef":
+    def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset(),
+              key_rule: tuple[Callable[[str], bool], str] | None = None) -> "ObjRef":
+        """A REF (§4). Its key must be in the run's layout, or pass `key_rule` (a test and what it asks for:
+        a region's own objects, relay.announce)."""
         _only(obj, {"key", "size", "xxh3", "sha256"} | set(extra), where)
         key = _need(obj, "key", str, where)
-        if key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
+        if key_rule is not None:
+            if not key_rule[0](key):
+                raise ManifestError(f"{where}.key: {key[:300]!r} is not {key_rule[1]}")
+        elif key.startswith("/") or ".." in key.split("/") or step_of_key(key) is None:
             raise ManifestError(f"{where}.key: {key[:300]!r} is not a deltas/, records/ or snapshots/ key")
         size = _need(obj, "size", int, where)
         if not 0 <= size <= MAX_INT:
@@ -566,6 +576,15 @@ class TensorInfo:
     shape: tuple[int, ...]
     digest: str  # hex of codec.hashing.digest_elements, or of sliced_digest for a sliced tensor
     slices: tuple[Slice, ...] | None = None
+    # Signed runs only: BLAKE3-256 hex of the tensor (tensor_blake3), or for a sliced tensor sliced_blake3 of
+    # its slices' (`slice_blake3`, one per slice, in order). xxh3 is not collision resistant; this is what a
+    # snapshot nobody signed (a region's own, PROTOCOL §8.1) is checked against.
+    blake3: str | None = None
+    slice_blake3: tuple[str, ...] | None = None
+
+    def weak(self) -> tuple:
+        """The xxh3 fields (what every run carries), for comparisons that leave BLAKE3 to strong checks."""
+        return self.dtype, self.shape, self.digest, self.slices
 
 
 def sliced_digest(dtype: str, shape: tuple[int, ...], slices: tuple[Slice, ...]) -> str:
@@ -581,6 +600,60 @@ def sliced_digest(dtype: str, shape: tuple[int, ...], slices: tuple[Slice, ...])
     for start, stop, digest in slices:
         h.update(start.to_bytes(8, "big") + stop.to_bytes(8, "big") + bytes.fromhex(digest))
     return h.hexdigest()
+
+
+def tensor_blake3(dtype: str, shape: tuple[int, ...], elems: Any) -> str:
+    """A tensor's cryptographic digest (PROTOCOL §3.1): BLAKE3-256 of BLAKE3_PREFIX, the tensor's header
+    (codec.hashing.header_bytes) and its raw element bytes, 64 hex digits. Large tensors use every core."""
+    import blake3
+    import numpy as np
+
+    from codec.hashing import header_bytes
+
+    raw = np.ascontiguousarray(elems).reshape(-1).view(np.uint8)
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO if raw.nbytes >= BLAKE3_THREADS_FROM else 1)
+    h.update(BLAKE3_PREFIX + header_bytes(dtype, shape))
+    h.update(raw.data)
+    return h.hexdigest()
+
+
+def sliced_blake3(dtype: str, shape: tuple[int, ...], slices: tuple[Slice, ...], parts: tuple[str, ...]) -> str:
+    """The BLAKE3 of a row-sliced tensor: BLAKE3-256 of SLICED_BLAKE3_PREFIX, the header, then per slice its
+    start and stop (8-byte big-endian) and the 32 bytes of its tensor_blake3 (`parts`, in slice order)."""
+    import blake3
+
+    from codec.hashing import header_bytes
+
+    h = blake3.blake3()
+    h.update(SLICED_BLAKE3_PREFIX + header_bytes(dtype, shape))
+    for (start, stop, _), part in zip(slices, parts):
+        h.update(start.to_bytes(8, "big") + stop.to_bytes(8, "big") + bytes.fromhex(part))
+    return h.hexdigest()
+
+
+def with_blake3(info: TensorInfo, t: Any) -> TensorInfo:
+    """`info` with the BLAKE3 digests of tensor `t` (its slices' too, on the same rows, when sliced)."""
+    from codec.tensors import element_view
+
+    if info.slices is None:
+        return dataclasses.replace(info, blake3=tensor_blake3(info.dtype, info.shape, element_view(t)))
+    parts = tuple(tensor_blake3(info.dtype, (b - a, *info.shape[1:]), element_view(t[a:b])) for a, b, _ in info.slices)
+    return dataclasses.replace(info, blake3=sliced_blake3(info.dtype, info.shape, info.slices, parts),
+                               slice_blake3=parts)
+
+
+def strong_mismatches(tensors: dict, expected: dict[str, TensorInfo]) -> list[str]:
+    """Names whose BLAKE3 differs from `expected`'s (entries without one are not checked here), plus missing
+    and extra names."""
+    if set(tensors) != set(expected):
+        return sorted(set(tensors) ^ set(expected))
+    bad = []
+    for name, info in expected.items():
+        if info.blake3 is None:
+            continue
+        if with_blake3(info, tensors[name]).blake3 != info.blake3:
+            bad.append(name)
+    return bad
 
 
 @dataclass
@@ -621,31 +694,48 @@ def _tensors_json(tensors: dict[str, TensorInfo]) -> dict:
     out = {}
     for k, v in tensors.items():
         out[k] = {"dtype": v.dtype, "shape": list(v.shape), "digest": v.digest}
+        if v.blake3 is not None:
+            out[k]["blake3"] = v.blake3
         if v.slices is not None:
-            out[k]["slices"] = [[a, b, d] for a, b, d in v.slices]
+            if v.slice_blake3 is not None:
+                out[k]["slices"] = [[a, b, d, s] for (a, b, d), s in zip(v.slices, v.slice_blake3)]
+            else:
+                out[k]["slices"] = [[a, b, d] for a, b, d in v.slices]
     return out
 
 
-def _slices(raw: Any, shape: tuple[int, ...], where: str) -> tuple[Slice, ...]:
-    """A sliced tensor's `slices`: [start, stop, digest] triples tiling its rows, in order."""
+def _slices(raw: Any, shape: tuple[int, ...], where: str, strong: bool = False
+            ) -> tuple[tuple[Slice, ...], tuple[str, ...] | None]:
+    """A sliced tensor's `slices`: [start, stop, digest] triples tiling its rows, in order; with `strong` (the
+    tensor has a blake3) [start, stop, digest, blake3], whose BLAKE3s come back as the second value."""
     if not isinstance(raw, list) or not raw:
         raise ManifestError(f"{where}: expected a non-empty list of [start, stop, digest]")
     if not shape:
         raise ManifestError(f"{where}: a scalar has no rows to slice")
     out: list[Slice] = []
+    strongs: list[str] = []
     prev = 0
+    form = "[start, stop, digest, blake3] (the tensor has a blake3)" if strong else "[start, stop, digest]"
     for i, item in enumerate(raw):
         w = f"{where}[{i}]"
-        if not isinstance(item, list) or len(item) != 3:
-            raise ManifestError(f"{w}: expected [start, stop, digest]")
+        if not isinstance(item, list) or len(item) != (4 if strong else 3):
+            raise ManifestError(f"{w}: expected {form}")
         start, stop = _row_range(item[:2], w)
         if start != prev:
             raise ManifestError(f"{w}: starts at row {start}, expected {prev} (slices tile the rows in order)")
         out.append((start, stop, _hex32(item[2], w, "a digest")))
+        if strong:
+            strongs.append(_hex64(item[3], w, "a blake3 digest"))
         prev = stop
     if prev != shape[0]:
         raise ManifestError(f"{where}: slices end at row {prev}, the tensor has {shape[0]}")
-    return tuple(out)
+    return tuple(out), (tuple(strongs) if strong else None)
+
+
+def _hex64(value: Any, where: str, what: str) -> str:
+    if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        raise ManifestError(f"{where}: {what} is 64 lower-case hex digits, got {str(value)[:80]!r}")
+    return value
 
 
 def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
@@ -653,7 +743,7 @@ def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
     tensors = {}
     for name, t in obj.items():
         w = f"{where}[{name!r}]"
-        _only(t, {"dtype", "shape", "digest", "slices"}, w)
+        _only(t, {"dtype", "shape", "digest", "slices", "blake3"}, w)
         shape = _need(t, "shape", list, w)
         if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_INT for d in shape):
             raise ManifestError(f"{w}.shape: expected integers from 0 to 2**63-1")
@@ -661,12 +751,15 @@ def _tensor_infos(obj: dict, where: str) -> dict[str, TensorInfo]:
         if dtype not in _dtype_names():
             raise ManifestError(f"{w}.dtype: {dtype[:40]!r} is not a dtype of docs/FORMAT.md")
         digest = _hex32(_need(t, "digest", str, w), f"{w}.digest", "a digest")
-        slices = None
+        strong = None if "blake3" not in t else _hex64(t["blake3"], f"{w}.blake3", "a blake3 digest")
+        slices = parts = None
         if "slices" in t:
-            slices = _slices(t["slices"], tuple(shape), f"{w}.slices")
+            slices, parts = _slices(t["slices"], tuple(shape), f"{w}.slices", strong is not None)
             if sliced_digest(dtype, tuple(shape), slices) != digest:
                 raise ManifestError(f"{w}.digest: not the digest of its slices (PROTOCOL §3.1)")
-        tensors[name] = TensorInfo(dtype, tuple(shape), digest, slices)
+            if parts is not None and sliced_blake3(dtype, tuple(shape), slices, parts) != strong:
+                raise ManifestError(f"{w}.blake3: not the BLAKE3 of its slices (PROTOCOL §3.1)")
+        tensors[name] = TensorInfo(dtype, tuple(shape), digest, slices, strong, parts)
     return tensors
 
 
@@ -793,8 +886,10 @@ def _dtype_names() -> frozenset[str]:
 _DTYPE_NAMES: frozenset[str] | None = None
 
 
-def tensor_infos(tensors: dict, like: dict[str, TensorInfo] | None = None) -> dict[str, TensorInfo]:
-    """Each tensor's dtype, shape and digest, with the codec's own hash (codec.hashing.digest_elements).
+def tensor_infos(tensors: dict, like: dict[str, TensorInfo] | None = None, strong: bool = False
+                 ) -> dict[str, TensorInfo]:
+    """Each tensor's dtype, shape and digest, with the codec's own hash (codec.hashing.digest_elements),
+    and with `strong` (a signed run's record) its BLAKE3 too.
 
     A name that `like` describes as sliced is digested on the same row boundaries (sliced_digest),
     so a whole tensor assembled from a sharded trainer's slices compares equal to its record."""
@@ -812,12 +907,20 @@ def tensor_infos(tensors: dict, like: dict[str, TensorInfo] | None = None) -> di
             out[name] = TensorInfo(dt.name, shape, sliced_digest(dt.name, shape, slices), slices)
         else:
             out[name] = TensorInfo(dt.name, shape, digest_elements(dt.name, shape, element_view(t)).hex())
+        if strong:
+            out[name] = with_blake3(out[name], t)
     return out
 
 
-def mismatches(tensors: dict, expected: dict[str, TensorInfo]) -> list[str]:
-    """Names whose dtype, shape or digest differ from `expected` (plus missing and extra names)."""
+def mismatches(tensors: dict, expected: dict[str, TensorInfo], strong: bool = True) -> list[str]:
+    """Names whose dtype, shape or digest differ from `expected` (plus missing and extra names); with
+    `strong`, also those whose BLAKE3 differs where `expected` gives one (a signed run's record): every
+    snapshot a reader loads is checked so (PROTOCOL §6)."""
     if set(tensors) != set(expected):
         return sorted(set(tensors) ^ set(expected))
     got = tensor_infos(tensors, like=expected)
-    return [name for name, info in expected.items() if got[name] != info]
+    bad = [name for name, info in expected.items() if got[name].weak() != info.weak()]
+    if strong:
+        bad += [n for n in strong_mismatches({k: tensors[k] for k in expected if k not in bad},
+                                             {k: v for k, v in expected.items() if k not in bad})]
+    return bad

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from relay import commit
+from relay import announce, commit
 from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
 from relay.signing import Signer, TrustedKeys
@@ -89,17 +89,26 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
 
 
 def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, signing_key: Any = None,
-       trusted_keys: Any = None, adopt_unsigned: bool = False) -> dict:
+       trusted_keys: Any = None, adopt_unsigned: bool = False, regional_only: bool = False) -> dict:
     """Keep the newest `keep_snapshots` snapshots and the steps from the oldest of them on; delete the rest.
 
     A watcher holding any step from the oldest kept snapshot on still has its chain to the head.
     The manifest is committed first, objects are deleted after, so no fresh manifest names a
     deleted object. Unreferenced objects above the head, and unreferenced snapshot files from the
     oldest kept snapshot on, are left alone: they may belong to an upload in progress.
+    A regional store's own snapshots (PROTOCOL §8.1) are collected too, by the same rule: the newest
+    `keep_snapshots` stay announced, the objects of the others are deleted (relay.announce.collect).
+    `regional_only` leaves the manifest alone (a signed run's region: only the trainer's key changes it).
     """
     if keep_snapshots < 1:
         raise ValueError("keep_snapshots must be >= 1")
     store = open_store(url, storage_options)
+    regional = announce.collect(store, keep_snapshots)
+    if regional_only:
+        log.info("%s: gc kept regional snapshots %s, deleted %d objects", url, regional["regional_snapshots"],
+                 regional["regional_deleted"])
+        return {"url": url, "snapshots": None, "deleted": regional["regional_deleted"],
+                "freed_bytes": regional["regional_freed_bytes"], **regional}
     before: set[str] = set()
 
     def trim(m: Manifest) -> Manifest | None:
@@ -126,9 +135,12 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     doomed = sorted(k for k in listed if garbage(k))
     store.delete(doomed)
     freed = sum(listed[k] for k in doomed)
-    log.info("%s: gc kept snapshots %s, deleted %d objects (%d bytes)", url, [s.step for s in m.snapshots],
-             len(doomed), freed)
-    return {"url": url, "snapshots": [s.step for s in m.snapshots], "deleted": len(doomed), "freed_bytes": freed}
+    log.info("%s: gc kept snapshots %s, deleted %d objects (%d bytes); regional snapshots %s, %d objects deleted",
+             url, [s.step for s in m.snapshots], len(doomed), freed, regional["regional_snapshots"],
+             regional["regional_deleted"])
+    return {"url": url, "snapshots": [s.step for s in m.snapshots],
+            "deleted": len(doomed) + regional["regional_deleted"],
+            "freed_bytes": freed + regional["regional_freed_bytes"], **regional}
 
 
 def status(url: str, storage_options: dict | None = None) -> dict:

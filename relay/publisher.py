@@ -33,10 +33,12 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 import codec
-from relay.checkpoint import DEFAULT_SHARD_BYTES, StreamedFile, index_bytes, safetensors_stream, shard_plan
+from codec.tensors import element_view
+from relay.checkpoint import (DEFAULT_SHARD_BYTES, SNAPSHOT_FORMATS, SpooledSnapshot, StreamedFile, index_bytes,
+                              safetensors_stream, shard_plan, spool_compressed_snapshot)
 from relay.commit import check_writable, create_owned, extend_run, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
-                            delta_key, record_key, snapshot_prefix, tensor_infos)
+                            delta_key, record_key, snapshot_prefix, tensor_blake3, tensor_infos)
 from relay.retry import Backoff
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
@@ -78,23 +80,42 @@ def _on_host(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_cpu and t.is_contiguous() else _private_copy(t)
 
 
-def snapshot_files(step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str]
-                   ) -> dict[str, StreamedFile]:
+def snapshot_files(step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str],
+                   snapshot_format: str = "safetensors") -> dict[str, StreamedFile | SpooledSnapshot]:
     """Key -> streamed bytes of a full snapshot under snapshots/<step>/: safetensors shards (exactly what
     safetensors.torch.save writes, PROTOCOL §3.3) plus a Hugging Face index. Nothing is serialized here:
-    the shards hand out views of the tensors when read."""
+    the shards hand out views of the tensors when read. With `snapshot_format="compressed"` each shard is
+    a codec snapshot object instead, encoded here into a spool file (`close_files` removes them), and the
+    index's metadata says `"snapshot_format": "compressed"`."""
+    if snapshot_format not in SNAPSHOT_FORMATS:
+        raise ValueError(f"snapshot_format {snapshot_format!r} is not one of {SNAPSHOT_FORMATS}")
     prefix = snapshot_prefix(step)
-    files = {}
-    for shard in sorted(set(weight_map.values())):
-        part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
-        files[prefix + shard] = safetensors_stream(part, {"step": str(step)})
-    files[prefix + INDEX_NAME] = StreamedFile(index_bytes(tensors, weight_map, step=step))
+    files: dict[str, StreamedFile | SpooledSnapshot] = {}
+    try:
+        for shard in sorted(set(weight_map.values())):
+            part = {k: tensors[k] for k, s in weight_map.items() if s == shard}
+            if snapshot_format == "compressed":
+                files[prefix + shard] = spool_compressed_snapshot(part)
+            else:
+                files[prefix + shard] = safetensors_stream(part, {"step": str(step)})
+    except BaseException:
+        close_files(files)
+        raise
+    extra = {"snapshot_format": "compressed"} if snapshot_format == "compressed" else {}
+    files[prefix + INDEX_NAME] = StreamedFile(index_bytes(tensors, weight_map, step=step, **extra))
     return files
 
 
-def store_files(files: Mapping[str, StreamedFile], put: PutStream, workers: int = 4, strong: bool = False,
-                stored: dict[str, ObjRef] | None = None, written: Callable[[str], None] | None = None
-                ) -> dict[str, ObjRef]:
+def close_files(files: Mapping[str, StreamedFile | SpooledSnapshot]) -> None:
+    """Remove the spool files of compressed snapshot shards (streamed ones hold nothing)."""
+    for f in files.values():
+        if isinstance(f, SpooledSnapshot):
+            f.close()
+
+
+def store_files(files: Mapping[str, StreamedFile | SpooledSnapshot], put: PutStream, workers: int = 4,
+                strong: bool = False, stored: dict[str, ObjRef] | None = None,
+                written: Callable[[str], None] | None = None) -> dict[str, ObjRef]:
     """Create every file (in parallel, streamed) and return key -> ObjRef, each computed by streaming over
     the same chunks (with SHA-256s when `strong`). `stored` holds files an earlier attempt created (skipped)
     and collects the new ones, so a retry writes only what is missing; `written(key)` is told as each file
@@ -122,11 +143,16 @@ def _snapshot_entry(step: int, refs: Mapping[str, ObjRef]) -> Snapshot:
 
 
 def upload_snapshot(store: Store, step: int, tensors: Mapping[str, torch.Tensor], weight_map: dict[str, str],
-                    workers: int = 4, strong: bool = False, put: PutStream | None = None) -> Snapshot:
+                    workers: int = 4, strong: bool = False, put: PutStream | None = None,
+                    snapshot_format: str = "safetensors") -> Snapshot:
     """Write every snapshot file (in parallel, streamed with `put`, default store.put_immutable_stream), then
     return its manifest entry (with SHA-256s when `strong`). Memory: a few chunks per file in flight, never
     a serialized shard."""
-    refs = store_files(snapshot_files(step, tensors, weight_map), put or store.put_immutable_stream, workers, strong)
+    files = snapshot_files(step, tensors, weight_map, snapshot_format)
+    try:
+        refs = store_files(files, put or store.put_immutable_stream, workers, strong)
+    finally:
+        close_files(files)
     return _snapshot_entry(step, refs)
 
 
@@ -248,6 +274,10 @@ class Publisher:
     commit). A publisher without a key refuses to extend a signed run (it would strip the signatures).
     snapshot_attempts: tries of a background snapshot before it is reported failed (and retried at
     the next step).
+    snapshot_format: "safetensors" (default) or "compressed": snapshot files as codec snapshot objects
+    (docs/FORMAT.md; ~66% of BF16's bytes), which watchers decode and write to DEST as safetensors.
+    Each compressed snapshot is encoded into spool files during `publish` and uploaded there (not in
+    the background), so a snapshot step costs the encode's time.
     """
 
     def __init__(self, url: str, *, snapshot_every: int = 25, storage_options: dict | None = None,
@@ -256,7 +286,9 @@ class Publisher:
                  resume_timeout: float | None = 600.0, keep_snapshots: int | None = None,
                  signing_key: Any = None, trusted_keys: Any = None, adopt_unsigned: bool = False,
                  snapshot_attempts: int = 3, workers: int | None = None, advance: str = "copy",
-                 snapshot_budget: float = 0.25) -> None:
+                 snapshot_budget: float = 0.25, snapshot_format: str = "safetensors") -> None:
+        if snapshot_format not in SNAPSHOT_FORMATS:
+            raise ValueError(f"snapshot_format must be one of {SNAPSHOT_FORMATS}, got {snapshot_format!r}")
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         if snapshot_fraction <= 0:
@@ -271,7 +303,8 @@ class Publisher:
             raise ValueError("workers must be >= 1")
         self.url = url
         self.store = open_store(url, storage_options)
-        codec.warm_up(("encode",))  # a fresh host compiles the encoder while its first snapshot uploads
+        # a fresh host compiles the encoder while its first snapshot uploads
+        codec.warm_up(("encode", "snapshot_encode") if snapshot_format == "compressed" else ("encode",))
         self.snapshot_every = snapshot_every
         self.snapshot_fraction = snapshot_fraction
         self.max_shard_bytes = max_shard_bytes
@@ -280,6 +313,7 @@ class Publisher:
         self.workers = workers or min(os.cpu_count() or 1, 8)
         self.advance = advance
         self.snapshot_budget = snapshot_budget
+        self.snapshot_format = snapshot_format
         self.resume_timeout = resume_timeout
         self.snapshot_attempts = snapshot_attempts
         if keep_snapshots is not None and keep_snapshots < 1:
@@ -289,6 +323,8 @@ class Publisher:
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self._adopt_unsigned = adopt_unsigned  # until our first signed commit: then the run is ours to sign
         self._commit_lock = threading.Lock()
+        self.bytes_uploaded = 0  # object bytes sent (retries included): for progress bars (relay.progress)
+        self._sent_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="relay-snapshot") if background else None
         self._pending: list[Future] = []
         self._cow = _CopyOnWrite()
@@ -303,6 +339,7 @@ class Publisher:
         self._last_snapshot_step = 0  # meaningful once self.prev is set: both are set together
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
+        self._blake3: dict[str, str] = {}  # signed runs: the BLAKE3 of each tensor of prev, where known
         self.run = uuid.uuid4().hex
         self.writer = uuid.uuid4().hex  # this publisher's id in the manifest's `writer` field
         existing = self.store.read_manifest()
@@ -383,12 +420,15 @@ class Publisher:
         parts = self._parts(live, weight_map)
         payloads: list[bytes] = []
         digests: dict[str, codec.TensorDigests] = {}
+        strongs: dict[str, str] = {}  # signed runs: each tensor's BLAKE3, rehashed only where its bytes changed
         try:
             for names in parts:
                 target = {k: _on_host(live[k]) for k in names}  # host copies (device, strided): one part at a time
                 payload = codec.encode({k: prev[k] for k in names}, target, effort=self.effort, workers=self.workers)
-                del target
                 found = codec.digests(payload)
+                if strong:
+                    strongs.update(self._blake3_of(target, found))
+                del target
                 if self.advance == "apply":  # the payload must rebuild the trainer's tensors: proven before commit
                     self._apply(payload, found, budget)
                 payloads.append(payload)
@@ -397,8 +437,8 @@ class Publisher:
             if payloads and self.advance == "apply":
                 self.prev = None  # partly moved to an uncommitted step: the next step starts from a snapshot
             raise
-        record = Record(self.run, step, {k: TensorInfo(digests[k].dtype, digests[k].shape, digests[k].target)
-                                         for k in live}, weight_map)
+        record = Record(self.run, step, {k: TensorInfo(digests[k].dtype, digests[k].shape, digests[k].target,
+                                                       blake3=strongs.get(k)) for k in live}, weight_map)
         try:
             record_bytes = record.to_bytes()
             rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
@@ -418,6 +458,7 @@ class Publisher:
                 self.prev = None  # holds the uncommitted step: the next step starts from a snapshot
             raise
         self.step = step
+        self._blake3 = strongs
         self._chain_bytes += entry.delta_bytes
         if self.advance == "copy":
             try:
@@ -429,6 +470,18 @@ class Publisher:
                 raise
         if due:
             self._snapshot(step, weight_map, strong)
+
+    def _blake3_of(self, target: Mapping[str, torch.Tensor], found: Mapping[str, codec.TensorDigests]
+                   ) -> dict[str, str]:
+        """BLAKE3 (signed runs' records, PROTOCOL §3.1) of a part's target tensors: the base's for a tensor whose
+        bytes did not change (its xxh3 digests agree and the base's BLAKE3 is known), hashed otherwise."""
+        out = {}
+        for name, t in target.items():
+            d = found[name]
+            known = self._blake3.get(name)
+            out[name] = known if known is not None and d.base == d.target else tensor_blake3(
+                d.dtype, d.shape, element_view(t))
+        return out
 
     def _copy_into_prev(self, name: str, src: torch.Tensor, budget: int) -> None:
         """prev[name] := src, in place unless a pending snapshot still has to write the old tensor."""
@@ -461,10 +514,13 @@ class Publisher:
         self.prev = None  # the old base goes before the new one is copied: one checkpoint in memory
         strong = self.signer is not None
         prev = {k: _private_copy(t) for k, t in live.items()}
-        record_bytes = Record(self.run, step, tensor_infos(prev), weight_map).to_bytes()
+        infos = tensor_infos(prev, strong=strong)
+        self._blake3 = {k: v.blake3 for k, v in infos.items() if v.blake3 is not None}
+        record_bytes = Record(self.run, step, infos, weight_map).to_bytes()
         rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
         self._put(rec_ref.key, record_bytes)
-        snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream)
+        snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream,
+                               snapshot_format=self.snapshot_format)
         self._commit(Step(step, rec_ref), snap)
         self.prev, self.step = prev, step
         self._snapshot_done(step, prev)
@@ -480,9 +536,9 @@ class Publisher:
         """The snapshot of the step just committed (prev is that step): in the background, or now."""
         if self.prev is None:
             return  # prev was lost to a failure: the next step is a snapshot anyway
-        if self._pool is None:
+        if self._pool is None or self.snapshot_format != "safetensors":
             self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers, strong,
-                                               put=self._put_stream))
+                                               put=self._put_stream, snapshot_format=self.snapshot_format))
         else:
             try:
                 job = _SnapshotJob(step, self.prev, weight_map)
@@ -500,10 +556,20 @@ class Publisher:
     def _put(self, key: str, data: bytes) -> None:
         """Create an immutable object (see _create)."""
         self._create(key, lambda: self.store.put_immutable(key, data))
+        self._sent(len(data))
 
     def _put_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
-        """Create a streamed immutable object (see _create)."""
-        self._create(key, lambda: self.store.put_immutable_stream(key, chunks, size, xxh3))
+        """Create a streamed immutable object (see _create), counting its bytes as they go (bytes_uploaded)."""
+        def counted() -> Iterable[Buffer]:
+            for chunk in chunks():
+                yield chunk
+                self._sent(len(chunk))
+
+        self._create(key, lambda: self.store.put_immutable_stream(key, counted, size, xxh3))
+
+    def _sent(self, n: int) -> None:
+        with self._sent_lock:
+            self.bytes_uploaded += n
 
     def _create(self, key: str, write: Callable[[], None]) -> None:
         """Create an immutable object with `write`; a leftover above our head is replaced while we own the run
@@ -573,6 +639,23 @@ class Publisher:
         for f in self._pending:
             f.result()  # _background_snapshot reports its own failures; nothing is raised here
         self._pending = []
+
+    def wait_for_fleet(self, step: int | None = None, fraction: float = 1.0, timeout: float = 600.0, *,
+                       regions: Iterable[str | Store] = (), storage_options: dict | None = None,
+                       ttl: float | None = None, poll_interval: float = 2.0, min_hosts: int = 1) -> Any:
+        """Bounded staleness: block until `fraction` of the live rollout hosts hold `step` (default: the last
+        one published) of this run, as the fleet ledger says (relay.fleet.wait_for_fleet: this store, with the
+        regions a relay gathers into it, plus the regional stores `regions` read directly); FleetTimeout,
+        naming the hosts that lag, after `timeout` seconds. Returns the relay.fleet.FleetProgress."""
+        from relay import fleet
+
+        if step is None:
+            if self.step is None:
+                raise ValueError(f"{self.url}: nothing published yet; give the step to wait for")
+            step = self.step
+        stores = [self.store, *(r if isinstance(r, Store) else open_store(r, storage_options) for r in regions)]
+        return fleet.wait_for_fleet(stores, step, fraction, timeout, run=self.run, ttl=ttl,
+                                    poll_interval=poll_interval, min_hosts=min_hosts)
 
     def flush(self) -> None:
         """Block until every background upload is done; re-raise the first failure since the last flush."""

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+import codec
+
 from relay.manifest import (MAX_RECORD_BYTES, ManifestError, ObjRef, Part, Snapshot, TensorInfo, _load_json,
                             safe_shard_name)
 
@@ -143,11 +145,18 @@ def metadata_rows(meta: Any, ref: ObjRef) -> dict[str, tuple[int, int]]:
 
 def assemble(files: list[tuple[ObjRef, bytes]], infos: Mapping[str, TensorInfo],
              want: Selector | None = None) -> dict[str, torch.Tensor]:
-    """assemble_read over files given as their bytes (safetensors)."""
+    """assemble_read over files given as their bytes (safetensors, or compressed snapshot objects: whole
+    tensors, each checked against its own digest as it is decoded)."""
     from safetensors.torch import load as st_load
 
-    read = []
+    read: list[tuple[ObjRef, dict[str, tuple[int, int]], dict[str, torch.Tensor]]] = []
     for ref, data in files:
+        if bytes(data[:4]) == codec.SNAPSHOT_MAGIC:
+            try:
+                read.append((ref, {}, dict(codec.decode_snapshot(data, where=ref.key))))
+            except codec.SnapshotError as exc:
+                raise ShardError([ref], f"not a snapshot file ({exc})") from None
+            continue
         rows = file_rows(data, ref)
         try:
             held = st_load(bytes(data))

@@ -270,9 +270,27 @@ class Store(abc.ABC):
 
     def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         """The manifest and its ETag; None if the run has none; NOT_MODIFIED if `if_none_match` is
+        still its ETag (read_object on MANIFEST_KEY)."""
+        return self.read_object(MANIFEST_KEY, if_none_match)
+
+    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+        """Write the manifest iff its current ETag is `expected_etag` (None: iff there is none); returns
+        the new ETag. ConflictError when another writer got there first; the manifest is then unchanged."""
+        return self.commit_object(MANIFEST_KEY, data, expected_etag)
+
+    # -- mutable objects: the manifest, and the few region-local objects other writers keep (a
+    # region's snapshot announcement, the fleet ledger). Each is replaced only by compare-and-swap.
+    @overload
+    def read_object(self, key: str, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_object(self, key: str, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
+
+    def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
+        """A mutable object's bytes and ETag; None if there is none; NOT_MODIFIED if `if_none_match` is
         still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
         try:
-            data = self.get(MANIFEST_KEY)
+            data = self.get(key)
         except ObjectMissing:
             return None
         tag = content_tag(data)
@@ -281,9 +299,9 @@ class Store(abc.ABC):
         return ManifestRead(data, tag)
 
     @abc.abstractmethod
-    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
-        """Write the manifest iff its current ETag is `expected_etag` (None: iff there is none); returns
-        the new ETag. ConflictError when another writer got there first; the manifest is then unchanged."""
+    def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        """Write `key` iff its current ETag is `expected_etag` (None: iff there is none); returns the new
+        ETag. ConflictError when another writer got there first; the object is then unchanged."""
 
     # -- large objects: streamed, never whole in memory ------------------------------------------
     # Every backend overrides these with bounded-memory versions (tests/test_store_conformance.py);
@@ -477,16 +495,23 @@ class LocalStore(Store):
                 out[p.relative_to(self.root).as_posix()] = p.stat().st_size
         return out
 
-    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+    def _lock_path(self, key: str) -> Path:
+        """The flock file that serialises compare-and-swap on `key` (dot-named: never listed as a key)."""
+        if key == MANIFEST_KEY:
+            return self.root / ".manifest.lock"
+        return self.root / f".cas-{key.replace('/', '%')}.lock"
+
+    def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".manifest.lock", "a+b") as lock:
+        with open(self._lock_path(key), "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            current = self.read_manifest()
+            current = self.read_object(key)
             current_tag = None if current is None else current.etag
             if current_tag != expected_etag:
-                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
-                                    f"(expected {expected_etag or 'no manifest'}, found {current_tag or 'none'})")
-            write_atomic(self._path(MANIFEST_KEY), data)
+                raise ConflictError(f"{self.url}/{key}: changed by another writer "
+                                    f"(expected {expected_etag or 'no object'}, found {current_tag or 'none'})")
+            self._path(key).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self._path(key), data)
         return content_tag(data)
 
 
@@ -605,14 +630,15 @@ class FsspecStore(Store):
         return {p.lstrip("/")[len(root):]: int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file" and not p.rpartition("/")[2].startswith(".")}
 
-    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+    def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        path = self._path(key)
         with _PROCESS_LOCK:
-            current = self.read_manifest()
+            current = self.read_object(key)
             current_tag = None if current is None else current.etag
             if current_tag != expected_etag:
-                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer")
-            self.fs.makedirs(self.root, exist_ok=True)
-            self.fs.pipe_file(self._path(MANIFEST_KEY), data)
+                raise ConflictError(f"{self.url}/{key}: changed by another writer")
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(path, data)
         return content_tag(data)
 
 
@@ -1115,15 +1141,15 @@ class S3Store(Store):
                 if info.get("type", "file") == "file"}
 
     @overload
-    def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
+    def read_object(self, key: str, if_none_match: None = None) -> ManifestRead | None: ...
 
     @overload
-    def read_manifest(self, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
+    def read_object(self, key: str, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
 
-    def read_manifest(self, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
+    def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
         try:
-            resp, body = self._get_with_body(MANIFEST_KEY, **kw)
+            resp, body = self._get_with_body(key, **kw)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -1133,22 +1159,22 @@ class S3Store(Store):
             raise
         return ManifestRead(body, resp["ETag"])
 
-    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
+    def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
         cond = {"IfMatch": expected_etag} if expected_etag else {"IfNoneMatch": "*"}
         try:
-            resp = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(MANIFEST_KEY), Body=data,
+            resp = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,
                                    ContentType="application/json", **cond)
         except (OSError, FileExistsError) as exc:
             code, status = _client_error(exc)
             if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
                     "PreconditionFailed", "ConditionalRequestConflict"):
                 cond_text = f"If-Match {expected_etag}" if expected_etag else "If-None-Match *"
-                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: changed by another writer "
+                raise ConflictError(f"{self.url}/{key}: changed by another writer "
                                     f"({code or status} on {cond_text})") from None
-            if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted manifest
-                raise ConflictError(f"{self.url}/{MANIFEST_KEY}: removed by another writer") from None
+            if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted object
+                raise ConflictError(f"{self.url}/{key}: removed by another writer") from None
             raise
-        self.fs.invalidate_cache(self._path(MANIFEST_KEY))
+        self.fs.invalidate_cache(self._path(key))
         return resp["ETag"]
 
 

@@ -12,6 +12,7 @@ It never writes to the store. Problems are collected, never raised, so one run l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 import codec
-from relay import shards
+from relay import announce, shards
+from relay.checkpoint import index_bytes_of
 from relay.manifest import INDEX_NAME, Manifest, ManifestError, ObjRef, Record, mismatches, step_of_key
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import MANIFEST_KEY, ObjectMissing, Store, open_store
@@ -81,6 +83,7 @@ class _Checker:
         self.store, self.m, self.report, self.workers = store, m, report, workers
         self.bad: set[str] = set()  # keys missing or not matching their reference
         self.records: dict[int, Record] = {}
+        self.regional_indexes: dict[int, bytes] = {}  # a region's own snapshots' indexes, checked against records
         self._lock = threading.Lock()
 
     def problem(self, text: str) -> None:
@@ -140,9 +143,8 @@ class _Checker:
             self._check_index(ref, data)
 
     def _check_index(self, ref: ObjRef, data: bytes) -> None:
-        step = step_of_key(ref.key)
-        snap = None if step is None else self.m.snapshot(step)
-        if snap is None:  # an index key in m.refs() is its snapshot's (Snapshot.parse checks the prefix)
+        snap = next((s for s in self.m.snapshots if s.index == ref), None)
+        if snap is None:  # an index in m.refs() is its snapshot's
             raise AssertionError(f"unreachable: {ref.key} is no snapshot's index")
         try:
             index = json.loads(data)
@@ -153,6 +155,9 @@ class _Checker:
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             self._bad(ref.key, f"{ref.key}: not a safetensors index ({type(exc).__name__}: {exc})")
             return
+        if announce.is_regional(snap):
+            with self._lock:
+                self.regional_indexes[snap.step] = data
         listed = {f.key.rsplit("/", 1)[1] for f in snap.files}
         if files != listed:
             self.problem(f"{ref.key}: names shard files {sorted(files)[:5]}, the manifest lists {sorted(listed)[:5]}")
@@ -161,8 +166,12 @@ class _Checker:
         refs = list({r.key: r for r in self.m.refs()}.values())
         with ThreadPoolExecutor(max(1, min(self.workers, len(refs)))) as pool:
             list(pool.map(self.check_object, refs))
+        for step, data in sorted(self.regional_indexes.items()):
+            rec = self.records.get(step)
+            if rec is not None and data != index_bytes_of(rec.tensors, rec.weight_map, step=step):
+                self.problem(f"regional snapshot {step}: its index is not the one the record of step {step} implies")
         snaps = {s.step for s in self.m.snapshots}
-        for s in self.m.steps:
+        for s in self._steps():
             if s.parts is None and s.step not in snaps:
                 self.problem(f"step {s.step}: unreachable (no delta from a parent and no snapshot)")
             for p in s.parts or ():
@@ -170,6 +179,12 @@ class _Checker:
                     unknown = set(p.tensors) - set(self.records[s.step].tensors)
                     if unknown:
                         self.problem(f"{p.ref.key}: covers tensors the record does not have {sorted(unknown)[:5]}")
+
+    def _steps(self) -> list:
+        """The steps a reader of this store can reach: from the oldest snapshot on (a region that keeps only
+        its own snapshots, §8.1, cannot reach the steps before its oldest one; a manifest never lists any)."""
+        oldest = min((s.step for s in self.m.snapshots), default=None)
+        return [s for s in self.m.steps if oldest is not None and s.step >= oldest]
 
     # -- deep: rebuild every step -------------------------------------------------------------------
     def _snapshot_state(self, step: int) -> dict[str, torch.Tensor] | None:
@@ -206,7 +221,7 @@ class _Checker:
         state: dict[str, torch.Tensor] | None = None
         prev: int | None = None
         unbuilt: list[int] = []
-        for s in self.m.steps:
+        for s in self._steps():
             carried = None
             if state is not None and s.parts is not None and s.parent == prev:
                 if any(p.ref.key in self.bad for p in s.parts):
@@ -267,6 +282,32 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+def _regional_view(store: Store, m: Manifest, report: Report) -> Manifest:
+    """The snapshots to check in a region that announces its own (PROTOCOL §8.1): those, plus the trainer's
+    only where the announcement says the region keeps them (otherwise their absence is no problem)."""
+    ann, etag = announce.read_announcement(store)
+    if ann is None:
+        if etag is not None:
+            report.problems.append(f"{store.url}/{announce.ANNOUNCE_KEY}: unreadable (see the log)")
+        return m
+    if ann.run != m.run:
+        report.problems.append(f"{store.url}/{announce.ANNOUNCE_KEY}: announces snapshots of run {ann.run}, the "
+                               f"manifest's run is {m.run}")
+        return m
+    listed = {s.step for s in m.steps}
+    regional = [s for s in ann.snapshots if s.step in listed]
+    unusable = [s.step for s in ann.snapshots if s.step not in listed]
+    if unusable:
+        report.notes.append(f"regional snapshots of steps the manifest no longer lists (gc drops them): {unusable}")
+    report.notes.append(f"regional snapshots {[s.step for s in regional]} checked like the trainer's"
+                        + ("" if ann.origin_snapshots else "; the region keeps no trainer snapshots, so steps "
+                           "before its oldest snapshot are not reachable here"))
+    snaps = regional + (list(m.snapshots) if ann.origin_snapshots else [])
+    snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))
+    report.snapshots = len(snaps)
+    return dataclasses.replace(m, snapshots=snaps)
+
+
 def verify(url: str, storage_options: dict | None = None, *, deep: bool = False, trusted_keys: Any = None,
            workers: int = 4) -> Report:
     """Check a run (see the module docstring); returns a Report whose `problems` list every finding."""
@@ -296,7 +337,7 @@ def verify(url: str, storage_options: dict | None = None, *, deep: bool = False,
         report.signature = "present, not checked (give --trusted-key)"
     else:
         report.signature = "unsigned"
-    checker = _Checker(store, m, report, workers)
+    checker = _Checker(store, _regional_view(store, m, report), report, workers)
     checker.shallow()
     if deep:
         checker.deep()

@@ -13,6 +13,7 @@ crash) sees the old step or the new one, never a mix.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Collection, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ import torch
 import codec
 import xxhash
 
-from relay import checkpoint, shards
+from relay import announce, checkpoint, fleet, shards
 from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
 from relay.engines import Engine, EngineError, Update, changed_names
@@ -246,7 +248,7 @@ def _head_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, Tenso
         if dt is None or dt.name != info.dtype or tuple(t.shape) != info.shape or d.hex() != info.digest:
             bad.append(name)
     if rest:
-        bad += mismatches(rest, {k: expected[k] for k in rest})
+        bad += mismatches(rest, {k: expected[k] for k in rest}, strong=False)  # a chain: its deltas are the trainer's
     return bad
 
 
@@ -260,6 +262,10 @@ class Reader:
 
     `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
     parts and snapshot files that hold those tensors and returns and verifies exactly them.
+
+    In a region that announces its own snapshots (regional/snapshots.json, PROTOCOL §8.1) it plans from
+    those, checked against the record (index, digests, BLAKE3 with trusted keys), and from the manifest's
+    snapshots only if the region says it keeps them.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
@@ -281,11 +287,31 @@ class Reader:
             raise ValueError("need 0 < failure_backoff_initial <= failure_backoff_max")
         self.failure_backoff = Backoff(failure_backoff_initial, failure_backoff_max)  # for objects that fail checks
         self.bytes_downloaded = 0
+        self.verify_failures = 0  # objects that failed a check (each refetch or backoff counts one)
+        self.head_seen: int | None = None  # the head of the last manifest read (for lag: fleet, metrics)
+        self.heads_seen: dict[int, float] = {}  # head -> unix time first read (the newest 256)
         self._count_lock = threading.Lock()
+        self._plan: tuple[int, int] | None = None  # while reaching: (bytes_downloaded at the plan's start, its cost)
+        self._inflight: dict[int, int] = {}  # spool files being downloaded: fd -> size
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
+        self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
+
+    def progress(self) -> tuple[int, int] | None:
+        """(bytes downloaded, bytes planned) of the reach in progress, None between reaches: for progress bars
+        (relay.progress). Snapshot files count as they land (their allocated blocks), other objects when read."""
+        plan = self._plan
+        if plan is None:
+            return None
+        done = self.bytes_downloaded - plan[0]
+        for fd, size in list(self._inflight.items()):
+            try:
+                done += min(os.fstat(fd).st_blocks * 512, size)
+            except OSError:  # closed meanwhile: counted in bytes_downloaded
+                pass
+        return min(done, plan[1]), plan[1]
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
@@ -296,11 +322,39 @@ class Reader:
         m = Manifest.parse(got.data, where)
         if self.trusted is not None:
             self.trusted.verify(m, where)
-        elif m.signatures and not self._warned_unchecked:
+        self.head_seen = m.head
+        if m.head not in self.heads_seen:
+            self.heads_seen[m.head] = time.time()
+            while len(self.heads_seen) > 256:
+                del self.heads_seen[min(self.heads_seen)]
+        if m.signatures and self.trusted is None and not self._warned_unchecked:
             self._warned_unchecked = True  # once per Reader: the operator probably forgot the key
             log.warning("%s: run is signed but this watcher trusts no key; signatures are not checked; "
                         "pass --trusted-key", self.store.url)
         return m
+
+    def _planning_view(self, m: Manifest) -> Manifest:
+        """The manifest as this store offers it (PROTOCOL §8.1): with the region's announced snapshots of steps
+        the manifest lists, and without the trainer's snapshots when the announcement says the region does not
+        keep them (they are then never planned from nor waited for). Without an announcement of this run: `m`."""
+        etag, ann = self._announced
+        got = self.store.read_object(announce.ANNOUNCE_KEY, if_none_match=etag)
+        if got is None:
+            self._announced = (None, None)
+            return m
+        if got is not NOT_MODIFIED:
+            try:
+                ann = announce.Announcement.parse(got.data, f"{self.store.url}/{announce.ANNOUNCE_KEY}")
+            except ManifestError as exc:
+                log.error("%s: ignoring the regional snapshot announcement: %s", self.store.url, exc)
+                ann = None
+            self._announced = (got.etag, ann)
+        if ann is None or ann.run != m.run:
+            return m
+        listed = {s.step for s in m.steps}
+        snaps = [s for s in ann.snapshots if s.step in listed] + (list(m.snapshots) if ann.origin_snapshots else [])
+        snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))  # a region's own first at equal cost
+        return dataclasses.replace(m, snapshots=snaps)
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
@@ -328,10 +382,13 @@ class Reader:
         self._spooled.pop(ref, None)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
+            self._inflight[fd] = ref.size  # progress() reads how much of it has landed
             try:
                 got = self.store.download(ref.key, fd, ref.size)
             except ValueError as exc:  # another size than the manifest's: nothing beyond it is trusted
                 raise _VerifyError([ref], f"{ref.key}: {exc}") from None
+            finally:
+                self._inflight.pop(fd, None)
             with self._count_lock:
                 self.bytes_downloaded += got
             problem = _file_matches(fd, ref)
@@ -365,7 +422,9 @@ class Reader:
         a full snapshot of whole tensors in the record's layout keeps its files for the version (trail)."""
         rec_ref = m.step_of_snapshot(snap).record
         rec = self._record(self._fetch_one(rec_ref), rec_ref, m.run, snap.step)
-        self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        index = self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
+        if announce.is_regional(snap):
+            self._check_regional(snap, rec, index)
         layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
         names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
         # A sharded trainer's snapshot (one set of files per rank: row slices, or whole tensors by owner) and a
@@ -380,13 +439,16 @@ class Reader:
         fetch = snap.files if files is None else files
         with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
             paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
+        # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
+        # DEST holds safetensors, written from the tensors in the record's layout
+        direct = direct and all(checkpoint.snapshot_file_format(p) == "safetensors" for p in paths)
         tensors: dict[str, torch.Tensor] = {}
         read = []
         for f, path in zip(fetch, paths):
             try:
-                part, meta = checkpoint.read_file_into(path, f.key)
+                part, meta = checkpoint.read_snapshot_file(path, f.key)
             except checkpoint.SafetensorsError as exc:
-                raise _VerifyError([f], f"{f.key}: not a safetensors file ({exc})") from None
+                raise _VerifyError([f], f"{f.key}: not a snapshot file ({exc})") from None
             if direct:
                 if set(part) != layout[path.name]:
                     raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")
@@ -412,6 +474,17 @@ class Reader:
             trail.files = paths
             trail.index = checkpoint.index_bytes_of(rec.tensors, rec.weight_map)  # from the record, not the store
         return tensors, rec
+
+    def _check_regional(self, snap: Snapshot, rec: Record, index: bytes) -> None:
+        """A region's own snapshot (PROTOCOL §8.1) is vouched for by nobody: its index must be exactly the one
+        its step's record implies, and in a run read with trusted keys the record must carry BLAKE3 digests
+        (its tensors are then checked against them; xxh3 alone is not collision resistant)."""
+        if index != checkpoint.index_bytes_of(rec.tensors, rec.weight_map, step=snap.step):
+            raise _VerifyError([snap.index], f"{snap.index.key}: not the index of the record of step {snap.step}")
+        if self.trusted is not None and any(info.blake3 is None for info in self.expected(rec).values()):
+            raise _VerifyError(list(snap.files), f"regional snapshot {snap.step}: record {rec.step} of this signed "
+                                                 f"run carries no BLAKE3 digests, so a snapshot nobody signed "
+                                                 f"cannot be checked; refused")
 
     def _apply_step(self, s: Step, parts: list[Part], tensors: dict[str, torch.Tensor], got: dict[str, bytes],
                     undo: codec.UndoLog) -> None:
@@ -599,6 +672,7 @@ class Reader:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
                                         m.head, held_step, held_step)
                         return m, None, None
+                    as_read, m = m, self._planning_view(m)  # with a region's own snapshots (§8.1); as_read is returned
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     kw: dict[str, Any] = {}
                     if self.want is not None:
@@ -609,6 +683,7 @@ class Reader:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
                                         f"ends: {sorted(excluded)[:5]})")
+                    self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
                     except _Reselect as exc:  # a partial replica whose held tensors are not its selection
@@ -626,6 +701,7 @@ class Reader:
                                             time.monotonic() - first)
                                 continue
                     except _VerifyError as exc:
+                        self.verify_failures += 1
                         for ref in exc.refs:
                             self._cache.pop(ref, None)
                             self._spooled.pop(ref, None)
@@ -641,7 +717,7 @@ class Reader:
                     else:
                         for ref in plan.keys(m):
                             self._failures.pop(ref, None)
-                        return m, tensors, rec
+                        return as_read, tensors, rec
                 waits += 1
                 delay = self.waiting.delay(waits)
                 if deadline is not None and time.monotonic() + delay > deadline:
@@ -649,8 +725,22 @@ class Reader:
                 log.info("waiting %.2fs for %s", delay, waiting_for)
                 time.sleep(delay)
         finally:
+            self._plan = None
             self._cache.clear()
             self._spooled.clear()
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """The `reason` a failed sync is counted under (metrics, the fleet ledger)."""
+    if isinstance(exc, SyncTimeout):
+        return "timeout"
+    if isinstance(exc, HotLoadError):
+        return "hotload"
+    if isinstance(exc, SyncError):
+        return "sync"
+    if isinstance(exc, (OSError, ConnectionError)):
+        return "store"
+    return "other"
 
 
 def _remove_entry(p: Path) -> None:
@@ -688,6 +778,11 @@ class Watcher:
     `tensors` (names or a predicate) makes DEST a partial replica (a pipeline stage, an expert-parallel
     rank): only those tensors are downloaded, verified and written, and relay-state.json says
     `"partial": true`; a full watcher never takes a partial DEST's step as its own, nor the reverse.
+    Fleet (relay.fleet, PROTOCOL §9): the watcher reports its held step to the store it follows, as
+    `fleet/hosts/<host>.json` (`host` defaults to <hostname>-<hash of DEST>), after every sync and every
+    `report_interval` seconds while run() runs (None: no reports); advisory, a failed write never stops a
+    sync. `metrics_port` (0: any free port, `metrics_port` attribute once bound) serves Prometheus metrics
+    on `metrics_addr`; `metrics_registry` registers them there instead (relay.metrics).
     """
 
     def __init__(self, url: str, dest: str | os.PathLike, *, poll_interval: float = 1.0,
@@ -696,7 +791,10 @@ class Watcher:
                  retry_max: float = 5.0, reroute_after: float | None = 300.0, trusted_keys: Any = None,
                  failure_backoff_initial: float = 30.0, failure_backoff_max: float = 3600.0,
                  tensors: Any = None, persist: str = "full", compact_fraction: float = 0.5,
-                 compact_steps: int = 64, apply_workers: int = 2, engine: Engine | None = None) -> None:
+                 compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
+                 region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
+                 metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
+                 metrics_registry: Any = None, engine: Engine | None = None) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -741,10 +839,24 @@ class Watcher:
         self._compacting: str | None = None  # the compaction's temporary version name (cleanup spares it)
         self.compactions = 0
         self.last_compaction_error: BaseException | None = None
+        self.failures: Counter[str] = Counter()  # failed syncs by reason (failure_counts() adds the reader's)
+        self.last_error: str | None = None
+        self._last_failure: BaseException | None = None
+        self.listeners: list[Callable[[Watcher], Any]] = []  # called after every sync attempt (fleet, metrics)
+        self.fleet = None if report_interval is None else fleet.FleetReporter(self, host=host, region=region,
+                                                                              interval=report_interval)
+        self.metrics: Any = None
+        self.metrics_port: int | None = None
         self.dest.mkdir(parents=True, exist_ok=True)
         self._lock = self._take_lock()
         try:
             self._recover()
+            if metrics_port is not None or metrics_registry is not None:
+                from relay import metrics  # prometheus_client only for a watcher that exports metrics
+
+                self.metrics = metrics.WatcherMetrics(self, registry=metrics_registry)
+                if metrics_port is not None:
+                    self.metrics_port = self.metrics.serve(metrics_port, metrics_addr)
         except BaseException:
             self.close()
             raise
@@ -781,6 +893,11 @@ class Watcher:
         compactor = getattr(self, "_compactor", None)
         if compactor is not None:
             compactor.join()  # it gives up at its next batch once _stop is set
+        reporter, metrics = getattr(self, "fleet", None), getattr(self, "metrics", None)
+        if reporter is not None:
+            reporter.stop()
+        if metrics is not None:
+            metrics.close()
         lock, self._lock = getattr(self, "_lock", None), None
         if lock is not None:
             lock.close()  # closing the descriptor releases the flock
@@ -794,6 +911,25 @@ class Watcher:
     @property
     def bytes_downloaded(self) -> int:
         return self.reader.bytes_downloaded
+
+    def failure_counts(self) -> dict[str, int]:
+        """Failures by reason: failed syncs (timeout, sync, hotload, store, ...) and objects that failed a check."""
+        return {**self.failures, "verify": self.reader.verify_failures}
+
+    def _engine_state(self) -> dict | None:
+        """The engine adapter's state() (kind, step, weight_version, status, last_pause_s) for the fleet ledger
+        and the metrics; None without an engine."""
+        engine = getattr(self, "engine", None)
+        return None if engine is None else engine.state()
+
+    def _notify(self) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(self)
+            except Exception as exc:  # noqa: BLE001 - observers never break the sync
+                log.warning("%s: a sync listener failed: %s", self.dest, exc)
+        if self.fleet is not None:
+            self.fleet.poke()
 
     # -- local directory ----------------------------------------------------------------------
     def _recover(self) -> None:
@@ -1195,6 +1331,21 @@ class Watcher:
 
     # -- syncing ------------------------------------------------------------------------------
     def sync(self, timeout: float | None = None) -> int:
+        """Bring `dest` to the head once and return the step held (_sync); a failure is counted by reason
+        (failure_counts), and the fleet ledger and listeners hear of every attempt."""
+        try:
+            step = self._sync(timeout)
+        except Exception as exc:
+            self.failures[_failure_reason(exc)] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._last_failure = exc
+            self._notify()
+            raise
+        self.last_error = None
+        self._notify()
+        return step
+
+    def _sync(self, timeout: float | None = None) -> int:
         """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError).
 
         A chain is applied to the held tensors in place; if persisting the step fails, they are reverted
@@ -1352,6 +1503,8 @@ class Watcher:
         sync that cannot finish in time raises SyncTimeout instead.
         """
         etag = None
+        if self.fleet is not None:
+            self.fleet.start()  # heartbeats, also while a sync hangs (a stuck host shows as behind, not dead)
         while not self._stop.is_set():
             try:
                 got = self.store.read_manifest(if_none_match=etag)
@@ -1362,8 +1515,12 @@ class Watcher:
                 if sync_timeout is not None:
                     raise
             except Exception as exc:  # noqa: BLE001 - a rollout host keeps serving its last good step
+                if exc is not self._last_failure:  # sync() counted its own
+                    self.failures["poll"] += 1
                 log.error("%s: sync failed, keeping step %s: %s", self.dest, self.step, exc)
             self._stop.wait(self.poll_interval)
+        if self.fleet is not None:
+            self.fleet.stop()
 
     def stop(self) -> None:
         self._stop.set()

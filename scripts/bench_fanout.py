@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
 """Fan-out benchmark: how fast each step reaches every rollout host, and what crosses region boundaries.
 
-Three designs move the same published steps to M regions of K hosts each:
+Four designs move the same published steps to M regions of K hosts each:
 
-  deltarelay   the trainer publishes deltas to the origin; one relay per region copies each object
-               across once; hosts read their region's store
+  deltarelay   the trainer publishes deltas (a snapshot every --snapshot-every steps) to the origin; one
+               relay per region, in that region, copies each delta and record across once and never a
+               snapshot: the region builds its own (`relay --regional-snapshots`), after one bootstrap
+               snapshot; hosts read their region's store
+  fireworks    the same relays copying every origin snapshot too, with the trainer snapshotting every
+               --fireworks-every steps: a full snapshot shipped to every region every 25 steps, deltas
+               between (Fireworks' policy)
   naive-full   every host pulls the newest full checkpoint from the origin, over its region's link
   naive-delta  every host pulls the deltas (and the first snapshot) from the origin, over its region's link
 
@@ -18,7 +23,8 @@ moves them (an update of about lr per element on FP32 master weights, ~1% of BF1
     python scripts/bench_fanout.py --steps 10 --regions 3 --watchers 4
 
 Prints a table per design and region: cold start (step 0), median and p90 publish-to-applied time of
-steps 1..N (publish commit -> host holds a verified step >= it), and the bytes that crossed regions.
+steps 1..N (publish commit -> host holds a verified step >= it), and the bytes that crossed regions,
+split by kind (deltas, records, snapshots, manifests: relay.traffic) as counted on each region's link.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -40,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from relay.fanout import Destination, Fanout
 from relay.publisher import Publisher
 from relay.store import ManifestRead, Store, open_store
+from relay.traffic import Traffic, split
 from relay.watcher import Reader
 
 REGION_NAMES = ("us-west-2", "eu-west-1", "ap-northeast-1", "us-east-2", "eu-central-1")
@@ -52,10 +60,12 @@ class Link:
         self.name, self.bandwidth, self.latency = name, bandwidth, latency
         self.bytes = 0
         self.requests = 0
+        self.traffic = Traffic()  # bytes by kind of key
         self._free_at = 0.0
         self._lock = threading.Lock()
 
-    def transfer(self, n: int) -> None:
+    def transfer(self, n: int, key: str = "") -> None:
+        self.traffic.add(key, n)
         with self._lock:
             now = time.monotonic()
             start = max(now, self._free_at)
@@ -74,11 +84,11 @@ class ThrottledStore(Store):
 
     def get(self, key: str) -> bytes:
         data = self.inner.get(key)
-        self.link.transfer(len(data))
+        self.link.transfer(len(data), key)
         return data
 
     def put_new(self, key: str, data: bytes) -> None:
-        self.link.transfer(len(data))
+        self.link.transfer(len(data), key)
         self.inner.put_new(key, data)
 
     def delete(self, keys: list[str]) -> None:
@@ -89,14 +99,14 @@ class ThrottledStore(Store):
         self.link.transfer(0)
         return self.inner.list(prefix)
 
-    def read_manifest(self, if_none_match: str | None = None):
-        got = self.inner.read_manifest(if_none_match)
-        self.link.transfer(len(got.data) if isinstance(got, ManifestRead) else 0)
+    def read_object(self, key: str, if_none_match: str | None = None):
+        got = self.inner.read_object(key, if_none_match)
+        self.link.transfer(len(got.data) if isinstance(got, ManifestRead) else 0, key)
         return got
 
-    def commit_manifest(self, data: bytes, expected_etag: str | None) -> str:
-        self.link.transfer(len(data))
-        return self.inner.commit_manifest(data, expected_etag)
+    def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        self.link.transfer(len(data), key)
+        return self.inner.commit_object(key, data, expected_etag)
 
 
 def make_states(params: int, steps: int, lr: float, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -151,33 +161,32 @@ def host_loop(h: Host, stop: threading.Event, poll: float, last_step: int) -> No
 
 
 def run_design(design: str, states: list[dict], regions: list[str], watchers: int, cross: dict[str, tuple],
-               local: tuple, interval: float, poll: float, drain: float) -> dict:
+               local: tuple, interval: float, poll: float, drain: float, snapshot_every: int = 10,
+               fireworks_every: int = 25) -> dict:
     """Publish every state at `interval`, deliver it by `design`, return per-host timings and link bytes."""
     tag = uuid.uuid4().hex[:8]
     origin = open_store(f"memory://bench-{tag}/origin/run")
     links = {r: Link(f"cross-{r}", *cross[r]) for r in regions}
     hosts: list[Host] = []
-    fan = None
-    if design == "deltarelay":
-        dests = []
+    fans: list[Fanout] = []
+    spool = tempfile.TemporaryDirectory(prefix="bench-fanout-")
+    if design in ("deltarelay", "fireworks"):
         for r in regions:
             regional = open_store(f"memory://bench-{tag}/{r}/run")
-            dests.append(Destination(r, regional.url, store=ThrottledStore(regional, links[r])))
+            # the relay runs in its region: it reads the origin over the region's link, writes locally
+            fans.append(Fanout(ThrottledStore(origin, links[r]), [Destination(r, regional.url, store=regional)],
+                               poll_interval=poll, retry_initial=poll, retry_max=1.0,
+                               regional_snapshots=design == "deltarelay", workdir=f"{spool.name}/{r}"))
             for i in range(watchers):
                 hosts.append(Host(r, Reader(ThrottledStore(regional, Link(f"{r}-{i}", *local)), retry_initial=poll,
                                             retry_max=poll * 4)))
-        fan = Fanout(origin, dests, poll_interval=poll, retry_initial=poll, retry_max=1.0)
-    else:
-        for r in regions:
-            for _ in range(watchers):
-                hosts.append(Host(r, Reader(ThrottledStore(origin, links[r]), retry_initial=poll, retry_max=poll * 4),
-                                  full=design == "naive-full"))
-    pub = Publisher(origin.url, snapshot_every=1 if design == "naive-full" else 10 ** 6, background=False)
+    every = {"naive-full": 1, "fireworks": fireworks_every, "deltarelay": snapshot_every}.get(design, 10 ** 6)
+    pub = Publisher(origin.url, snapshot_every=every, background=False)
     stop = threading.Event()
     last = len(states) - 1
     threads = [threading.Thread(target=host_loop, args=(h, stop, poll, last), daemon=True) for h in hosts]
-    fan_thread = threading.Thread(target=fan.run, daemon=True) if fan else None
-    for th in threads + ([fan_thread] if fan_thread else []):
+    fan_threads = [threading.Thread(target=fan.run, daemon=True) for fan in fans]
+    for th in threads + fan_threads:
         th.start()
     published: dict[int, float] = {}
     publish_s = []
@@ -193,10 +202,12 @@ def run_design(design: str, states: list[dict], regions: list[str], watchers: in
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     stop.set()
-    if fan:
+    for fan in fans:
         fan.stop()
-        fan_thread.join(30)
+    for th in fan_threads:
+        th.join(30)
     pub.close()
+    spool.cleanup()
     out = {"design": design, "regions": {}, "publish_s": statistics.median(publish_s[1:] or publish_s)}
     for r in regions:
         rh = [h for h in hosts if h.region == r]
@@ -207,7 +218,7 @@ def run_design(design: str, states: list[dict], regions: list[str], watchers: in
             "cold_s": statistics.median(cold) if cold else None,
             "median_s": statistics.median(warm) if warm else None,
             "p90_s": warm[min(len(warm) - 1, int(0.9 * len(warm)))] if warm else None,
-            "cross_bytes": links[r].bytes, "missing": missing,
+            "cross_bytes": links[r].bytes, "missing": missing, "by_kind": split(links[r].traffic.bytes()),
             "errors": [h.error for h in rh if h.error],
         }
     out["cross_bytes"] = sum(link.bytes for link in links.values())
@@ -237,6 +248,15 @@ def format_table(results: list[dict], meta: dict) -> str:
             lines.append(f"{res['design']:12} {r:15} {f(v['cold_s'])} {f(v['median_s'])} {f(v['p90_s'])[1:]} "
                          f"{v['cross_bytes'] / 1e6:10.2f} MB {'; '.join(notes)}")
         lines.append(f"{res['design']:12} {'all regions':15} {'':9} {'':9} {'':8} {res['cross_bytes'] / 1e6:10.2f} MB")
+    lines += ["", "cross-region bytes by kind, per region (MB)",
+              f"{'design':12} {'region':15} {'deltas':>9} {'records':>9} {'manifests':>9} {'snapshots':>10}"
+              f" {'total':>9}"]
+    for res in results:
+        for r, v in res["regions"].items():
+            k = v["by_kind"]
+            lines.append(f"{res['design']:12} {r:15} " + " ".join(
+                f"{k[c] / 1e6:{w}.3f}" for c, w in (("deltas", 9), ("records", 9), ("manifests", 9),
+                                                     ("snapshots", 10), ("total", 9))))
     base = next((r["cross_bytes"] for r in results if r["design"] == "deltarelay"), None)
     if base:
         lines.append("")
@@ -264,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-latency-ms", type=float, default=5.0)
     p.add_argument("--poll", type=float, default=0.05, help="manifest poll interval of relays and hosts")
     p.add_argument("--drain", type=float, default=120.0, help="seconds to wait for the last step after publishing")
-    p.add_argument("--designs", default="deltarelay,naive-delta,naive-full")
+    p.add_argument("--designs", default="deltarelay,fireworks,naive-delta,naive-full")
+    p.add_argument("--snapshot-every", type=int, default=10, help="the deltarelay trainer's snapshot interval")
+    p.add_argument("--fireworks-every", type=int, default=25, help="full snapshot interval of the fireworks design")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
@@ -287,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     for design in a.designs.split(","):
         print(f"running {design} ...", file=sys.stderr, flush=True)
         started = time.monotonic()
-        results.append(run_design(design, states, regions, a.watchers, cross, local, a.interval, a.poll, a.drain))
+        results.append(run_design(design, states, regions, a.watchers, cross, local, a.interval, a.poll, a.drain,
+                                  a.snapshot_every, a.fireworks_every))
         print(f"  {design}: {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
     print(format_table(results, meta))
     if a.json:

@@ -227,6 +227,112 @@ VECTORS = [
 ]
 
 
+# ---------------------------------------------------------------- snapshot objects (DRSN)
+
+def snapshot_bf16(rng):
+    """BF16 blocks of kind 2 (weights over several blocks of 1024 elements, the last one short;
+    zeros: one exponent, so a spare symbol, and a zstd-coded residual plane) and kind 0 (random
+    bits, which coding would not shrink); NaN payloads, zeros, infinities, subnormals; a scalar,
+    an empty tensor."""
+    return {
+        "weights": weights(rng, (3, 1000)),
+        "zeros": torch.zeros(3000, dtype=torch.bfloat16),
+        "noise": random_bits(torch.bfloat16, (300,), rng),
+        "specials": bf16(SPECIALS, (len(SPECIALS),)),
+        "scalar": bf16([0x3F81], ()),
+        "empty": torch.empty((0, 8), dtype=torch.bfloat16),
+    }
+
+
+def snapshot_dtypes(rng):
+    """Every other dtype: zstd blocks (kind 1) where they are smaller, stored blocks (kind 0)
+    where not; an empty name. (Blocks of other dtypes hold 2**20 bytes: a vector spanning two
+    would weigh a megabyte, so multi-block records are in snapshot-bf16.)"""
+    out = {}
+    for name, dt in [("f16", torch.float16), ("f32", torch.float32), ("f64", torch.float64), ("i8", torch.int8),
+                     ("i16", torch.int16), ("i32", torch.int32), ("i64", torch.int64), ("u8", torch.uint8),
+                     ("bool", torch.bool), ("f8e4m3", torch.float8_e4m3fn), ("f8e5m2", torch.float8_e5m2),
+                     ("f8e8m0", torch.float8_e8m0fnu), ("u16", torch.uint16), ("u32", torch.uint32),
+                     ("u64", torch.uint64), ("c64", torch.complex64)]:
+        out[name] = random_bits(dt, (24,), rng)
+    out["f32.zeros"] = torch.zeros(4096, dtype=torch.float32)
+    out["i64.range"] = torch.arange(1000, dtype=torch.int64)
+    out[""] = torch.ones(3, dtype=torch.float16)
+    return out
+
+
+# (name, builder, seed, bf16_block_elems)
+SNAPSHOT_VECTORS = [
+    ("snapshot-bf16", snapshot_bf16, 707, 1024),
+    ("snapshot-dtypes", snapshot_dtypes, 808, 1 << 18),
+]
+
+
+def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
+    """docs/vectors/codec/snapshot-*/{tensors.safetensors, snapshot.drsn}; their index.json rows."""
+    existing = [name for name, *_ in SNAPSHOT_VECTORS if (out / name).exists()]
+    if existing and not overwrite:
+        raise SystemExit(f"{out}: vectors {', '.join(existing)} exist; pass --overwrite to replace them")
+    rows = []
+    for name, build, seed, block in SNAPSHOT_VECTORS:
+        d = out / name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        save_file(build(np.random.default_rng(seed)), str(d / "tensors.safetensors"))
+        t = load_file(str(d / "tensors.safetensors"))
+        blob = b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block))
+        if blob != b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block)):
+            raise SystemExit(f"{name}: encoding is not deterministic")
+        got = dict(codec.decode_snapshot(blob))
+        if list(got) != list(t) or any(bits(got[k]) != bits(t[k]) for k in t):
+            raise SystemExit(f"{name}: does not round-trip")
+        (d / "snapshot.drsn").write_bytes(blob)
+        kinds = snapshot_kinds(blob)
+        rows.append({"name": name, "about": " ".join(build.__doc__.split()), "seed": seed,
+                     "call": f'codec.encode_snapshot(load_file("tensors.safetensors").items(), '
+                             f'bf16_block_elems={block})',
+                     "snapshot_version": codec.SNAPSHOT_FORMAT_VERSION, "bytes": len(blob),
+                     "tensors": {e.name: {"dtype": e.dtype, "shape": list(e.shape), "block_kinds": kinds[e.name]}
+                                 for e in codec.read_snapshot_index(blob)},
+                     "sha256": {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
+                                for f in ("tensors.safetensors", "snapshot.drsn")}})
+        print(f"{name}: {len(blob)} bytes, kinds " + ", ".join(f"{k or '(empty)'}={v}" for k, v in kinds.items()))
+    return rows
+
+
+def snapshot_kinds(blob: bytes) -> dict[str, list]:
+    """Per tensor, each block's kind (2 with its residual codec as "2+zstd"), read from the object."""
+    from codec import snapshot, wire
+
+    out = {}
+    for e in codec.read_snapshot_index(blob):
+        r = wire.Reader(blob[e.offset + 5:e.offset + e.length], "record")
+        r.blob(1 << 16)
+        r.u8()
+        for _ in range(r.uvarint()):
+            r.uvarint()
+        r.uvarint()
+        sizes = [r.uvarint() for _ in range(r.uvarint())]
+        head_len = int.from_bytes(blob[e.offset + 1:e.offset + 5], "little")
+        at = e.offset + 5 + head_len
+        kinds = []
+        for size in sizes:
+            block = blob[at:at + size]
+            kind = block[0]
+            if kind == snapshot.KIND_BF16:
+                br = wire.Reader(block[1:], "block")
+                for _ in range(br.uvarint()):
+                    br.u8()
+                    br.uvarint()
+                br.uvarint()
+                kind = "2+zstd" if br.u8() == snapshot.RESIDUAL_ZSTD else 2
+            kinds.append(kind)
+            at += size
+        out[e.name] = kinds
+    return out
+
+
 def _library_versions() -> dict:
     import brotli
     import lz4
@@ -301,8 +407,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--overwrite", action="store_true", help="replace existing vectors")
+    ap.add_argument("--snapshots-only", action="store_true",
+                    help="write only the snapshot-object vectors (index.json's other rows are kept)")
     args = ap.parse_args()
-    make(args.out, args.overwrite)
+    if args.snapshots_only:
+        index = json.loads((args.out / "index.json").read_text())
+    else:
+        index = make(args.out, args.overwrite)
+    index["snapshot_vectors"] = make_snapshots(args.out, args.overwrite)
+    (args.out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 
 if __name__ == "__main__":

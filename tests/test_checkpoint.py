@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import xxhash
 from safetensors.torch import save_file
 
 from codec_cases import OTHER_DTYPES, assert_bit_exact, edge_pair, model_pair
@@ -259,3 +260,35 @@ def test_streamed_writer_round_trips(tmp_path):
     assert meta == {"step": "9"}
     assert_bit_exact(got, base)
     assert_bit_exact(checkpoint.load(tmp_path / "out.safetensors")[0], base)  # safetensors reads it too
+
+
+# --- snapshot files in either format (relay.checkpoint.read_snapshot_file / spool_compressed_snapshot) ---
+
+def test_snapshot_files_of_either_format_read_the_same(tmp_path):
+    from relay.checkpoint import (SafetensorsError, read_snapshot_file, snapshot_file_format,
+                                  spool_compressed_snapshot)
+
+    g = torch.Generator().manual_seed(7)
+    tensors = {"w": (torch.randn(300, 70, generator=g) * 0.02).to(torch.bfloat16),
+               "b": torch.randn(70, generator=g), "n": torch.arange(5)}
+    plain = tmp_path / "plain.safetensors"
+    save_file(tensors, str(plain))
+    with spool_compressed_snapshot(tensors, tmp_path) as spooled:
+        data = b"".join(spooled.chunks(1000))
+        assert len(data) == spooled.size and xxhash.xxh3_128_hexdigest(data) == spooled.xxh3
+        assert spooled.size < 0.75 * sum(t.numel() * t.element_size() for t in tensors.values())
+        packed = tmp_path / "packed.drsn"
+        packed.write_bytes(data)
+    assert not spooled.path.exists()
+    assert (snapshot_file_format(plain), snapshot_file_format(packed)) == ("safetensors", "compressed")
+    for path in (plain, packed):
+        got, _ = read_snapshot_file(path, "snap")
+        assert set(got) == set(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
+        only, _ = read_snapshot_file(path, "snap", only={"b"})
+        assert list(only) == ["b"] and torch.equal(only["b"], tensors["b"])
+    broken = tmp_path / "broken.drsn"
+    broken.write_bytes(data[:-40])
+    with pytest.raises(SafetensorsError, match="snapshots/3/model.drsn: trailer"):
+        read_snapshot_file(broken, "snapshots/3/model.drsn", only={"w"})
+    with pytest.raises(SafetensorsError, match="snapshots/3/model.drsn"):
+        read_snapshot_file(broken, "snapshots/3/model.drsn")

@@ -466,6 +466,15 @@ def test_signed_sharded_run(s3_run, tmp_path):
     assert m.signatures and all(r.sha256 is not None for r in m.refs())
     with Watcher(s3_run.url, tmp_path / "dest", storage_options=s3_run.options, trusted_keys=[pub]) as w:
         assert w.sync(timeout=20) == 2 and same_bits(w.tensors, full_state(2))
+    # every record carries BLAKE3 (#16): each rank hashed what it holds, sliced tensors per slice
+    store = open_store(s3_run.url, s3_run.options)
+    from relay.manifest import with_blake3
+
+    for s in m.steps:
+        rec = Record.parse(store.get(s.record.key))
+        state = full_state(s.step)
+        assert any(info.slice_blake3 is not None for info in rec.tensors.values())
+        assert all(info.blake3 is not None and with_blake3(info, state[k]) == info for k, info in rec.tensors.items())
 
 
 def test_sliced_digest_is_the_protocols():

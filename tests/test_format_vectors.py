@@ -48,11 +48,14 @@ def _same_as(out: dict, target: dict) -> bool:
         and _bytes(out[k]) == _bytes(target[k]) for k in target)
 
 
+SNAPSHOTS = {v["name"]: v for v in INDEX["snapshot_vectors"]}
+
+
 def test_index_lists_the_vectors_on_disk_and_their_hashes():
     on_disk = sorted(p.name for p in VECTORS.iterdir() if p.is_dir())
-    assert sorted(NAMES) == on_disk
+    assert sorted(NAMES + list(SNAPSHOTS)) == on_disk
     readme = (VECTORS / "README.md").read_text()
-    for v in INDEX["vectors"]:
+    for v in INDEX["vectors"] + INDEX["snapshot_vectors"]:
         assert f"`{v['name']}`" in readme, f"README.md does not list {v['name']}"
         for f, digest in v["sha256"].items():
             assert hashlib.sha256((VECTORS / v["name"] / f).read_bytes()).hexdigest() == digest, (v["name"], f)
@@ -380,3 +383,50 @@ def test_mask_tables_are_the_ones_format_md_defines():
         "3870bc8433eb6e782783386142793256b6b3721eff32f1efc3d223732e407803"
     for level in range(256):
         assert _spec_mask_row(level) == freq[level].tolist(), level
+
+
+# --- snapshot objects (docs/FORMAT.md "Snapshot objects") ------------------------------------------
+
+def _snapshot(name: str) -> tuple[dict, bytes]:
+    d = VECTORS / name
+    return load_file(str(d / "tensors.safetensors")), (d / "snapshot.drsn").read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(SNAPSHOTS))
+def test_snapshot_vector_decodes_bit_for_bit_and_reencodes(name):
+    tensors, blob = _snapshot(name)
+    assert _same_as(dict(codec.decode_snapshot(blob)), tensors)
+    entries = codec.read_snapshot_index(blob)
+    assert {e.name: [e.dtype, list(e.shape)] for e in entries} == \
+        {k: [v["dtype"], v["shape"]] for k, v in SNAPSHOTS[name]["tensors"].items()}
+    block = int(SNAPSHOTS[name]["call"].rsplit("=", 1)[1].rstrip(")"))
+    assert b"".join(codec.encode_snapshot(tensors.items(), bf16_block_elems=block)) == blob
+
+
+def test_snapshot_vectors_cover_every_block_kind():
+    kinds = {str(k) for v in SNAPSHOTS.values() for t in v["tensors"].values() for k in t["block_kinds"]}
+    assert kinds == {"0", "1", "2", "2+zstd"}
+    assert any(len(t["block_kinds"]) > 1 for v in SNAPSHOTS.values() for t in v["tensors"].values())
+
+
+@pytest.mark.parametrize("name", sorted(SNAPSHOTS))
+def test_snapshot_vector_with_a_flipped_byte_is_refused_or_harmless(name):
+    """Every flipped byte is refused, by a walk and by a seeking read of one tensor, except where
+    the decoded tensors cannot change (the seeking read skips other records; a one-exponent
+    block's spare symbol is never decoded; zstd reads a residual frame's header descriptor with
+    those bits flipped as another valid header): then the output is still exact, never wrong."""
+    tensors, blob = _snapshot(name)
+    pick = max(tensors, key=lambda k: tensors[k].numel())
+    data = bytearray(blob)
+    harmless = 0
+    for i in range(len(data)):
+        data[i] ^= 0x5A
+        for only in (None, {pick}):
+            try:
+                got = dict(codec.decode_snapshot(bytes(data), only=only))
+            except codec.SnapshotError:
+                continue
+            assert _same_as(got, tensors if only is None else {pick: tensors[pick]}), (i, only)
+            harmless += only is None
+        data[i] ^= 0x5A
+    assert harmless <= 6  # snapshot-bf16's three one-exponent blocks: spare symbol, frame descriptor

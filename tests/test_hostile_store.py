@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -230,7 +231,9 @@ def test_forged_record_cannot_write_outside_dest(tmp_path, name):
     for watcher in (w, w2):
         with pytest.raises(SyncError, match="no verified path"):
             watcher.sync(timeout=10)
-    assert files_under(tmp_path) - before <= {"dest2/.versions"}
+    # the only new files: dest2's versions, and in the store each watcher's fleet ledger entry (PROTOCOL §9)
+    ledger = re.compile(r"store/run/(fleet/hosts/[^/]+\.json|\.cas-fleet%hosts%[^/]+\.json\.lock)")
+    assert {f for f in files_under(tmp_path) - before if not ledger.fullmatch(f)} <= {"dest2/.versions"}
     assert not Path("/tmp/deltarelay-abs-escape.safetensors").exists()
     assert w.step == 1
     w.close()  # one watcher per DEST: restart it to read what it holds

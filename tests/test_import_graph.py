@@ -20,7 +20,7 @@ LAB = ("codec.lab", "relay.lab")
 # What the lab may import from the runtime: the packages' top level (their __all__) and the
 # modules their docstrings declare public. Names with a leading underscore are never public.
 PUBLIC = {"codec", "codec.tensors", "codec.compressors", "codec.wire",
-          "relay", "relay.checkpoint"}
+          "relay", "relay.checkpoint", "relay.traffic"}
 
 
 def is_lab(module: str) -> bool:

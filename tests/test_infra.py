@@ -453,16 +453,19 @@ def test_replication_covers_every_region_with_rtc_and_no_delete_markers():
     assert rep["role"] == "${aws_iam_role.replication[0].arn}"
     assert "${module.origin}" in rep["depends_on"]  # versioning on the source first
     dyn = attrs(rep["dynamic"])["rule"]
-    assert dyn["for_each"] == "${local.regional}"  # one rule per instantiated rollout region
+    assert dyn["for_each"] == "${local.crr_rules}"  # per instantiated rollout region (and run and kind)
+    rules = root_locals()["crr_rules"]
+    assert "for r, m in local.regional" in rules and "setproduct(var.runs, local.crr_replicated_kinds)" in rules
+    assert "${var.run_prefix}${pair[0]}/${pair[1]}" in rules and "prefix = var.run_prefix" in rules
     rule = attrs(dyn["content"])
     assert rule["status"] == "Enabled"
     assert rule["id"] == "to-${rule.key}"
-    assert attrs(rule["filter"])["prefix"] == "${var.run_prefix}"
+    assert attrs(rule["filter"])["prefix"] == "${rule.value.prefix}"
     assert attrs(rule["delete_marker_replication"])["status"] == "Disabled"
     assert attrs(attrs(rule["source_selection_criteria"])["sse_kms_encrypted_objects"])["status"] == "Enabled"
     dest = attrs(rule["destination"])
-    assert dest["bucket"] == "${rule.value.versioned_bucket_arn}"
-    assert attrs(dest["encryption_configuration"])["replica_kms_key_id"] == "${rule.value.kms_key_arn}"
+    assert dest["bucket"] == "${rule.value.region.versioned_bucket_arn}"
+    assert attrs(dest["encryption_configuration"])["replica_kms_key_id"] == "${rule.value.region.kms_key_arn}"
     rtc = attrs(dest["replication_time"])
     assert rtc["status"] == "Enabled" and attrs(rtc["time"])["minutes"] == 15
     metrics = attrs(dest["metrics"])
@@ -472,6 +475,46 @@ def test_replication_covers_every_region_with_rtc_and_no_delete_markers():
     assert {"versioned_bucket_arn", "kms_key_arn", "bucket_arn", "bucket", "rollout_role_arn"} <= set(outputs)
     bucket_out = load_module(BUCKET_DIR)["output"]["versioned_bucket_arn"]
     assert bucket_out["depends_on"] == ["${aws_s3_bucket_versioning.store}"]
+
+
+def test_crr_without_snapshots_replicates_exactly_the_layout_but_snapshots():
+    """The per-run rules name manifest.json, records/ and deltas/: every key a run has at the origin but
+    snapshots/ (regional/ exists only in regions); the CRR test's replicator uses the same list."""
+    from test_crossregion import CRR_REPLICATED
+
+    kinds = root_locals()["crr_replicated_kinds"]
+    assert tuple(kinds) == CRR_REPLICATED
+    assert set(kinds) == {MANIFEST_KEY, *(k + "/" for k in LAYOUT_KINDS - {"snapshots"})}
+    snapshot = relay_manifest.snapshot_prefix(10) + "model-00001-of-00001.safetensors"
+    replicated = [relay_manifest.delta_key(11, 0), relay_manifest.record_key(11), MANIFEST_KEY]
+    assert all(any(k.startswith(p) for p in kinds) for k in replicated)
+    assert not any(k.startswith(p) for p in kinds for k in (snapshot, "regional/snapshots.json",
+                                                             "regional/snapshots/10/x.safetensors"))
+    guard = load_module(ROOT_DIR)["resource"]["terraform_data.config_guard"]
+    conditions = [p["condition"] for p in attrs(guard["lifecycle"])["precondition"]]
+    assert any("var.crr_regional_snapshots" in c and "length(var.runs) > 0" in c for c in conditions)
+
+
+def test_materialiser_role_writes_only_regional_and_reads_origin_snapshots():
+    mod = load_module(REGION_DIR)
+    role = mod["resource"]["aws_iam_role.materialiser"]
+    assert role["count"] == "${var.enable_crr ? 1 : 0}"
+    sts = statements(mod["data"]["data.aws_iam_policy_document.materialiser"])
+    conditional = set()
+    for st in sts:
+        raw = json.dumps(st["resources"])
+        if {"s3:PutObject", "s3:DeleteObject"} & st["actions"]:
+            assert raw.count("/regional/snapshots") == len(st["resources"]), st  # only regional/ is written
+            assert "var.origin_bucket_arn" not in raw
+            if raw.endswith('snapshots.json"]'):
+                assert st["actions"] == {"s3:PutObject"}
+                conditional.add(next(c[1] for c in st["conditions"] if c[0] == "Null"))
+        if "var.origin_bucket_arn" in raw:
+            assert st["actions"] == {"s3:GetObject"} and raw.endswith('/snapshots/*"]'), st  # the bootstrap only
+    assert conditional == {"s3:if-match", "s3:if-none-match"}
+    actions = set().union(*(st["actions"] for st in sts))
+    assert actions == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload",
+                       "s3:ListMultipartUploadParts", "s3:DeleteObject", "kms:GenerateDataKey", "kms:Decrypt"}
 
 
 def test_replication_role_reads_origin_and_only_replicates_into_regions():
@@ -552,11 +595,19 @@ def _manifest_and_immutable_locals(side: str) -> tuple[str, str]:
 def _check_writer(sts: list[dict], side: str) -> None:
     """PutObject only on immutable keys, or on manifest.json with If-Match / If-None-Match; Delete never on it."""
     manifest, immutable = _manifest_and_immutable_locals(side)
-    conditional = set()
+    conditional: set[str] = set()
+    announce: set[str] = set()
     for st in sts:
         raw = json.dumps(st["resources"])
         if "s3:PutObject" in st["actions"]:
-            if manifest in raw:
+            if side == "regional" and "local.regional_snapshot_keys" in raw:  # §8.1, create-only
+                assert st["resources"] == "${local.regional_snapshot_keys}", st
+            elif side == "regional" and "local.regional_announce_keys" in raw:  # §8.1, compare-and-swap
+                assert st["resources"] == "${local.regional_announce_keys}", st
+                cond = [c for c in st["conditions"] if c[0] == "Null"]
+                assert len(cond) == 1 and cond[0][2] == ("false",), st
+                announce.add(cond[0][1])
+            elif manifest in raw:
                 assert st["resources"] in ([f"${{{manifest}}}"], f"${{{manifest}}}")
                 cond = [c for c in st["conditions"] if c[0] == "Null"]
                 assert len(cond) == 1 and cond[0][2] == ("false",), st
@@ -564,8 +615,10 @@ def _check_writer(sts: list[dict], side: str) -> None:
             else:
                 assert st["resources"] == f"${{{immutable}}}", st
         if "s3:DeleteObject" in st["actions"]:
-            assert st["resources"] == f"${{{immutable}}}", st
+            assert st["resources"] in (f"${{{immutable}}}", "${local.regional_snapshot_keys}"), st
+            assert side == "regional" or st["resources"] == f"${{{immutable}}}", st
     assert conditional == {"s3:if-match", "s3:if-none-match"}
+    assert announce == (set() if side == "origin" else {"s3:if-match", "s3:if-none-match"})
 
 
 def test_trainer_writes_only_the_origin_with_conditional_manifest_commits():
@@ -589,7 +642,16 @@ def test_relay_reads_origin_and_writes_every_region():
     regional = []
     for st in sts:
         targets = {t for t in stmt_refs(st) if not t.startswith("var.")}
-        if targets == {"module.origin"}:
+        if targets == {"module.origin"} and st["sid"].endswith("OriginFleetRegions"):
+            # the one origin write: the fleet ledger's gathered regions (advisory, PROTOCOL §9)
+            if "s3:PutObject" in st["actions"]:
+                assert st["actions"] == {"s3:PutObject"} and st["resources"] == [
+                    "${module.origin.bucket_arn}/${var.run_prefix}*/fleet/regions/*"], st
+            else:
+                assert st["actions"] == {"kms:GenerateDataKey"}, st
+                via = ("StringEquals", "kms:ViaService", ("s3.${var.origin_region}.amazonaws.com",))
+                assert via in st["conditions"], st
+        elif targets == {"module.origin"}:
             assert st["actions"] <= {"s3:ListBucket", "s3:GetObject", "kms:Decrypt"}, f"relay writes the origin: {st}"
         else:
             assert targets == every_region, f"relay statement {st['sid']} reaches {targets}"
@@ -602,12 +664,22 @@ def test_relay_reads_origin_and_writes_every_region():
 
 def test_rollout_role_reads_only_its_own_region():
     mod = load_module(REGION_DIR)
-    sts = statements(mod["data"]["data.aws_iam_policy_document.rollout"])
+    all_sts = statements(mod["data"]["data.aws_iam_policy_document.rollout"])
+    # its one write: the host's fleet ledger entry (advisory, PROTOCOL §9), encrypted with the region's key
+    ledger = [st for st in all_sts if st["sid"] in ("WriteFleetLedger", "EncryptFleetLedger")]
+    assert {st["sid"]: st["actions"] for st in ledger} == {"WriteFleetLedger": {"s3:PutObject"},
+                                                           "EncryptFleetLedger": {"kms:GenerateDataKey"}}
+    put = next(st for st in ledger if st["sid"] == "WriteFleetLedger")
+    assert put["resources"] == ["${module.store.bucket_arn}/${var.run_prefix}*/fleet/hosts/*"]
+    enc = next(st for st in ledger if st["sid"] == "EncryptFleetLedger")
+    assert enc["resources"] == ["${module.store.kms_key_arn}"]
+    assert ("StringEquals", "kms:ViaService", ("s3.${var.region}.amazonaws.com",)) in enc["conditions"]
+    sts = [st for st in all_sts if st not in ledger]
     actions = set().union(*(st["actions"] for st in sts))
     assert actions == {"s3:ListBucket", "s3:GetObject", "kms:Decrypt"}
     writes = ("s3:Put", "s3:Delete", "s3:Abort", "kms:Encrypt", "kms:GenerateDataKey")
     assert not any(a.startswith(writes) for a in actions)
-    for st in sts:
+    for st in all_sts:
         targets = refs(st["resources"], mod["locals"])
         assert {t for t in targets if not t.startswith("var.")} == {"module.store"}, st
     get = next(st for st in sts if "s3:GetObject" in st["actions"])

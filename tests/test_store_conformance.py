@@ -105,6 +105,29 @@ def test_manifest_commit_is_compare_and_swap(store):
     assert store.get("manifest.json") == b'{"v": 2}'
 
 
+@pytest.mark.parametrize("key", ["regional/snapshots.json", "fleet/hosts/host-a.json"])
+def test_mutable_objects_are_compare_and_swap(store, key):
+    """Any key (not only the manifest) can be kept by compare-and-swap, apart from the manifest's own."""
+    assert store.read_object(key) is None
+    tag1 = store.commit_object(key, b'{"v": 1}', None)
+    with pytest.raises(ConflictError, match=key):
+        store.commit_object(key, b'{"v": 1, "fork": true}', None)
+    tag2 = store.commit_object(key, b'{"v": 2}', tag1)
+    with pytest.raises(ConflictError):
+        store.commit_object(key, b'{"v": 3}', tag1)
+    got = store.read_object(key)
+    assert got.data == b'{"v": 2}' and got.etag == tag2
+    assert store.read_object(key, if_none_match=tag2) is NOT_MODIFIED
+    assert store.get(key) == b'{"v": 2}'
+    assert store.read_manifest() is None  # the manifest is another object
+    assert key in store.list(key.rpartition("/")[0] + "/")
+    store.delete([key])
+    assert store.read_object(key) is None
+    with pytest.raises(ConflictError):
+        store.commit_object(key, b'{"v": 4}', tag2)  # If-Match on a removed object
+    assert store.read_object(key) is None
+
+
 def test_racing_commits_have_one_winner(store):
     """Eight writers commit from the same version at once: exactly one wins, the manifest is the winner's."""
     base = store.commit_manifest(b"base", None)

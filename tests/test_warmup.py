@@ -152,3 +152,39 @@ def test_unwritable_install_caches_per_user(tmp_path, monkeypatch):
     assert got.parent == tmp_path / "user-cache" / "deltarelay" / "kernels"
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # no per-user cache either: a temporary one
     assert "deltarelay-kernels-" in str(_kernel_cache.cache_dir().parent)
+
+
+_FRESH_SNAPSHOT = """
+import io, json
+import torch
+import codec
+from codec import _warmup
+
+handle = codec.warm_up(("snapshot_encode", "snapshot_decode"))
+assert handle.wait(600) and not handle.failed, handle.failed
+g = torch.Generator().manual_seed(3)
+named = {"w": (torch.randn(700, 900, generator=g) * 0.02).to(torch.bfloat16), "z": torch.zeros(5000).bfloat16(),
+         "n": torch.randint(0, 1 << 15, (3001,), generator=g, dtype=torch.int16).view(torch.bfloat16),
+         "f": torch.randn(77, generator=g), "i": torch.arange(9)}
+before = _warmup.kernel_signatures()
+blob = b"".join(codec.encode_snapshot(named.items()))
+for src in (blob, bytearray(blob), io.BytesIO(blob)):
+    list(codec.decode_snapshot(src))
+list(codec.decode_snapshot(io.BytesIO(blob), only={"w"}))
+after = _warmup.kernel_signatures()
+print(json.dumps({"later": {k: [str(s) for s in v[len(before.get(k, ())):]] for k, v in after.items()
+                            if len(v) != len(before.get(k, ()))},
+                  "warm": sorted(k.rsplit(".", 1)[1] for k, v in before.items() if "snapshot_rans" in k and v)}))
+"""
+
+
+def test_snapshot_warm_up_paths_leave_nothing_to_compile(tmp_path):
+    """The snapshot paths (what a writer or reader of compressed snapshots warms up) hold every
+    kernel signature real snapshot encodes and decodes use, from every kind of source."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels")}
+    run = subprocess.run([sys.executable, "-c", _FRESH_SNAPSHOT], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["warm"] == ["decode_block", "encode_block", "histograms", "packed_table"]
+    assert result["later"] == {}

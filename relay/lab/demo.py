@@ -3,7 +3,8 @@
 An origin and N rollout regions, each a moto S3 server in its own process on loopback (or plain
 directories with `--store file://DIR`); a trainer fine-tuning the real all-MiniLM-L6-v2 with the
 RL-style step of relay.lab.corpus and publishing every step in BF16; one `deltarelay relay`
-process and K `deltarelay watch` processes per region. After each step the demo waits until every
+process per region (`--regional-snapshots`: the region builds its own snapshots, only a bootstrap snapshot
+crosses) and K `deltarelay watch` processes per region. After each step the demo waits until every
 watcher holds that step and compares its files bit for bit with the trainer's weights, then prints
 what crossed each region boundary against the naive designs, the bytes per step against a full
 checkpoint and the published baselines, and the staleness per region, and draws a chart.
@@ -33,7 +34,7 @@ import torch
 import relay
 from codec.lab.baselines import BASELINES
 from codec.tensors import same_bits
-from relay import checkpoint, lab
+from relay import checkpoint, lab, traffic
 from relay.lab import corpus as mc
 
 # The directory that holds the `relay` package: a checkout's root, or site-packages when installed.
@@ -247,11 +248,50 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+FIREWORKS_EVERY = 25  # Fireworks ships a full snapshot every 20-30 steps (docs: anchors)
+
+
+def _crossed(store: Any, status: dict | None) -> dict:
+    """What crossed into one region, by kind: the relay's writes of origin objects and manifests into it,
+    plus what its materialiser read from the origin to bootstrap (regional snapshots are written in region).
+    `listed` is the region's own listing of the run layout, a cross-check of the relay's count."""
+    regions = (status or {}).get("regions") or {}
+    r: dict[str, Any] = next(iter(regions.values()), {})  # the demo runs one relay per region
+    written = r.get("bytes_by_kind") or {}
+    boot = r.get("bootstrap_bytes_by_kind") or {}
+    by_kind = traffic.split({k: written.get(k, 0) + boot.get(k, 0) for k in traffic.KINDS if k != "regional_snapshots"})
+    listed: dict[str, int] = {}
+    for prefix in ("deltas/", "records/", "snapshots/"):
+        listed.update(store.list(prefix))
+    return {"by_kind": by_kind, "bootstrap": traffic.split(boot), "objects": len(listed),
+            "listed": sum(listed.values()), "in_region": int((r.get("materialised_bytes_by_kind") or {}).get(
+                "regional_snapshots", 0)), "relay_bytes_copied": r.get("bytes_copied")}
+
+
+def fireworks_bytes(manifest: Any, manifests: int, every: int = FIREWORKS_EVERY) -> dict:
+    """The same run's steps under a Fireworks-style policy, per region: a full snapshot (this run's snapshot
+    size) at every `every`-th step, the step's delta otherwise, each with its record; manifests as measured."""
+    snap = manifest.snapshots[-1].bytes
+    out = {"deltas": 0, "records": 0, "snapshots": 0, "manifests": manifests}
+    for st in manifest.steps:
+        out["records"] += st.record.size
+        if st.step % every == 0 or not st.parts:
+            out["snapshots"] += snap
+        else:
+            out["deltas"] += st.delta_bytes
+    out["chain"] = out["deltas"] + out["records"]
+    out["total"] = out["chain"] + out["snapshots"] + out["manifests"]
+    return out
+
+
 def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, watchers: int = 2,
              chart: str | os.PathLike | None = "out/demo.png", tiny: bool = False, baseline_every: int | None = None,
              workdir: str | os.PathLike | None = None, json_path: str | os.PathLike | None = None,
-             step_timeout: float = 180.0, log: Callable[[str], None] = print) -> dict:
-    """Run the pipeline; returns the summary (`text`, `ok` and the numbers behind them)."""
+             step_timeout: float = 180.0, copy_snapshots: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Run the pipeline; returns the summary (`text`, `ok` and the numbers behind them).
+
+    By default each region's relay runs in regional-snapshot mode (one origin snapshot crosses, to
+    bootstrap; the region builds the others); `copy_snapshots` copies every origin snapshot instead."""
     Manifest, open_store = relay.Manifest, relay.open_store
     if not 1 <= regions <= len(REGION_NAMES):
         raise ValueError(f"--regions must be 1..{len(REGION_NAMES)}")
@@ -273,9 +313,11 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
             opts = [] if site.options is None else ["--storage-options", json.dumps(origin.options),
                                                     "--storage-options", json.dumps(site.options)]
             rlog = work / "logs" / f"relay-{site.region}.log"
+            mode = [] if copy_snapshots else ["--regional-snapshots", "--workdir",
+                                              str(work / "materialise" / site.region)]
             procs.append(_spawn(["-v", "relay", "--source", origin.url, "--dest", site.url, *opts, "--poll-interval",
                                  str(POLL_S), "--status-every", "10", "--status-file",
-                                 str(work / f"relay-{site.region}.json")], rlog))
+                                 str(work / f"relay-{site.region}.json"), *mode], rlog))
             for i in range(watchers):
                 dest = work / "hosts" / f"{site.region}-{i}"
                 wlog = work / "logs" / f"watch-{site.region}-{i}.log"
@@ -355,15 +397,6 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         for site in sites:
             if site.region not in regional:
                 problems.append(f"{site.region}: relay did not mirror the final snapshots in time")
-        crossed = {}
-        for site in sites:
-            listed = {}
-            st = open_store(site.url, site.options)
-            for prefix in ("deltas/", "records/", "snapshots/"):
-                listed.update(st.list(prefix))
-            crossed[site.region] = {"total": sum(listed.values()),
-                                    "snapshots": sum(v for k, v in listed.items() if k.startswith("snapshots/")),
-                                    "objects": len(listed)}
         time.sleep(0.3)  # let the relays write their last status
         relay_status = {}
         for site in sites:
@@ -371,6 +404,8 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
                 relay_status[site.region] = json.loads((work / f"relay-{site.region}.json").read_text())
             except (OSError, ValueError):
                 relay_status[site.region] = None
+        crossed = {site.region: _crossed(open_store(site.url, site.options), relay_status[site.region])
+                   for site in sites}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -394,10 +429,13 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         "model": trainer.name, "parameters": params, "regime": trainer.regime, "full_bytes": full_bytes,
         "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1,
         "regions": names, "watchers_per_region": watchers,
+        "relay_mode": "copy snapshots" if copy_snapshots else "regional snapshots",
         "store": "file" if store else "s3 (moto on loopback)", "checks": checks, "check_failures": failures,
         "problems": problems, "delta_bytes": delta_sizes, "publish_seconds": publish_s,
         "baselines": {k: {"label": BASELINES[k].label, "sizes": v} for k, v in baseline_sizes.items()},
         "baseline_steps": sampled, "crossed": crossed, "relay_status": relay_status,
+        "fireworks": {r: fireworks_bytes(final, c["by_kind"]["manifests"]) for r, c in crossed.items()},
+        "fireworks_every": FIREWORKS_EVERY,
         "snapshots": [s.step for s in final.snapshots],
         "staleness": {r: sorted(v for h in hosts if h.region == r for st, v in h.reached.items() if st) for r in names},
         "staleness_by_step": {r: {st: max(h.reached.get(st, float("nan")) for h in hosts if h.region == r)
@@ -429,8 +467,9 @@ def format_summary(s: dict) -> str:
         f"deltarelay demo: {s['model']}, {s['parameters'] / 1e6:.1f}M parameters, "
         f"{_fmt_bytes(s['full_bytes'])} in BF16;"
         f" {s['steps']} steps published (0..{s['steps'] - 1}), regime {s['regime']}",
-        f"stores: {s['store']}; origin + {len(s['regions'])} regions ({', '.join(s['regions'])}), one relay and "
-        f"{s['watchers_per_region']} watcher processes per region; {s['seconds']:.0f}s in all",
+        f"stores: {s['store']}; origin + {len(s['regions'])} regions ({', '.join(s['regions'])}), one relay "
+        f"({s.get('relay_mode', 'copy snapshots')}) and {s['watchers_per_region']} watcher processes per region; "
+        f"{s['seconds']:.0f}s in all",
         f"bit-exact checks: {s['checks'] - s['check_failures']}/{s['checks']} (every watcher, every step)"
         + ("" if s["ok"] else "  FAILED"),
     ]
@@ -449,28 +488,23 @@ def format_summary(s: dict) -> str:
             mean = statistics.fmean(b["sizes"].values())
             lines.append(f"    {b['label'][:38]:38}  {_fmt_bytes(mean):>12}    {s['full_bytes'] / mean:,.0f}"
                          f"   ({mean / ours:.2f}x deltarelay)")
-    per_region = [c["total"] for c in s["crossed"].values()]
+    per_region = [c["by_kind"]["total"] for c in s["crossed"].values()]
     total = sum(per_region)
-    snaps = sum(c["snapshots"] for c in s["crossed"].values())
+    snaps = sum(c["by_kind"]["snapshots"] for c in s["crossed"].values())
     naive_full = hosts * s["steps"] * s["full_bytes"]
     naive_delta = hosts * s["naive_delta_bytes"]
     lines += ["", f"cross-region bytes, {len(s['regions'])} regions x {s['watchers_per_region']} hosts, "
                   f"{s['steps']} steps",
               f"  deltarelay (each object crosses once)     {_fmt_bytes(total):>12}   "
               f"(snapshots {_fmt_bytes(snaps)}, deltas+records {_fmt_bytes(total - snaps)}; "
-              f"snapshots at steps {s['snapshots']})",
+              f"the trainer snapshotted steps {s['snapshots']}; {s.get('relay_mode', 'copy snapshots')})",
               f"  every host pulls full checkpoints        {_fmt_bytes(naive_full):>12}   ({naive_full / total:.1f}x)",
               f"  every host pulls deltas from the origin   {_fmt_bytes(naive_delta):>12}   "
               f"({naive_delta / total:.1f}x)",
               f"  each extra host in a region adds: deltarelay 0 B, full checkpoints "
               f"{_fmt_bytes(s['steps'] * s['full_bytes'])}, deltas from the origin "
               f"{_fmt_bytes(s['naive_delta_bytes'])}"]
-    for region, c in s["crossed"].items():
-        st = (s["relay_status"].get(region) or {}).get("regions", {})
-        first: dict[str, Any] = next(iter(st.values()), {}) if st else {}  # the relay's one region
-        copied = first.get("bytes_copied") if st else None
-        lines.append(f"    {region:16} {_fmt_bytes(c['total']):>12} in {c['objects']} objects"
-                     + (f" (relay counted {_fmt_bytes(copied)})" if copied is not None else ""))
+    lines += format_crossed(s)
     lines += ["", "staleness, steps 1..N: publish commit -> each watcher holds the verified step (seconds)",
               f"  {'region':16} {'median':>8} {'p90':>8} {'max':>8}"]
     for region, vals in s["staleness"].items():
@@ -480,6 +514,39 @@ def format_summary(s: dict) -> str:
     pubs = s["publish_seconds"][1:] or s["publish_seconds"]
     lines.append(f"publish (encode + upload + commit), median {statistics.median(pubs):.2f}s per step")
     return "\n".join(lines)
+
+
+def format_crossed(s: dict) -> list[str]:
+    """The per-region split of what crossed, next to the same run under the Fireworks-style policy."""
+    cols = ("deltas", "records", "manifests", "snapshots", "total")
+    every = s.get("fireworks_every", FIREWORKS_EVERY)
+    lines = ["", "what crossed into each region, by kind (measured where it crosses: the relay's writes into the "
+                 "region, its materialiser's bootstrap reads from the origin)",
+             f"  next to the same run under a Fireworks-style policy (a full snapshot shipped to every region "
+             f"every {every} steps, deltas between; accounted from this run's objects)",
+             f"  {'region':16}" + "".join(f"{c:>11}" for c in cols) + f"   | {'Fireworks':>11}  {'ratio':>6}"]
+    sums = dict.fromkeys(cols, 0)
+    fw_sum = 0
+    for region, c in s["crossed"].items():
+        k = c["by_kind"]
+        fw = s["fireworks"][region]["total"]
+        fw_sum += fw
+        for col in cols:
+            sums[col] += k[col]
+        lines.append(f"  {region:16}" + "".join(f"{_fmt_bytes(k[col]):>11}" for col in cols)
+                     + f"   | {_fmt_bytes(fw):>11}  {fw / max(1, k['total']):5.1f}x")
+    lines.append(f"  {'all regions':16}" + "".join(f"{_fmt_bytes(sums[col]):>11}" for col in cols)
+                 + f"   | {_fmt_bytes(fw_sum):>11}  {fw_sum / max(1, sums['total']):5.1f}x")
+    chain = sums["deltas"] + sums["records"]
+    first = sum(min(c["by_kind"]["snapshots"], s["snapshot_bytes"]) for c in s["crossed"].values())
+    after = sums["total"] - first
+    if chain:
+        lines.append(f"  beyond each region's bootstrap snapshot: {_fmt_bytes(after)} crossed, "
+                     f"{after / chain:.3f}x the deltas and records")
+    in_region = sum(c.get("in_region", 0) for c in s["crossed"].values())
+    if in_region:
+        lines.append(f"  regional snapshots written in region (never crossing): {_fmt_bytes(in_region)}")
+    return lines
 
 
 def save_chart(s: dict, path: str | os.PathLike) -> Path:

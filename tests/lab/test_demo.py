@@ -16,14 +16,17 @@ def test_demo_on_s3_servers_checks_every_watcher_at_every_step(tmp_path):
     assert s["checks"] == 2 * 4 and s["check_failures"] == 0 and not s["problems"]
     assert set(s["crossed"]) == {"us-west-2", "eu-west-1"}
     for region, c in s["crossed"].items():
-        copied = s["relay_status"][region]["regions"]
-        assert next(iter(copied.values()))["bytes_copied"] == c["total"]  # each object crossed once
+        k = c["by_kind"]
+        assert c["relay_bytes_copied"] == c["listed"]  # each object crossed once
+        assert k["deltas"] > 0 and k["records"] > 0 and k["manifests"] > 0
+        assert k["total"] == k["deltas"] + k["records"] + k["snapshots"] + k["manifests"]
         assert len(s["staleness"][region]) == 3
     assert sorted(s["delta_bytes"]) == [1, 2, 3] and all(0 < v < s["full_bytes"] for v in s["delta_bytes"].values())
     assert all(len(b["sizes"]) == 3 for b in s["baselines"].values())
     text = s["text"]
     for needle in ("bit-exact checks: 8/8", "full checkpoint", "TRL sparse", "PULSESync", "ARCv3", "cross-region bytes",
-                   "every host pulls full checkpoints", "every host pulls deltas", "staleness"):
+                   "every host pulls full checkpoints", "every host pulls deltas", "staleness",
+                   "Fireworks-style policy", "beyond each region's bootstrap snapshot"):
         assert needle in text
     try:
         import matplotlib  # noqa: F401 - the demo extra; CI's dev install runs the demo without it

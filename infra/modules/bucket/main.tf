@@ -13,14 +13,21 @@ locals {
     records   = var.record_expiration_days
     snapshots = var.snapshot_expiration_days
   }
-  per_run_rules = merge([
+  # and a region's own snapshots (docs/PROTOCOL.md §8.1): a backstop for a materialiser that stopped,
+  # expiring long after it drops them itself; regional/snapshots.json (the announcement) is never matched.
+  per_run_rules = merge(merge([
     for run in var.runs : {
       for kind, days in local.run_object_kinds : "${run}-${kind}" => {
         prefix = "${var.run_prefix}${run}/${kind}/"
         days   = days
       }
     }
-  ]...)
+    ]...), {
+    for run in var.runs : "${run}-regional-snapshots" => {
+      prefix = "${var.run_prefix}${run}/regional/snapshots/"
+      days   = var.regional_snapshot_expiration_days
+    }
+  })
 }
 
 resource "aws_kms_key" "store" {
@@ -179,7 +186,7 @@ resource "aws_s3_bucket_lifecycle_configuration" "store" {
     }
   }
 
-  # Per listed run, per object kind: <run_prefix><run>/deltas/, records/, snapshots/.
+  # Per listed run, per object kind: <run_prefix><run>/deltas/, records/, snapshots/, regional/snapshots/.
   # manifest.json is never matched here: it is the run's only mutable object.
   dynamic "rule" {
     for_each = local.per_run_rules

@@ -42,3 +42,8 @@ variable "abort_incomplete_multipart_days" {
   description = "Days after which incomplete multipart uploads (interrupted snapshot uploads) are aborted."
   type        = number
 }
+
+variable "regional_snapshot_expiration_days" {
+  description = "Expiry of <run>/regional/snapshots/ objects (a region's own snapshots) of the listed runs."
+  type        = number
+}

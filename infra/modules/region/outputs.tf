@@ -27,3 +27,8 @@ output "rollout_role_arn" {
   description = "Role the region's watchers assume."
   value       = aws_iam_role.rollout.arn
 }
+
+output "materialiser_role_arn" {
+  description = "Role `deltarelay materialise` assumes in this region (CRR mode); null in relay mode."
+  value       = one(aws_iam_role.materialiser[*].arn)
+}

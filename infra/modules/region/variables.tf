@@ -57,3 +57,33 @@ variable "rollout_principal_arns" {
     error_message = "Each rollout region needs at least one principal ARN that may assume its rollout role."
   }
 }
+
+variable "regional_snapshot_expiration_days" {
+  description = "Expiry of <run>/regional/snapshots/ objects of the listed runs."
+  type        = number
+}
+
+variable "enable_crr" {
+  description = "CRR mode: create this region's materialiser role."
+  type        = bool
+}
+
+variable "materialiser_principal_arns" {
+  description = "Principals allowed to assume this region's materialiser role (CRR mode)."
+  type        = list(string)
+}
+
+variable "origin_bucket_arn" {
+  description = "The origin bucket, whose snapshots/ the materialiser reads once to bootstrap."
+  type        = string
+}
+
+variable "origin_kms_key_arn" {
+  description = "The origin bucket's KMS key (decrypt only)."
+  type        = string
+}
+
+variable "origin_region" {
+  description = "Region of the origin bucket."
+  type        = string
+}

@@ -1,0 +1,622 @@
+"""Compressed snapshot objects (`DRSN`, docs/FORMAT.md "Snapshot objects"): a whole checkpoint
+entropy-coded without a base.
+
+Snapshots are most of the bytes that cross regions, and a BF16 exponent carries ~2.6 of its 8
+bits: BF16 tensors have their exponents rANS-coded (`snapshot_rans`), every other dtype goes
+through zstd or is stored, so every dtype round-trips bit for bit.
+
+The object streams both ways: tensor records back to back (each a checksummed head, then its
+blocks of at most 4 MiB), then an index and a fixed trailer. An encoder holds one tensor's output
+at a time; a decoder walks records front to back (a pipe will do) and holds one tensor, or, on
+a seekable source, reads the trailer's index and seeks straight to the tensors it wants. Every
+tensor carries the codec's xxh3-128 tensor digest (`hashing`), checked before it is yielded.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import IO, BinaryIO
+
+import numpy as np
+import torch
+import xxhash
+
+from . import compressors, hashing, rans, snapshot_rans, tensors, wire
+from .errors import DeltaError
+
+MAGIC = b"DRSN"
+VERSION = 1
+PREFIX = struct.Struct("<4sHH")  # magic, version, flags
+TRAILER = struct.Struct("<QII8s8s")  # index offset, index length, reserved, index checksum, magic
+TAIL_MAGIC = b"DRSNTAIL"
+TAG_RECORD, TAG_INDEX = 1, 2
+KIND_RAW, KIND_ZSTD, KIND_BF16 = 0, 1, 2
+RESIDUAL_RAW, RESIDUAL_ZSTD = 0, 1
+
+BF16_BLOCK_ELEMS = 1 << 18  # 512 KiB of output: per-block tables follow local statistics
+OTHER_BLOCK_BYTES = 1 << 20
+MAX_BLOCK_BYTES = 1 << 22  # block_elems * itemsize
+MAX_HEAD = 1 << 24
+MAX_INDEX = 1 << 28
+MAX_TENSORS = 1 << 20
+MAX_NAME = 1 << 16
+MAX_NDIM = 32
+MAX_NUMEL = 1 << 48
+ZSTD_LEVEL = 3
+RESIDUAL_TRY_BITS = 7.5  # the residual plane is tried through zstd-1 below this order-0 entropy
+READ_CHUNK = 8 << 20
+
+
+class SnapshotError(DeltaError):
+    """A snapshot object that cannot be trusted: truncated, corrupt, forged or over a limit."""
+
+    def __init__(self, obj: str, reason: str, *, tensor: str | None = None) -> None:
+        self.obj = obj
+        DeltaError.__init__(self, reason, tensor=tensor)
+        self.args = (f"{obj}: " + (f"tensor {tensor!r}: " if tensor is not None else "") + reason,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class SnapshotEntry:
+    """One tensor as the index lists it: where its record lies and the digest it must decode to."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: bytes
+    offset: int
+    length: int
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _bf16_block(blk: np.ndarray) -> bytes:
+    """One BF16 block (kind 2, or kind 0 where coding does not pay)."""
+    n = blk.size
+    he, hr = snapshot_rans.histograms(blk)
+    freq = rans.normalize(he, snapshot_rans.SCALE, floor_all=False)
+    cum = np.zeros(256, np.int64)
+    np.cumsum(freq[:-1], out=cum[1:])
+    rcp, rsh = rans.reciprocals(freq)
+    residual = np.empty(n, np.uint8)
+    words, nw, x0, x1, x2, x3 = snapshot_rans.encode_block(blk, freq, cum, rcp, rsh, residual)
+    if nw < 0:
+        raise AssertionError("rANS word buffer overflow")  # unreachable with normalised tables
+    stream = rans.words_to_bytes(words, nw, (x0, x1, x2, x3))
+    res_codec, res = RESIDUAL_RAW, residual.tobytes()
+    p = hr[hr > 0] / n
+    if float(-(p * np.log2(p)).sum()) < RESIDUAL_TRY_BITS:
+        packed = compressors.compress(compressors.ZSTD, res, 1)
+        if len(packed) < len(res):
+            res_codec, res = RESIDUAL_ZSTD, packed
+    w = wire.Writer()
+    w.u8(KIND_BF16)
+    syms = np.flatnonzero(freq)
+    w.uvarint(int(syms.size))
+    for s in syms.tolist():
+        w.u8(s)
+        w.uvarint(int(freq[s]))
+    w.uvarint(len(stream) // 4)
+    w.u8(res_codec)
+    out = b"".join((w.getvalue(), stream, res))
+    if len(out) >= 1 + 2 * n:
+        return bytes((KIND_RAW,)) + blk.tobytes()
+    return out
+
+
+def _other_block(raw: bytes) -> bytes:
+    packed = compressors.compress(compressors.ZSTD, raw, ZSTD_LEVEL)
+    if len(packed) < len(raw):
+        return bytes((KIND_ZSTD,)) + packed
+    return bytes((KIND_RAW,)) + bytes(raw)
+
+
+def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int) -> tuple[bytes, list[bytes], SnapshotEntry]:
+    """(record head with its tag and length, blocks, index entry without offset)."""
+    dt = tensors.dtype_of(t, name)
+    shape = tuple(int(d) for d in t.shape)
+    elems = np.ascontiguousarray(tensors.element_view(t))
+    digest = hashing.digest_elements(dt.name, shape, elems)
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    blocks: list[bytes] = []
+    if dt is tensors.BF16:
+        block_elems = bf16_block
+        for start in range(0, numel, block_elems):
+            blocks.append(_bf16_block(elems[start:start + block_elems]))
+    else:
+        block_elems = max(1, OTHER_BLOCK_BYTES // dt.itemsize)
+        raw = elems.view(np.uint8)
+        step = block_elems * dt.itemsize
+        for start in range(0, numel * dt.itemsize, step):
+            blocks.append(_other_block(raw[start:start + step].tobytes()))
+    w = wire.Writer()
+    w.blob(name.encode())
+    w.u8(dt.code)
+    w.uvarint(len(shape))
+    for d in shape:
+        w.uvarint(d)
+    w.uvarint(block_elems)
+    w.uvarint(len(blocks))
+    for b in blocks:
+        w.uvarint(len(b))
+    w.raw(digest)
+    fields = w.getvalue()
+    head = fields + xxhash.xxh3_64_digest(fields)
+    head = struct.pack("<BI", TAG_RECORD, len(head)) + head
+    entry = SnapshotEntry(name, dt.name, shape, digest, 0, len(head) + sum(map(len, blocks)))
+    return head, blocks, entry
+
+
+def _index_body(entries: list[SnapshotEntry]) -> bytes:
+    w = wire.Writer()
+    w.uvarint(len(entries))
+    for e in entries:
+        w.blob(e.name.encode())
+        w.u8(tensors.BY_NAME[e.dtype].code)
+        w.uvarint(len(e.shape))
+        for d in e.shape:
+            w.uvarint(d)
+        w.uvarint(e.offset)
+        w.uvarint(e.length)
+        w.raw(e.digest)
+    return w.getvalue()
+
+
+def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *,
+                    bf16_block_elems: int = BF16_BLOCK_ELEMS) -> Iterator[bytes]:
+    """The snapshot object of `named` (name, tensor) pairs, as chunks in order: memory holds one
+    tensor's output at a time. Names must be unique (ValueError otherwise, before the index).
+    `bf16_block_elems` (1 to 2**21) is for tests and vectors: decoders take any block size."""
+    if not 1 <= bf16_block_elems <= MAX_BLOCK_BYTES // 2:
+        raise ValueError(f"bf16_block_elems {bf16_block_elems} is not in 1..{MAX_BLOCK_BYTES // 2}")
+    yield PREFIX.pack(MAGIC, VERSION, 0)
+    offset = PREFIX.size
+    entries: list[SnapshotEntry] = []
+    seen: set[str] = set()
+    for name, t in named:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice")
+        if len(name.encode()) > MAX_NAME:
+            raise ValueError(f"tensor {name[:64]!r}...: name over {MAX_NAME} bytes")
+        seen.add(name)
+        head, blocks, entry = _encode_tensor(name, t, bf16_block_elems)
+        entries.append(SnapshotEntry(entry.name, entry.dtype, entry.shape, entry.digest, offset, entry.length))
+        offset += entry.length
+        yield head
+        yield from blocks
+    body = _index_body(entries)
+    yield struct.pack("<BI", TAG_INDEX, len(body)) + body
+    yield TRAILER.pack(offset, len(body), 0, xxhash.xxh3_64_digest(body), TAIL_MAGIC)
+
+
+def write_snapshot(named: Iterable[tuple[str, torch.Tensor]], f: IO[bytes]) -> tuple[int, str]:
+    """Writes the snapshot object into the binary file `f`; returns (size, xxh3-128 hex of its
+    bytes): what `Store.put_new_stream` wants up front, so a spool file can then be streamed."""
+    h = xxhash.xxh3_128()
+    size = 0
+    for chunk in encode_snapshot(named):
+        f.write(chunk)
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Source:
+    """Exact reads from bytes, a path or a binary file object, each refused if short."""
+
+    def __init__(self, src: object, where: str) -> None:
+        self.where = where
+        self._own: BinaryIO | None = None
+        self._mv: memoryview | None = None
+        self._f: IO[bytes] | None = None
+        self.pos = 0
+        if isinstance(src, (bytes, bytearray, memoryview)):
+            self._mv = memoryview(src).cast("B")
+        elif isinstance(src, (str, os.PathLike)):
+            self._own = open(src, "rb")
+            self._f = self._own
+        elif hasattr(src, "read"):
+            self._f = src  # type: ignore[assignment]
+        else:
+            raise TypeError(f"{where}: a snapshot source is bytes, a path or a binary file, not {type(src).__name__}")
+
+    def close(self) -> None:
+        if self._own is not None:
+            self._own.close()
+
+    def error(self, reason: str, tensor: str | None = None) -> SnapshotError:
+        return SnapshotError(self.where, reason, tensor=tensor)
+
+    def read(self, n: int, what: str, tensor: str | None = None) -> memoryview:
+        if self._mv is not None:
+            if self.pos + n > len(self._mv):
+                raise self.error(f"truncated {what}: needs {n} bytes at offset {self.pos}, "
+                                 f"{len(self._mv) - self.pos} left", tensor)
+            out = self._mv[self.pos:self.pos + n]
+            self.pos += n
+            return out
+        assert self._f is not None
+        parts = []
+        left = n
+        while left:  # in chunks, so a length the object cannot back allocates no more than it holds
+            got = self._f.read(min(left, READ_CHUNK))
+            if not got:
+                raise self.error(f"truncated {what}: needs {n} bytes at offset {self.pos}, "
+                                 f"{n - left} left", tensor)
+            parts.append(got)
+            left -= len(got)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.pos += n
+        return memoryview(data)
+
+    def skip(self, n: int, what: str, tensor: str | None = None) -> None:
+        if self.seekable():
+            self.seek(self.pos + n)
+            if self.pos > self.size():
+                raise self.error(f"truncated {what}", tensor)
+            return
+        while n:
+            step = min(n, READ_CHUNK)
+            self.read(step, what, tensor)
+            n -= step
+
+    def seekable(self) -> bool:
+        if self._mv is not None:
+            return True
+        assert self._f is not None
+        try:
+            return bool(self._f.seekable())
+        except (AttributeError, OSError):
+            return False
+
+    def size(self) -> int:
+        if self._mv is not None:
+            return len(self._mv)
+        assert self._f is not None
+        here = self._f.tell()
+        end = self._f.seek(0, io.SEEK_END)
+        self._f.seek(here)
+        return end
+
+    def seek(self, offset: int) -> None:
+        self.pos = offset
+        if self._f is not None:
+            self._f.seek(offset)
+
+    def at_end(self) -> bool:
+        if self._mv is not None:
+            return self.pos == len(self._mv)
+        assert self._f is not None
+        return not self._f.read(1)
+
+
+def _prefix(src: _Source) -> None:
+    magic, version, flags = PREFIX.unpack(src.read(PREFIX.size, "prefix"))
+    if magic != MAGIC:
+        raise src.error(f"not a snapshot object (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise src.error(f"snapshot format version {version} is not supported (this reader knows {VERSION})")
+    if flags:
+        raise src.error(f"flags {flags:#x} are reserved and must be 0")
+
+
+def _shape(r: wire.Reader) -> tuple[int, ...]:
+    ndim = r.uvarint(MAX_NDIM)
+    shape = tuple(r.uvarint(MAX_NUMEL) for _ in range(ndim))
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > MAX_NUMEL:
+            raise DeltaError(f"shape {list(shape)} holds over 2**48 elements")
+    return shape
+
+
+def _dtype(code: int) -> tensors.DType:
+    dt = tensors.BY_CODE.get(code)
+    if dt is None:
+        raise DeltaError(f"unknown dtype code {code}")
+    return dt
+
+
+def _name(r: wire.Reader) -> str:
+    raw = r.blob(MAX_NAME)
+    try:
+        return raw.decode("utf-8", "strict")
+    except UnicodeDecodeError:
+        raise DeltaError("tensor name is not valid UTF-8") from None
+
+
+@dataclass
+class _Head:
+    name: str
+    dt: tensors.DType
+    shape: tuple[int, ...]
+    block_elems: int
+    sizes: list[int]
+    digest: bytes
+    length: int  # of the tag, length field and head
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _record_head(src: _Source) -> _Head:
+    """A record's head (after its tag byte): parsed, checksummed and its block layout checked."""
+    (head_len,) = struct.unpack("<I", src.read(4, "record head length"))
+    if head_len > MAX_HEAD or head_len < 8:
+        raise src.error(f"record head of {head_len} bytes (must be 8 to {MAX_HEAD})")
+    raw = src.read(head_len, "record head")
+    fields, check = raw[:-8], raw[-8:]
+    if xxhash.xxh3_64_digest(fields) != bytes(check):
+        raise src.error(f"record head at offset {src.pos - head_len - 5} fails its checksum")
+    r = wire.Reader(fields, "record head")
+    try:
+        name = _name(r)
+    except DeltaError as exc:
+        raise src.error(exc.reason) from None
+    try:
+        dt = _dtype(r.u8())
+        shape = _shape(r)
+        block_elems = r.uvarint(MAX_BLOCK_BYTES)
+        if block_elems < 1 or block_elems * dt.itemsize > MAX_BLOCK_BYTES:
+            raise DeltaError(f"block of {block_elems} elements of {dt.name} (at most {MAX_BLOCK_BYTES} bytes)")
+        head = _Head(name, dt, shape, block_elems, [], b"", 5 + head_len)
+        n_blocks = r.uvarint(r.remaining)
+        expected = -(-head.numel // block_elems)
+        if n_blocks != expected:
+            raise DeltaError(f"{n_blocks} blocks for {head.numel} elements in blocks of {block_elems} "
+                             f"(must be {expected})")
+        for i in range(n_blocks):
+            elems = min(block_elems, head.numel - i * block_elems)
+            head.sizes.append(r.uvarint(1 + elems * dt.itemsize))
+        head.digest = r.raw(hashing.DIGEST_SIZE)
+        r.expect_end()
+    except DeltaError as exc:
+        raise src.error(exc.reason, name) from None
+    return head
+
+
+def _decode_bf16(block: memoryview, out: np.ndarray) -> None:
+    n = out.size
+    r = wire.Reader(block, "BF16 block")
+    n_sym = r.uvarint(256)
+    if n_sym < 2:
+        raise DeltaError(f"exponent table of {n_sym} symbols (needs 2 to 256)")
+    freq = np.zeros(256, np.int64)
+    prev = -1
+    for _ in range(n_sym):
+        s = r.u8()
+        if s <= prev:
+            raise DeltaError("exponent table symbols are not strictly increasing")
+        prev = s
+        freq[s] = r.uvarint((1 << snapshot_rans.SCALE) - 1)
+        if freq[s] == 0:
+            raise DeltaError(f"exponent {s} listed with frequency 0")
+    if int(freq.sum()) != 1 << snapshot_rans.SCALE:
+        raise DeltaError(f"exponent frequencies sum to {int(freq.sum())}, not {1 << snapshot_rans.SCALE}")
+    n_words = r.uvarint(len(block))
+    res_codec = r.u8()
+    at = len(block) - r.remaining
+    if n_words < 2 * snapshot_rans.STATES or at + 4 * n_words > len(block):
+        raise DeltaError(f"rANS stream of {n_words} words does not fit the block")
+    parsed = rans.bytes_to_words(block[at:at + 4 * n_words], snapshot_rans.STATES)
+    if parsed is None:
+        raise DeltaError("rANS final states out of range")
+    words, (x0, x1, x2, x3) = parsed
+    rest = block[at + 4 * n_words:]
+    if res_codec == RESIDUAL_RAW:
+        if len(rest) != n:
+            raise DeltaError(f"residual plane of {len(rest)} bytes for {n} elements")
+        residual = np.frombuffer(rest, np.uint8)
+    elif res_codec == RESIDUAL_ZSTD:
+        residual = np.frombuffer(compressors.decompress(compressors.ZSTD, rest, n, "residual plane"), np.uint8)
+    else:
+        raise DeltaError(f"unknown residual codec {res_codec}")
+    table = snapshot_rans.packed_table(freq)
+    if not snapshot_rans.decode_block(table, words, x0, x1, x2, x3, residual, out):
+        raise DeltaError("rANS stream does not decode to its block (corrupt)")
+
+
+def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
+    """Reads a record's blocks (all of them before any allocation: the output is justified by bytes
+    actually present) and returns its verified tensor."""
+    blocks = [src.read(size, f"block {i}", head.name) for i, size in enumerate(head.sizes)]
+    dt = head.dt
+    epi = tensors.elements_per_item(dt)
+    try:
+        out = np.empty(head.numel * epi, tensors.element_dtype(dt))
+    except MemoryError:
+        raise src.error(f"no memory for {head.numel} elements", head.name) from None
+    raw = out.view(np.uint8)
+    isz = dt.itemsize
+    try:
+        for i, block in enumerate(blocks):
+            start = i * head.block_elems
+            stop = min(start + head.block_elems, head.numel)
+            if not len(block):
+                raise DeltaError(f"block {i} is empty")
+            kind = block[0]
+            body = block[1:]
+            nbytes = (stop - start) * isz
+            if kind == KIND_RAW:
+                if len(body) != nbytes:
+                    raise DeltaError(f"block {i}: {len(body)} stored bytes for {nbytes}")
+                raw[start * isz:stop * isz] = np.frombuffer(body, np.uint8)
+            elif kind == KIND_ZSTD:
+                raw[start * isz:stop * isz] = np.frombuffer(
+                    compressors.decompress(compressors.ZSTD, body, nbytes, f"block {i}"), np.uint8)
+            elif kind == KIND_BF16 and dt is tensors.BF16:
+                try:
+                    _decode_bf16(body, out[start:stop])
+                except DeltaError as exc:
+                    raise DeltaError(f"block {i}: {exc.reason}") from None
+            else:
+                raise DeltaError(f"block {i}: kind {kind} is not defined for {dt.name}")
+    except DeltaError as exc:
+        raise src.error(exc.reason, head.name) from None
+    if hashing.digest_elements(dt.name, head.shape, out) != head.digest:
+        raise src.error("decoded bytes do not match the tensor's digest (corrupt or forged record)", head.name)
+    return tensors.tensor_from_elements(out, dt, head.shape, copy=False)
+
+
+def _read_index(src: _Source) -> list[SnapshotEntry]:
+    """The index via the trailer (seekable sources): checksummed and every entry inside the file."""
+    size = src.size()
+    if size < PREFIX.size + TRAILER.size + 5:
+        raise src.error(f"{size} bytes is too short for a snapshot object")
+    src.seek(0)
+    _prefix(src)
+    src.seek(size - TRAILER.size)
+    offset, length, reserved, check, magic = TRAILER.unpack(src.read(TRAILER.size, "trailer"))
+    if magic != TAIL_MAGIC:
+        raise src.error("trailer magic missing (truncated or not a snapshot object)")
+    if reserved:
+        raise src.error("trailer reserved field is not 0")
+    if length > MAX_INDEX or offset + 5 + length != size - TRAILER.size:
+        raise src.error(f"index of {length} bytes at offset {offset} does not end at the trailer")
+    src.seek(offset)
+    tag, body_len = struct.unpack("<BI", src.read(5, "index tag"))
+    if tag != TAG_INDEX or body_len != length:
+        raise src.error("trailer does not point at the index")
+    body = src.read(length, "index")
+    if xxhash.xxh3_64_digest(body) != check:
+        raise src.error("index fails its checksum")
+    return _parse_index(src, body, offset)
+
+
+def _parse_index(src: _Source, body: memoryview, index_offset: int) -> list[SnapshotEntry]:
+    r = wire.Reader(body, "index")
+    entries: list[SnapshotEntry] = []
+    names: set[str] = set()
+    at = PREFIX.size
+    try:
+        n = r.uvarint(min(MAX_TENSORS, len(body)))
+        for _ in range(n):
+            name = _name(r)
+            if name in names:
+                raise DeltaError(f"tensor {name!r} listed twice")
+            names.add(name)
+            dt = _dtype(r.u8())
+            shape = _shape(r)
+            offset = r.uvarint()
+            length = r.uvarint()
+            if offset != at or length < 5:
+                raise DeltaError(f"tensor {name!r}: record at {offset} (+{length}) does not follow the previous one")
+            at += length
+            entries.append(SnapshotEntry(name, dt.name, shape, r.raw(hashing.DIGEST_SIZE), offset, length))
+        r.expect_end()
+        if at != index_offset:
+            raise DeltaError(f"records end at {at}, the index starts at {index_offset}")
+    except DeltaError as exc:
+        raise src.error(exc.reason) from None
+    return entries
+
+
+def read_snapshot_index(src: object, *, where: str = "snapshot") -> list[SnapshotEntry]:
+    """The tensors a snapshot object holds (names, dtypes, shapes, digests, record spans), read from
+    its trailer and index alone: a few KiB however large the object. `src` is bytes, a path or a
+    seekable binary file."""
+    s = _Source(src, where)
+    try:
+        if not s.seekable():
+            raise s.error("reading the index needs a seekable source")
+        return _read_index(s)
+    finally:
+        s.close()
+
+
+def _matches(head: _Head, e: SnapshotEntry) -> bool:
+    return (head.name, head.dt.name, head.shape, head.digest, head.length + sum(head.sizes)) == \
+        (e.name, e.dtype, e.shape, e.digest, e.length)
+
+
+def decode_snapshot(src: object, only: set[str] | None = None, *,
+                    where: str = "snapshot") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of the snapshot object in `src` (bytes, a path or a binary
+    file; a pipe will do), in the object's order, each yielded only once its digest verifies;
+    with `only`, just those names (a seekable source seeks past the rest). Raises SnapshotError,
+    naming `where`, on anything truncated, corrupt or over a limit, also after the last tensor if
+    the index disagrees with the records: a caller has the whole snapshot only once the iterator
+    is exhausted. Memory: one tensor and its compressed bytes."""
+    s = _Source(src, where)
+    try:
+        if only is not None and s.seekable():
+            entries = _read_index(s)
+            known = {e.name for e in entries}
+            missing = sorted(set(only) - known)
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise s.error(f"holds no tensor {missing[0]!r}{more}")
+            for e in entries:
+                if e.name not in only:
+                    continue
+                s.seek(e.offset)
+                if s.read(1, "record tag", e.name)[0] != TAG_RECORD:
+                    raise s.error("index points at no record", e.name)
+                head = _record_head(s)
+                if not _matches(head, e):
+                    raise s.error("record head disagrees with the index", e.name)
+                yield head.name, _decode_record(s, head)
+            return
+        yield from _walk(s, only)
+    finally:
+        s.close()
+
+
+def _walk(s: _Source, only: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Front to back, records then index and trailer, which must agree with what was read."""
+    _prefix(s)
+    seen: list[tuple[_Head, int]] = []
+    names: set[str] = set()
+    while True:
+        at = s.pos
+        tag = s.read(1, "section tag")[0]
+        if tag == TAG_INDEX:
+            break
+        if tag != TAG_RECORD:
+            raise s.error(f"unknown section tag {tag} at offset {at}")
+        head = _record_head(s)
+        if head.name in names:
+            raise s.error("tensor appears twice", head.name)
+        names.add(head.name)
+        seen.append((head, at))
+        if only is None or head.name in only:
+            yield head.name, _decode_record(s, head)
+        else:
+            for i, size in enumerate(head.sizes):
+                s.skip(size, f"block {i}", head.name)
+    index_at = s.pos - 1
+    (length,) = struct.unpack("<I", s.read(4, "index length"))
+    if length > MAX_INDEX:
+        raise s.error(f"index of {length} bytes (at most {MAX_INDEX})")
+    body = s.read(length, "index")
+    offset, tlen, reserved, check, magic = TRAILER.unpack(s.read(TRAILER.size, "trailer"))
+    if magic != TAIL_MAGIC or reserved or offset != index_at or tlen != length:
+        raise s.error("trailer disagrees with the index")
+    if xxhash.xxh3_64_digest(body) != check:
+        raise s.error("index fails its checksum")
+    if not s.at_end():
+        raise s.error("bytes after the trailer")
+    entries = _parse_index(s, body, index_at)
+    if len(entries) != len(seen) or any(
+            e.offset != at or not _matches(h, e) for e, (h, at) in zip(entries, seen)):
+        raise s.error("index disagrees with the records")
+    if only is not None:
+        missing = sorted(set(only) - names)
+        if missing:
+            raise s.error(f"holds no tensor {missing[0]!r}")

@@ -1,0 +1,318 @@
+"""Compressed snapshot objects (codec.encode_snapshot / decode_snapshot, docs/FORMAT.md "Snapshot objects").
+
+The properties: every dtype round-trips bit for bit from any source (bytes, a path, a file, a
+pipe); a damaged, truncated or forged object raises codec.SnapshotError naming the object (and the
+tensor where there is one), never anything else and never wrong tensors; encode and decode stream.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import codec
+from codec import hashing, snapshot, wire
+from codec import tensors as ct
+from codec_cases import BF16_SPECIAL, OTHER_DTYPES, assert_bit_exact, bf16_from_bits, random_bf16_weights, random_tensor
+
+
+class Pipe(io.RawIOBase):
+    """A non-seekable reader that returns short reads, as a socket or pipe does."""
+
+    def __init__(self, data: bytes, step: int = 1000) -> None:
+        self._data, self._pos, self._step = data, 0, step
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._step if n < 0 else min(n, self._step)
+        out = self._data[self._pos:self._pos + n]
+        self._pos += len(out)
+        return out
+
+
+def every_dtype(rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for dt in OTHER_DTYPES + (torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64):
+        for shape in ((), (0,), (1,), (7,), (3, 5), (2, 0, 3)):
+            empty = 0 in shape  # random_tensor views bytes, which torch refuses for no elements
+            out[f"{dt}-{shape}"] = torch.empty(shape, dtype=dt) if empty else random_tensor(dt, shape, rng)
+    out["bf16-specials"] = bf16_from_bits(list(BF16_SPECIAL.values()))
+    out["bf16-scalar"] = bf16_from_bits([0x3F80], ())
+    out["bf16-empty"] = torch.empty((0, 4), dtype=torch.bfloat16)
+    out["bf16-odd"] = random_bf16_weights((13,), rng)
+    out["bf16-weights"] = random_bf16_weights((96, 130), rng)
+    out["bf16-zeros"] = torch.zeros(5000, dtype=torch.bfloat16)  # one exponent: residual plane zstd-coded
+    out["bf16-noise"] = bf16_from_bits(rng.integers(0, 1 << 16, 4099, dtype=np.uint16))  # stored raw
+    out["bf16-strided"] = random_bf16_weights((40, 60), rng).t()  # not contiguous
+    out["f32-strided"] = torch.randn(30, 20, generator=torch.Generator().manual_seed(1))[:, ::3]
+    out[""] = torch.ones(2, dtype=torch.float16)  # the empty name is a name
+    return out
+
+
+def encoded(tensors: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(codec.encode_snapshot(tensors.items()))
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[dict[str, torch.Tensor], bytes]:
+    rng = np.random.default_rng(3)
+    tensors = {"w": random_bf16_weights((9, 11), rng), "b": random_tensor(torch.float32, (5,), rng),
+               "i": random_tensor(torch.int64, (3,), rng)}
+    return tensors, encoded(tensors)
+
+
+def test_every_dtype_round_trips_from_every_source(tmp_path):
+    tensors = every_dtype(np.random.default_rng(0))
+    blob = encoded(tensors)
+    path = tmp_path / "snap.drsn"
+    path.write_bytes(blob)
+    for src in (blob, memoryview(blob), bytearray(blob), path, str(path), io.BytesIO(blob), Pipe(blob, 777)):
+        got = dict(codec.decode_snapshot(src, where="snap"))
+        assert list(got) == list(tensors)
+        assert_bit_exact(got, {k: v.contiguous() for k, v in tensors.items()})
+
+
+def test_large_bf16_tensor_spans_blocks_and_compresses():
+    rng = np.random.default_rng(1)
+    t = random_bf16_weights((snapshot.BF16_BLOCK_ELEMS * 2 + 3,), rng)
+    blob = encoded({"big": t})
+    assert len(blob) < 0.72 * t.numel() * 2  # the exponent costs ~2.5 of its 8 bits
+    (entry,) = codec.read_snapshot_index(blob)
+    assert (entry.name, entry.dtype, entry.shape) == ("big", "BF16", tuple(t.shape))
+    assert_bit_exact(dict(codec.decode_snapshot(blob)), {"big": t})
+
+
+def test_index_and_write_snapshot(tmp_path):
+    tensors = every_dtype(np.random.default_rng(2))
+    path = tmp_path / "s"
+    with open(path, "wb") as f:
+        size, tag = codec.write_snapshot(tensors.items(), f)
+    data = path.read_bytes()
+    assert size == len(data) and tag == xxhash.xxh3_128_hexdigest(data)
+    entries = codec.read_snapshot_index(path)
+    assert [e.name for e in entries] == list(tensors)
+    for e in entries:
+        t = tensors[e.name]
+        assert e.shape == tuple(t.shape)
+        assert e.digest == hashing.digest_elements(e.dtype, e.shape, ct.element_view(t))
+        assert data[e.offset] == snapshot.TAG_RECORD
+    with pytest.raises(codec.SnapshotError, match="seekable"):
+        codec.read_snapshot_index(Pipe(data))
+
+
+def test_digest_is_the_codec_tensor_digest():
+    """The digest a record carries is the delta format's tensor digest: a record's verification
+    and a delta's speak of the same thing."""
+    rng = np.random.default_rng(4)
+    t = random_bf16_weights((17, 3), rng)
+    (entry,) = codec.read_snapshot_index(encoded({"t": t}))
+    assert entry.digest == hashing.digest_elements("BF16", (17, 3), ct.element_view(t))
+
+
+@pytest.mark.parametrize("seekable", [True, False])
+def test_only_selects(seekable):
+    tensors = every_dtype(np.random.default_rng(5))
+    blob = encoded(tensors)
+    want = {"bf16-weights", "torch.int32-(3, 5)", ""}
+    src = io.BytesIO(blob) if seekable else Pipe(blob)
+    got = dict(codec.decode_snapshot(src, only=want))
+    assert set(got) == want
+    assert_bit_exact(got, {k: tensors[k] for k in want})
+    with pytest.raises(codec.SnapshotError, match="no tensor 'nope'"):
+        dict(codec.decode_snapshot(io.BytesIO(blob) if seekable else Pipe(blob), only={"nope"}))
+
+
+def test_encoder_streams_one_tensor_at_a_time():
+    pulled = []
+
+    def named():
+        for i in range(4):
+            pulled.append(i)
+            yield f"t{i}", torch.full((1000,), float(i), dtype=torch.bfloat16)
+
+    chunks = codec.encode_snapshot(named())
+    next(chunks)  # the prefix
+    assert pulled == []
+    next(chunks)  # the first record's head
+    assert pulled == [0]
+    rest = list(chunks)
+    assert pulled == [0, 1, 2, 3]
+    assert max(map(len, rest)) < 4000
+
+
+def test_decoder_streams_one_tensor_at_a_time():
+    tensors = {f"t{i}": torch.zeros(1 << 18, dtype=torch.float32) + i for i in range(6)}  # 1 MiB each
+    blob = encoded(tensors)
+    tracemalloc.start()
+    try:
+        for _name, t in codec.decode_snapshot(Pipe(blob, 1 << 16)):
+            del t
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * (1 << 20), peak  # one tensor and its blocks, not six
+
+
+def test_duplicate_names_are_refused():
+    with pytest.raises(ValueError, match="twice"):
+        list(codec.encode_snapshot([("a", torch.zeros(1)), ("a", torch.zeros(1))]))
+
+
+# --- hostile objects --------------------------------------------------------------------------
+
+def refused(data: bytes, match: str | None = None) -> codec.SnapshotError:
+    """Both the walk and the seeking reader refuse `data`, naming the object; nothing else escapes."""
+    for src in (Pipe(data), data):
+        with pytest.raises(codec.SnapshotError) as err:
+            list(codec.decode_snapshot(src, where="obj-under-test"))
+        assert str(err.value).startswith("obj-under-test: "), str(err.value)
+        if match is not None:
+            assert match in str(err.value), str(err.value)
+    return err.value
+
+
+def test_every_single_bit_flip_is_refused(small):
+    _, blob = small
+    data = bytearray(blob)
+    for i in range(len(data)):
+        for bit in range(8):
+            data[i] ^= 1 << bit
+            with pytest.raises(codec.SnapshotError):
+                list(codec.decode_snapshot(bytes(data)))
+            data[i] ^= 1 << bit
+
+
+def test_every_truncation_and_extension_is_refused(small):
+    _, blob = small
+    for n in range(len(blob)):
+        with pytest.raises(codec.SnapshotError):
+            list(codec.decode_snapshot(blob[:n]))
+        with pytest.raises(codec.SnapshotError):
+            list(codec.decode_snapshot(Pipe(blob[:n])))
+    refused(blob + b"\0", "after the trailer")
+
+
+def test_selective_reads_of_damaged_objects(small):
+    _, blob = small
+    with pytest.raises(codec.SnapshotError, match="trailer"):
+        list(codec.decode_snapshot(blob[:-1], only={"w"}))
+    entries = codec.read_snapshot_index(blob)
+    w = next(e for e in entries if e.name == "w")
+    data = bytearray(blob)
+    data[w.offset + w.length - 1] ^= 0x40  # the last byte of w's last block
+    with pytest.raises(codec.SnapshotError, match="'w'"):
+        list(codec.decode_snapshot(bytes(data), only={"w"}))
+    assert set(dict(codec.decode_snapshot(bytes(data), only={"b", "i"}))) == {"b", "i"}
+
+
+def test_not_a_snapshot():
+    refused(b"", "truncated prefix")
+    refused(b"DRDELTA\0" + bytes(40), "not a snapshot object")
+    refused(struct.pack("<4sHH", b"DRSN", 2, 0) + bytes(40), "version 2")
+    refused(struct.pack("<4sHH", b"DRSN", 1, 1) + bytes(40), "reserved")
+
+
+def forged_head(name: str, dtype_code: int, shape: tuple[int, ...], block_elems: int, sizes: list[int],
+                digest: bytes = bytes(16)) -> bytes:
+    """A record head with a valid checksum: only the decoder's own limits stand in the way."""
+    w = wire.Writer()
+    w.blob(name.encode())
+    w.u8(dtype_code)
+    w.uvarint(len(shape))
+    for d in shape:
+        w.uvarint(d)
+    w.uvarint(block_elems)
+    w.uvarint(len(sizes))
+    for s in sizes:
+        w.uvarint(s)
+    w.raw(digest)
+    fields = w.getvalue()
+    head = fields + xxhash.xxh3_64_digest(fields)
+    return struct.pack("<BI", snapshot.TAG_RECORD, len(head)) + head
+
+
+PREFIX = struct.pack("<4sHH", b"DRSN", 1, 0)
+
+
+@pytest.mark.parametrize("head, reason", [
+    (forged_head("x", 99, (4,), 4, [9]), "unknown dtype code 99"),
+    (forged_head("x", 7, (1 << 30, 1 << 30), 1 << 18, []), "over 2**48"),
+    (forged_head("x", 7, (1 << 40,), 1 << 18, [1]), "blocks for"),
+    (forged_head("x", 8, (4,), 1 << 21, [17]), "at most"),
+    (forged_head("x", 7, (4,), 4, [10]), "exceeds its limit"),  # a block over 1 + its raw bytes
+    (forged_head("x", 7, (4,), 0, []), "block of 0"),
+])
+def test_lying_heads_are_refused(head, reason):
+    err = refused(PREFIX + head + bytes(64), reason)
+    assert err.tensor == "x"
+
+
+def test_head_claiming_a_huge_tensor_allocates_nothing_big():
+    # 2**30 BF16 elements (2 GiB) in 2**12 blocks of 512 KiB: the head is valid, the bytes are absent
+    n_blocks = 1 << 12
+    head = forged_head("huge", 7, (n_blocks << 18,), 1 << 18, [1 << 19] * n_blocks)
+    tracemalloc.start()
+    try:
+        refused(PREFIX + head + bytes(1000), "truncated block")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+def test_forged_blocks_are_refused():
+    rng = np.random.default_rng(6)
+    t = random_bf16_weights((64,), rng)
+    (entry,) = codec.read_snapshot_index(encoded({"t": t}))
+
+    def obj(block: bytes) -> bytes:
+        return PREFIX + forged_head("t", 7, (64,), 1 << 18, [len(block)], entry.digest) + block
+
+    table = bytes([2, 2, 0x70, 0x80, 0x10, 0x7F, 0x80, 0x10])  # kind 2, 2 symbols, 2048 each
+    states = struct.pack("<8I", *([0x80000000, 0] * 4))  # four states at exactly 2**31
+    cases = [
+        (bytes([0]) + bytes(10), "stored bytes"),
+        (bytes([1]) + b"junk" * 8, "zstd"),
+        (bytes([9]) + bytes(128), "kind 9"),
+        (bytes([2, 1, 0x70, 0x80, 0x20]) + bytes(70), "2 to 256"),
+        (bytes([2, 2, 0x71, 0x80, 0x10, 0x70, 0x80, 0x10]) + bytes(70), "strictly increasing"),
+        (bytes([2, 2, 0x70, 0x80, 0x10, 0x71, 0x80, 0x08]) + bytes(70), "sum to"),
+        (table + bytes([100, 0]) + bytes(64), "exceeds its limit"),
+        (table + bytes([4, 0]) + bytes(64), "does not fit"),
+        (table + bytes([8, 0]) + bytes(32) + bytes(64), "out of range"),
+        (table + bytes([8, 0]) + states + bytes(63), "residual plane of 63"),
+        (table + bytes([8, 7]) + states + bytes(64), "unknown residual codec"),
+        (table + bytes([8, 0]) + states + bytes(64), "does not decode"),
+    ]
+    for block, reason in cases:
+        err = refused(obj(block), reason)
+        assert err.tensor == "t"
+    # a block that decodes, to other bits than the digest's
+    good = snapshot._bf16_block(t.view(torch.int16).numpy().view(np.uint16))
+    other = bytearray(good)
+    other[-1] ^= 1  # a mantissa bit in the residual plane
+    refused(obj(bytes(other)), "digest")
+
+
+def test_index_that_lies_is_refused(small):
+    tensors, blob = small
+    # a self-consistent index (checksum recomputed) naming other tensors than the records hold
+    (offset, length, _, _, magic) = snapshot.TRAILER.unpack(blob[-snapshot.TRAILER.size:])
+    entries = codec.read_snapshot_index(blob)
+    lied = [codec.SnapshotEntry("other" if e.name == "b" else e.name, e.dtype, e.shape, e.digest, e.offset, e.length)
+            for e in entries]
+    body = snapshot._index_body(lied)
+    forged = (blob[:offset] + struct.pack("<BI", snapshot.TAG_INDEX, len(body)) + body
+              + snapshot.TRAILER.pack(offset, len(body), 0, xxhash.xxh3_64_digest(body), magic))
+    with pytest.raises(codec.SnapshotError, match="index disagrees"):
+        list(codec.decode_snapshot(forged))
+    with pytest.raises(codec.SnapshotError, match="disagrees with the index"):
+        list(codec.decode_snapshot(forged, only={"other"}))

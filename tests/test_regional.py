@@ -1,0 +1,300 @@
+"""Regional snapshots (#16): a region's materialiser builds its own snapshots from the chain it holds, so
+after the bootstrap no snapshot crosses into the region; watchers there start from them, bit-exact, and
+refuse any that does not match the trainer's record (BLAKE3 in signed runs), taking another path.
+
+Regions here are filled as S3 Cross-Region Replication with a `snapshots/` prefix filter fills them:
+every object but the trainer's snapshots, then the manifest (`replicate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+from safetensors.torch import load as st_load
+
+import relay.manifest
+from relay import ops
+from relay.announce import ANNOUNCE_KEY, Announcement, read_announcement, update_announcement
+from relay.checkpoint import index_bytes_of, safetensors_stream
+from relay.manifest import Manifest, ObjRef, Record, with_blake3
+from relay.publisher import Publisher
+from relay.regional import Materialiser, write_snapshot
+from relay.signing import generate_keypair
+from relay.store import Store, open_store
+from relay.verify import verify
+from relay.watcher import SyncError, SyncTimeout, Watcher
+
+
+def replicate(src: Store, dst: Store) -> None:
+    """Copy every object of the run but the trainer's snapshots, then the manifest (a CRR rule that skips
+    snapshots/, with the objects arriving before the manifest)."""
+    for key in sorted(src.list_run()):
+        if not key.startswith("snapshots/"):
+            dst.put_immutable(key, src.get(key))
+    got, cur = src.read_manifest(), dst.read_manifest()
+    if cur is None or cur.data != got.data:
+        dst.commit_manifest(got.data, None if cur is None else cur.etag)
+
+
+@dataclasses.dataclass
+class Run:
+    origin: str
+    region: str
+    states: dict
+    src: Store
+    dst: Store
+    pub: Publisher
+    trainer: object
+    options: dict | None = None
+
+    def publish(self, steps: range) -> None:
+        for step in steps:
+            self.states[step] = self.trainer.state() if step == 0 else self.trainer.step()
+            self.pub.publish(self.states[step], step)
+        replicate(self.src, self.dst)
+
+    def record(self, step: int) -> Record:
+        m = Manifest.parse(self.dst.read_manifest().data)
+        return Record.parse(self.dst.get(m.step(step).record.key))
+
+
+def start_run(tmp_path, trainer, name: str = "r", options: dict | None = None, origin: str | None = None,
+              region: str | None = None, region_options: dict | None = None, **kw) -> Run:
+    origin = origin or f"file://{tmp_path}/{name}-origin"
+    region = region or f"file://{tmp_path}/{name}-region"
+    pub = Publisher(origin, storage_options=options, snapshot_every=3, snapshot_fraction=100.0, background=False,
+                    **kw)
+    return Run(origin, region, {}, open_store(origin, options), open_store(region, region_options), pub,
+               trainer(seed=21))
+
+
+@pytest.fixture
+def materialised(tmp_path, trainer):
+    """An unsigned run of steps 0-9 (trainer snapshots at 0, 3, 6, 9) in a region that received no snapshot,
+    whose materialiser bootstrapped at step 3 and then built regional snapshots 6 and 9 (keep 2)."""
+    run = start_run(tmp_path, trainer)
+    run.publish(range(5))
+    mat = Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, keep=2)
+    assert mat.sync_once(timeout=60)
+    first = mat.status()
+    run.publish(range(5, 10))
+    assert mat.sync_once(timeout=60)
+    run.pub.close()
+    yield run, mat, first
+    mat.close()
+
+
+def test_materialiser_bootstraps_once_then_builds_the_region_s_snapshots(materialised, tmp_path, bits_equal):
+    run, mat, first = materialised
+    origin = Manifest.parse(run.src.read_manifest().data)
+    assert [s.step for s in origin.snapshots] == [0, 3, 6, 9]
+    # the bootstrap read the origin's newest snapshot then (step 3), and only it
+    assert first["step"] == 4 and first["bootstraps"] == 1 and first["regional_snapshots"] == [3]
+    assert first["bootstrap_bytes"] == origin.snapshot(3).bytes
+    st = mat.status()
+    assert st["step"] == 9 and st["head"] == 9 and st["regional_snapshots"] == [6, 9]
+    assert st["bootstrap_bytes"] == first["bootstrap_bytes"]  # nothing crossed after the bootstrap
+    assert st["snapshots_written"] == 3 and st["errors"] == 0
+    assert not any(k.startswith("snapshots/") for k in run.dst.list_run())
+    assert not run.dst.list("regional/snapshots/3/")  # left the announcement (keep 2), objects deleted
+    ann, _ = read_announcement(run.dst)
+    assert ann.run == origin.run and not ann.origin_snapshots and [s.step for s in ann.snapshots] == [6, 9]
+    # deterministic serialization: the region's snapshot is the trainer's, byte for byte
+    for f in origin.snapshot(9).files:
+        assert run.dst.get("regional/" + f.key) == run.src.get(f.key)
+
+    with Watcher(run.region, tmp_path / "dest") as w:  # a fresh host in the region
+        assert w.sync(timeout=30) == 9
+        assert bits_equal(w.tensors, run.states[9])
+        regional9 = ann.snapshot(9)
+        assert w.bytes_downloaded == regional9.bytes + origin.step(9).record.size
+    assert verify(run.region, deep=True).ok
+
+
+def test_a_restarted_materialiser_starts_from_the_region_s_own_snapshot(materialised, tmp_path, bits_equal):
+    run, mat, _ = materialised
+    mat.close()
+    with Materialiser(run.region, tmp_path / "work2", bootstrap_from=run.origin) as again:
+        assert again.sync_once(timeout=30)
+        st = again.status()
+        assert again.step == 9 and st["bootstraps"] == 0 and st["bootstrap_bytes"] == 0
+        assert st["snapshots_written"] == 0  # 9 is announced already
+        assert bits_equal(again.tensors, run.states[9])
+
+
+def _forge(run: Run, step: int, how: str) -> None:
+    """Replace the region's snapshot of `step` as a bucket writer could, and announce the forgery with
+    tags that match its bytes (so only the check against the record can catch it)."""
+    ann, _ = read_announcement(run.dst)
+    snap = ann.snapshot(step)
+    rec = run.record(step)
+    if how == "tampered":  # one element of one tensor changed in the file
+        f = snap.files[0]
+        tensors = st_load(run.dst.get(f.key))
+        name = sorted(tensors)[0]
+        tensors[name].view(-1)[0] += 1
+        data = b"".join(bytes(c) for c in safetensors_stream(tensors, {"step": str(step)}).chunks())
+        run.dst.delete([f.key])
+        run.dst.put_new(f.key, data)
+        snap = dataclasses.replace(snap, files=(ObjRef.of(f.key, data), *snap.files[1:]))
+    elif how == "wrong_state":  # a consistent snapshot, of the step before
+        snap = write_snapshot(run.dst, step, run.states[step - 1], rec)
+    elif how == "wrong_index":  # the index of another step
+        data = index_bytes_of(rec.tensors, rec.weight_map, step=step - 3)
+        run.dst.delete([snap.index.key])
+        run.dst.put_new(snap.index.key, data)
+        snap = dataclasses.replace(snap, index=ObjRef.of(snap.index.key, data))
+    else:
+        raise AssertionError(how)
+    forged = Announcement(ann.run, ann.origin_snapshots, tuple(snap if s.step == step else s for s in ann.snapshots))
+    update_announcement(run.dst, lambda cur: forged)
+
+
+@pytest.mark.parametrize("how", ["tampered", "wrong_state", "wrong_index"])
+def test_a_forged_regional_snapshot_is_refused_and_the_watcher_takes_another_path(materialised, tmp_path,
+                                                                                  bits_equal, how, caplog):
+    run, _, _ = materialised
+    _forge(run, 9, how)
+    caplog.set_level(logging.WARNING, logger="relay.watcher")
+    with Watcher(run.region, tmp_path / "dest") as w:
+        assert w.sync(timeout=60) == 9  # from regional snapshot 6 and the chain 7-9
+        assert bits_equal(w.tensors, run.states[9])
+        forged = read_announcement(run.dst)[0].snapshot(9)
+        assert set(w.reader._failures) & {forged.index, *forged.files}  # refused, and backed off
+    assert "verification failed again" in caplog.text
+    assert not verify(run.region, deep=True).ok  # and verify says so
+
+
+def test_an_announcement_of_garbage_or_another_run_is_ignored(materialised, tmp_path, bits_equal):
+    run, _, _ = materialised
+    ann, etag = read_announcement(run.dst)
+    run.dst.commit_object(ANNOUNCE_KEY, b'{"format": "deltarelay.regional-snapshots", "version": 7}', etag)
+    assert read_announcement(run.dst)[0] is None
+    with Watcher(run.region, tmp_path / "dest", retry_initial=0.05, retry_max=0.1) as w:
+        # no announcement to go by: the trainer's snapshots are waited for (a CRR region without them: in vain)
+        with pytest.raises(SyncTimeout):
+            w.sync(timeout=1.5)
+        assert w.step is None
+    other = Announcement("f" * 32, False, ann.snapshots)
+    update_announcement(run.dst, lambda cur: other)
+    with Watcher(run.region, tmp_path / "dest2", retry_initial=0.05, retry_max=0.1) as w:
+        with pytest.raises(SyncTimeout):
+            w.sync(timeout=1.5)
+
+
+def test_signed_run_with_a_keyless_materialiser(tmp_path, trainer, bits_equal, monkeypatch, caplog):
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "s", signing_key=key)
+    run.publish(range(5))
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, trusted_keys=[pub]) as mat:
+        assert mat.sync_once(timeout=60)
+        run.publish(range(5, 7))
+        assert mat.sync_once(timeout=60)
+        assert mat.status()["regional_snapshots"] == [3, 6]
+    for s in Manifest.parse(run.src.read_manifest().data).steps:  # records of a signed run carry BLAKE3
+        rec = Record.parse(run.src.get(s.record.key))
+        assert all(info.blake3 is not None for info in rec.tensors.values())
+        assert all(with_blake3(info, run.states[s.step][n]) == info for n, info in rec.tensors.items())
+    run.pub.close()
+    with Watcher(run.region, tmp_path / "dest", trusted_keys=[pub]) as w:
+        assert w.sync(timeout=30) == 6 and bits_equal(w.tensors, run.states[6])
+        record6 = Manifest.parse(run.dst.read_manifest().data).step(6).record
+        assert w.bytes_downloaded == read_announcement(run.dst)[0].snapshot(6).bytes + record6.size
+
+    # A forger who can find xxh3 collisions: regional snapshot 6 with a changed tensor whose xxh3 digest is
+    # the record's (simulated: the digest of that tensor is reported as the record's). Only BLAKE3 catches it.
+    _forge(run, 6, "tampered")
+    name = sorted(st_load(run.dst.get(read_announcement(run.dst)[0].snapshot(6).files[0].key)))[0]
+    real = relay.manifest.tensor_infos
+
+    def colliding(tensors, like=None, strong=False):
+        out = real(tensors, like, strong)
+        if like is not None and name in out and name in like:
+            out[name] = dataclasses.replace(out[name], digest=like[name].digest)
+        return out
+
+    monkeypatch.setattr(relay.manifest, "tensor_infos", colliding)
+    caplog.set_level(logging.WARNING, logger="relay.watcher")
+    with Watcher(run.region, tmp_path / "dest2", trusted_keys=[pub]) as w:
+        assert w.sync(timeout=60) == 6  # from regional snapshot 3 and the chain
+        assert bits_equal(w.tensors, run.states[6])
+    assert "does not match its record" in caplog.text
+
+
+def test_regional_gc(materialised):
+    run, _, _ = materialised
+    run.dst.put_new("regional/snapshots/7/leftover.safetensors", b"x")  # below the newest: collected
+    run.dst.put_new("regional/snapshots/12/model-00001-of-00001.safetensors", b"y")  # being written: spared
+    out = ops.gc(run.region, 1, regional_only=True)
+    assert out["regional_snapshots"] == [9] and out["snapshots"] is None
+    left = set(run.dst.list("regional/"))
+    assert not any(k.startswith(("regional/snapshots/6/", "regional/snapshots/7/")) for k in left)
+    assert "regional/snapshots/12/model-00001-of-00001.safetensors" in left
+    assert [s.step for s in read_announcement(run.dst)[0].snapshots] == [9]
+    full = ops.gc(run.region, 1)  # an unsigned region: the manifest is trimmed as well
+    assert full["snapshots"] == [9] and full["regional_snapshots"] == [9]
+
+
+def test_end_to_end_on_s3(moto_regions, tmp_path, trainer, bits_equal):
+    east, west = moto_regions("us-east-1"), moto_regions("eu-west-1")
+    origin, region = f"s3://{east.new_bucket('origin')}/run", f"s3://{west.new_bucket('region')}/run"
+    run = start_run(tmp_path, trainer, options=east.options, origin=origin, region=region,
+                    region_options=west.options)
+    run.publish(range(8))
+    with Materialiser(region, tmp_path / "work", bootstrap_from=origin, storage_options=west.options,
+                      bootstrap_options=east.options, every=2) as mat:
+        assert mat.sync_once(timeout=60)
+        st = mat.status()
+        run.publish(range(8, 12))
+        assert mat.sync_once(timeout=60)
+        end = mat.status()
+    run.pub.close()
+    origin_m = Manifest.parse(run.src.read_manifest().data)
+    assert st["bootstrap_bytes"] == origin_m.snapshot(6).bytes and end["bootstrap_bytes"] == st["bootstrap_bytes"]
+    # 6 (the bootstrap), 8 (every 2), 9 (the trainer's), 11 (every 2); the newest 2 kept
+    assert end["regional_snapshots"] == [9, 11] and end["snapshots_written"] == 4
+    with Watcher(region, tmp_path / "dest", storage_options=west.options) as w:
+        assert w.sync(timeout=30) == 11 and bits_equal(w.tensors, run.states[11])
+    doc = json.loads(run.dst.get(ANNOUNCE_KEY))
+    assert doc["format"] == "deltarelay.regional-snapshots" and doc["origin_snapshots"] is False
+
+
+def test_signed_records_without_blake3_give_no_regional_snapshot_to_a_trusting_reader(tmp_path, trainer, bits_equal,
+                                                                                     monkeypatch):
+    """A signed run published before records carried BLAKE3: the region's snapshot cannot be authenticated,
+    so a watcher with trusted keys refuses it (a watcher without keys checks xxh3 only, and takes it)."""
+    import relay.publisher
+
+    real = relay.publisher.tensor_infos
+    monkeypatch.setattr(relay.publisher, "tensor_infos", lambda t, like=None, strong=False: real(t, like))
+    monkeypatch.setattr(Publisher, "_blake3_of", lambda self, target, found: {})
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "old", signing_key=key)
+    run.publish(range(4))
+    run.pub.close()
+    assert all(i.blake3 is None for i in run.record(3).tensors.values())
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, trusted_keys=[pub]) as mat:
+        assert mat.sync_once(timeout=60) and mat.status()["regional_snapshots"] == [3]
+    with Watcher(run.region, tmp_path / "trusting", trusted_keys=[pub]) as w:
+        with pytest.raises(SyncError, match="no verified path"):
+            w.sync(timeout=30)
+        assert w.step is None
+    with Watcher(run.region, tmp_path / "keyless") as w:
+        assert w.sync(timeout=30) == 3 and bits_equal(w.tensors, run.states[3])
+
+
+def test_materialise_command(tmp_path, trainer, capsys):
+    from relay.cli import main
+
+    run = start_run(tmp_path, trainer, "cli")
+    run.publish(range(4))
+    run.pub.close()
+    assert main(["materialise", run.region, "--workdir", str(tmp_path / "work"), "--bootstrap-from", run.origin,
+                 "--once", "--timeout", "60"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["step"] == 3 and st["regional_snapshots"] == [3] and st["bootstraps"] == 1
+    assert main(["gc", run.region, "--keep-snapshots", "1", "--regional-only"]) == 0
+    assert "regional snapshots [3]" in capsys.readouterr().out
