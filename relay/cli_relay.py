@@ -47,6 +47,19 @@ def tensor_selector(patterns: list[str] | None) -> Callable[[str], bool] | None:
     return lambda name: any(fnmatch.fnmatchcase(name, p) for p in pats)
 
 
+def engine_of(spec: str | None, pause_mode: str):
+    """--engine: `vllm+http://HOST:PORT` drives `vllm serve` there (relay.engines.vllm.VLLMServer)."""
+    if spec is None:
+        return None
+    kind, sep, rest = spec.partition("+")
+    if kind != "vllm" or not sep or not rest.startswith(("http://", "https://")):
+        raise SystemExit(f"--engine {spec!r}: expected vllm+http://HOST:PORT (a `vllm serve` started with "
+                         f"VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls relay.engines.vllm.WorkerExtension)")
+    from relay.engines.vllm import VLLMServer
+
+    return VLLMServer(rest, pause_mode=pause_mode)
+
+
 def _watch(args: argparse.Namespace) -> int:
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
@@ -54,7 +67,8 @@ def _watch(args: argparse.Namespace) -> int:
                  trusted_keys=args.trusted_key, tensors=tensor_selector(args.tensors), persist=args.persist,
                  compact_fraction=args.compact_fraction, compact_steps=args.compact_steps, host=args.host,
                  region=args.region, report_interval=None if args.no_report else args.report_interval,
-                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr) as w:
+                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+                 engine=engine_of(args.engine, args.engine_pause)) as w:
         if w.metrics_port is not None:
             print(f"metrics on http://{args.metrics_addr}:{w.metrics_port}/metrics", file=sys.stderr, flush=True)
         try:
@@ -180,6 +194,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ledger heartbeat: report the held step at least every S seconds (and after every sync)")
     p.add_argument("--no-report", action="store_true", help="write no fleet ledger entry (a read-only store)")
     add_metrics(p)
+    p.add_argument("--engine", metavar="URL",
+                   help="also put each verified step into a running inference engine, without a restart: "
+                        "vllm+http://HOST:PORT for `vllm serve` (README, Serving with vLLM); needs --persist full")
+    p.add_argument("--engine-pause", choices=("abort", "wait", "keep"), default="abort",
+                   help="what the engine does with in-flight requests while it applies a step (vLLM's pause "
+                        "modes: abort them, wait for them, keep them frozen until resume)")
     add_trusted_key(p)
     add_storage_options(p)
     add_no_progress(p)

@@ -40,6 +40,7 @@ import xxhash
 from relay import announce, checkpoint, fleet, shards
 from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
+from relay.engines import Engine, EngineError, Update, changed_names
 from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
                             Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name)
 from relay.files import atomic_path, fsync_dir, temporary_sibling
@@ -866,7 +867,7 @@ class Watcher:
                  compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
                  region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
-                 metrics_registry: Any = None) -> None:
+                 metrics_registry: Any = None, engine: Engine | None = None) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -875,6 +876,8 @@ class Watcher:
             # a journal replays whole payloads over its base (relay.dest); a partial DEST holds only some of
             # their tensors, which dest's replay and compaction do not select yet
             raise ValueError("a partial replica (tensors=...) needs persist=\"full\"")
+        if engine is not None and (persist != "full" or tensors is not None):
+            raise ValueError("an engine loads complete steps from DEST: it needs persist=\"full\" and no tensors=")
         self.url = url
         self.dest = Path(dest)
         self.persist = persist
@@ -884,6 +887,7 @@ class Watcher:
         self.poll_interval = poll_interval
         self.on_update = on_update
         self.module = module
+        self.engine = engine
         self.store = open_store(url, storage_options)
         self.reader = Reader(self.store, workers=workers, retry_initial=retry_initial, retry_max=retry_max,
                              reroute_after=reroute_after, trusted_keys=trusted_keys,
@@ -895,6 +899,8 @@ class Watcher:
         self.tensors: dict[str, torch.Tensor] | None = None
         self.module_step: int | None = None  # the step `module` holds (set by a successful hot-load)
         self.delivered_step: int | None = None  # the last step on_update accepted
+        self.engine_step: int | None = None  # the step `engine` serves (set by a successful commit)
+        self._engine_tensors: dict[str, TensorInfo] | None = None  # that step's record entries (what changed)
         self._module_tensors: dict[str, torch.Tensor] | None = None  # the dict the module took its step from
         # ... and the undo logs of the in-place syncs that have moved that dict on since (restore = revert them)
         self._module_logs: list[codec.UndoLog] = []
@@ -1472,6 +1478,12 @@ class Watcher:
             except HotLoadError as exc:
                 log.error("%s", exc)
                 failure = exc
+        if self.engine is not None and self.step is not None and self.engine_step != self.step:
+            try:
+                self._engine_load()
+            except EngineError as exc:
+                log.error("%s: %s", self.dest, exc)
+                failure = failure or exc
         # self.tensors is set with self.step; tested too so that on_update never gets None
         if (self.on_update is not None and self.step is not None and self.tensors is not None
                 and self.delivered_step != self.step):
@@ -1534,6 +1546,28 @@ class Watcher:
                     live[d].copy_(self._module_previous(d))
             raise HotLoadError(f"{where} (copying {k} failed: {exc}; {len(done)} copied tensors restored)") from exc
         self.module_step, self._module_tensors, self._module_logs = self.step, new, []
+
+    def _engine_load(self) -> None:
+        """Stage the held step in the engine (it keeps serving), then commit it (pause, apply, resume).
+        Only the tensors whose record entries differ from the engine's step are named as changed; an
+        engine that fails either phase stays on its step, and engine_step does not move."""
+        if self.engine is None or self._state is None or self._version is None or self.step is None:
+            raise SyncError("internal: engine load without an engine or a persisted step")
+        update = Update(self.step, self._state.run, self.tensors or {}, self._version,
+                        changed_names(self._engine_tensors, self._state.tensors))
+        try:
+            self.engine.stage(update)
+            pause = self.engine.commit(self.step)
+        except EngineError:
+            self.engine.abort()
+            raise
+        except Exception as exc:  # an adapter's own failure: a refused step
+            self.engine.abort()
+            raise EngineError(f"engine did not take step {self.step}: {exc}") from exc
+        self.engine_step, self._engine_tensors = self.step, self._state.tensors
+        changed = "all" if update.changed is None else len(update.changed)
+        log.info("%s: engine now serves step %d (%s tensors changed, paused %.3f s)", self.dest, self.step,
+                 changed, pause)
 
     def run(self, sync_timeout: float | None = None) -> None:
         """Poll forever (until stop()): one conditional manifest read per interval, a sync when it changed.

