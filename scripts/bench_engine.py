@@ -28,6 +28,7 @@ SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
     "tiny": (128, 256, 2, 2, 1, 512),
     "100m": (768, 2048, 8, 12, 4, 32000),
     "300m": (1024, 2816, 16, 16, 4, 32000),
+    "1b": (2048, 5632, 22, 32, 4, 32000),  # TinyLlama-1.1B's shape: ~2.2 GB in BF16, the bigmem lock's size
 }
 
 
