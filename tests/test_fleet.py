@@ -211,11 +211,24 @@ def test_a_ledger_that_cannot_be_written_never_stops_the_watcher(file_run, train
 
 
 class FakeEngine:
-    """What the engine adapter's state() reports (the watcher's hook reads it; the adapter is elsewhere)."""
+    """An engine adapter (relay.engines.Engine) that serves whatever step the watcher commits, pausing
+    `pause` seconds per commit as it reports them: what the ledger and the pause histogram read."""
 
     def __init__(self) -> None:
-        self.step = None
-        self.pause = None
+        self.step: int | None = None
+        self.pause: float | None = None
+        self.staged: int | None = None
+
+    def stage(self, update) -> None:
+        self.staged = update.step
+
+    def commit(self, step: int) -> float:
+        assert self.staged == step
+        self.step, self.staged = step, None
+        return self.pause or 0.0
+
+    def abort(self) -> None:
+        self.staged = None
 
     def state(self) -> dict:
         return {"kind": "fake", "step": self.step, "weight_version": None if self.step is None else str(self.step),
@@ -225,13 +238,15 @@ class FakeEngine:
 def test_watcher_metrics_endpoint_moves_with_the_run(file_run, trainer, tmp_path):
     pub = Publishing(file_run.url, trainer)
     pub.next(2)
-    with Watcher(file_run.url, tmp_path / "d", host="m1", metrics_port=0, metrics_addr="127.0.0.1") as w:
-        w.engine = FakeEngine()
+    engine = FakeEngine()
+    with Watcher(file_run.url, tmp_path / "d", host="m1", metrics_port=0, metrics_addr="127.0.0.1",
+                 engine=engine) as w:
         m = scrape(w.metrics_port)
         assert 'deltarelay_watcher_held_step{host="m1"}' not in m
         assert m['deltarelay_watcher_bytes_downloaded_total{host="m1"}'] == 0
-        w.engine.step, w.engine.pause = 1, 0.02
+        engine.pause = 0.02
         w.sync(timeout=30)
+        assert engine.step == 1
         m = scrape(w.metrics_port)
         assert m['deltarelay_watcher_held_step{host="m1"}'] == 1 and m['deltarelay_watcher_lag_steps{host="m1"}'] == 0
         first = m['deltarelay_watcher_bytes_downloaded_total{host="m1"}']
@@ -244,8 +259,9 @@ def test_watcher_metrics_endpoint_moves_with_the_run(file_run, trainer, tmp_path
         m = scrape(w.metrics_port)
         assert m['deltarelay_watcher_lag_steps{host="m1"}'] == 2 and m['deltarelay_watcher_head_step{host="m1"}'] == 3
         assert m['deltarelay_watcher_lag_seconds{host="m1"}'] >= 0
-        w.engine.step, w.engine.pause = 3, 0.4
+        engine.pause = 0.4
         w.sync(timeout=30)
+        assert engine.step == 3
         m = scrape(w.metrics_port)
         assert m['deltarelay_watcher_held_step{host="m1"}'] == 3 and m['deltarelay_watcher_lag_seconds{host="m1"}'] == 0
         assert m['deltarelay_watcher_bytes_downloaded_total{host="m1"}'] > first
