@@ -17,6 +17,7 @@ from relay.fanout import Destination, Fanout
 from relay.publisher import Publisher
 from relay.store import open_store
 from relay.watcher import Watcher
+from fake_engine import FakeEngine
 
 from conftest import publish_steps
 
@@ -208,31 +209,6 @@ def test_a_ledger_that_cannot_be_written_never_stops_the_watcher(file_run, train
         assert w.fleet.failures == 1 and "AccessDenied" in w.fleet.last_error
         assert "syncing is not affected" in caplog.text
         assert json.loads((tmp_path / "d" / "relay-state.json").read_bytes())["step"] == 1
-
-
-class FakeEngine:
-    """An engine adapter (relay.engines.Engine) that serves whatever step the watcher commits, pausing
-    `pause` seconds per commit as it reports them: what the ledger and the pause histogram read."""
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.pause: float | None = None
-        self.staged: int | None = None
-
-    def stage(self, update) -> None:
-        self.staged = update.step
-
-    def commit(self, step: int) -> float:
-        assert self.staged == step
-        self.step, self.staged = step, None
-        return self.pause or 0.0
-
-    def abort(self) -> None:
-        self.staged = None
-
-    def state(self) -> dict:
-        return {"kind": "fake", "step": self.step, "weight_version": None if self.step is None else str(self.step),
-                "status": "serving", "last_pause_s": self.pause}
 
 
 def test_watcher_metrics_endpoint_moves_with_the_run(file_run, trainer, tmp_path):

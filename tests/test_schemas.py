@@ -18,6 +18,7 @@ from relay.regional import Materialiser
 from relay.signing import generate_keypair
 from relay.store import open_store
 from relay.watcher import Watcher
+from fake_engine import FakeEngine
 
 from conftest import publish_steps
 
@@ -162,9 +163,8 @@ def test_cross_field_rules_are_the_parsers(run_docs):
 def fleet_docs(file_run, trainer, tmp_path) -> dict:
     """A watcher's ledger entry (with an engine's state) and the region document a relay gathers from it."""
     publish_steps(file_run.url, trainer, 2)
-    with Watcher(file_run.url, tmp_path / "dest", host="h-1", region="eu") as w:
-        w.engine = type("E", (), {"state": lambda self: {"kind": "vllm", "step": 1, "weight_version": "1",
-                                                         "status": "serving", "last_pause_s": 0.02}})()
+    with Watcher(file_run.url, tmp_path / "dest", host="h-1", region="eu",
+                 engine=FakeEngine(kind="vllm", pause=0.02)) as w:
         w.sync(timeout=10)
     region = open_store(file_run.url)
     origin = open_store(f"file://{tmp_path}/origin")
