@@ -147,7 +147,10 @@ def _kill_at_each_point(run, trainer, tmp_path, points, persist: str, extra: tup
         pub.publish(state, step)
     dests = [tmp_path / f"dest{i}" for i in range(len(points))]
     for dest in dests:
-        relay.Watcher(run.url, dest, storage_options=run.options, persist=persist).sync()  # each holds step 1
+        # each holds step 1; closed, so DEST's lock is free for the child at once (a dropped Watcher frees it
+        # only when collected, and a traceback s3fs keeps can hold its frames for a while)
+        with relay.Watcher(run.url, dest, storage_options=run.options, persist=persist) as w:
+            w.sync()
     oracle.published(2, state := t.step())
     pub.publish(state, 2)
     rows = []
