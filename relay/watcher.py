@@ -476,7 +476,12 @@ class Reader:
             # compressed files are decoded from a file (codec.decode_snapshot), not streamed into tensors:
             # spooled for this read only (an index that hides its format is refused by stream_into instead)
             with tempfile.TemporaryDirectory(prefix=".deltarelay-snapshot-") as tmp:
-                return self._load_snapshot(m, snap, Path(tmp), trail, files)
+                return self._snapshot_tensors(snap, rec, Path(tmp), trail, files)
+        return self._snapshot_tensors(snap, rec, spool, trail, files)
+
+    def _snapshot_tensors(self, snap: Snapshot, rec: Record, spool: Path | None, trail: Trail,
+                          files: tuple[ObjRef, ...] | None) -> tuple[dict[str, torch.Tensor], Record]:
+        """_load_snapshot's files, once its record and index are read and checked."""
         layout = {f: {k for k, v in rec.weight_map.items() if v == f} for f in set(rec.weight_map.values())}
         names = [f.key.rsplit("/", 1)[-1] for f in snap.files]
         # A sharded trainer's snapshot (one set of files per rank: row slices, or whole tensors by owner) and a
