@@ -138,11 +138,7 @@ def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int) -> tuple[bytes, 
         for start in range(0, numel * dt.itemsize, step):
             blocks.append(_other_block(raw[start:start + step].tobytes()))
     w = wire.Writer()
-    w.blob(name.encode())
-    w.u8(dt.code)
-    w.uvarint(len(shape))
-    for d in shape:
-        w.uvarint(d)
+    _tensor_fields(w, name, dt.code, shape)
     w.uvarint(block_elems)
     w.uvarint(len(blocks))
     for b in blocks:
@@ -155,15 +151,21 @@ def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int) -> tuple[bytes, 
     return head, blocks, entry
 
 
+def _tensor_fields(w: wire.Writer, name: str, code: int, shape: Iterable[int]) -> None:
+    """name, dtype code, rank and dims: how a record head and the index each begin a tensor (FORMAT.md)."""
+    w.blob(name.encode())
+    w.u8(code)
+    dims = tuple(shape)
+    w.uvarint(len(dims))
+    for d in dims:
+        w.uvarint(d)
+
+
 def _index_body(entries: list[SnapshotEntry]) -> bytes:
     w = wire.Writer()
     w.uvarint(len(entries))
     for e in entries:
-        w.blob(e.name.encode())
-        w.u8(tensors.BY_NAME[e.dtype].code)
-        w.uvarint(len(e.shape))
-        for d in e.shape:
-            w.uvarint(d)
+        _tensor_fields(w, e.name, tensors.BY_NAME[e.dtype].code, e.shape)
         w.uvarint(e.offset)
         w.uvarint(e.length)
         w.raw(e.digest)
