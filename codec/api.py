@@ -114,18 +114,22 @@ class _Batched:
     digest) them all, with no Python per tensor (`Method.analyse_batch`)."""
 
     def __init__(self, method: Method, names: list[str], base: Mapping[str, torch.Tensor],
-                 target: Mapping[str, torch.Tensor], scratch: object) -> None:
+                 target: Mapping[str, torch.Tensor], scratch: object, known: Mapping[str, bytes]) -> None:
         self.method = method
         self.names = names
         self.dtypes = [tensors.dtype_of(target[name], name) for name in names]
         self.shapes = [tuple(target[name].shape) for name in names]
         self.sizes = np.array([target[name].numel() for name in names], np.int64)
-        self.batch: Batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], scratch)
+        hash_base = [name not in known for name in names]
+        self.batch: Batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], scratch,
+                                                 hash_base if not all(hash_base) else None)
         digests = self.batch.digest_pairs()
         if digests is None:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python, a second read
-            digests = [(digest_elements(dt.name, shape, tensors.element_view(base[name])),
+            digests = [(known.get(name) or digest_elements(dt.name, shape, tensors.element_view(base[name])),
                         digest_elements(dt.name, shape, tensors.element_view(target[name])))
                        for name, dt, shape in zip(names, self.dtypes, self.shapes)]
+        else:
+            digests = [(known.get(name, bd), td) for name, (bd, td) in zip(names, digests)]
         self.digests = digests
 
     def entries(self, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: _Plan) -> list[Entry]:
@@ -203,7 +207,8 @@ class _Pending:
     """A tensor outside the batches (another dtype, a device tensor, a v1 payload) on its way
     into the payload; host copies of device tensors are made on demand."""
 
-    def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, plan: _Plan) -> None:
+    def __init__(self, name: str, base: torch.Tensor, target: torch.Tensor, plan: _Plan,
+                 base_digest: bytes | None = None) -> None:
         self.name = name
         self.dt = tensors.dtype_of(target, name)
         self.shape = tuple(target.shape)
@@ -223,7 +228,7 @@ class _Pending:
             self.changes = self.analysis.changes
         else:
             self.changes = int(self.index.size)
-        self.base_digest = digest_elements(self.dt.name, self.shape, self.host[0])
+        self.base_digest = base_digest or digest_elements(self.dt.name, self.shape, self.host[0])
 
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray]:
@@ -241,7 +246,8 @@ class _Pending:
 
 
 def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, effort: str = "default",
-           format_version: int = container.CURRENT_VERSION, workers: int = 1, compiled: bool = True) -> bytes:
+           format_version: int = container.CURRENT_VERSION, workers: int = 1, compiled: bool = True,
+           base_digests: Mapping[str, str] | None = None) -> bytes:
     """Delta payload that turns `base` into `target`, bit for bit.
 
     Both map tensor names to tensors with the same names, dtypes and shapes (else
@@ -250,12 +256,19 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     that many threads (the compiled kernels release the GIL). `compiled=False` runs no compiled
     kernel (codec/interim.py): a larger payload of the same format, for a host whose kernels are
     still compiling (`warm_up`).
+
+    `base_digests`: the digests (hex, as `codec.digests` gives them) of base tensors the caller
+    already knows, e.g. the target digests of the payload that made this base: the encoder then
+    reads those bases to diff them but does not hash them, a third of a large step's scan. They
+    are written as the records' base digests unchecked, so they must be right: a decoder verifies
+    every target whatever they say, but a wrong one makes it blame the wrong base.
     """
     if effort not in EFFORTS:
         raise ValueError(f"effort must be one of {EFFORTS}")
     if format_version not in container.SUPPORTED_VERSIONS:
         raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
+    known = _known_digests(base_digests, base)
     if not compiled:
         return interim.encode(base, target, format_version, effort, lambda fn, names: _map(workers, fn, names))
     plan = _Plan(format_version, effort)
@@ -266,10 +279,26 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
             batched.setdefault(m, []).append(name)
     jobs = [(m, group, _BUFFERS.take(m)) for m, names in batched.items() for group in _groups(names, target, workers)]
     try:
-        return _encode(base, target, plan, workers, jobs)
+        return _encode(base, target, plan, workers, jobs, known)
     finally:
         for m, _, scratch in jobs:
             _BUFFERS.give(m, scratch)
+
+
+def _known_digests(given: Mapping[str, str] | None, base: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+    """`encode`'s base_digests as bytes, for the tensors of `base` (ValueError if one is not a digest)."""
+    known = {}
+    for name, hexed in (given or {}).items():
+        if name not in base:
+            continue
+        try:
+            raw = bytes.fromhex(hexed)
+        except (TypeError, ValueError):
+            raw = b""
+        if len(raw) != hashing.DIGEST_SIZE:
+            raise ValueError(f"base_digests[{name!r}] is not a {hashing.DIGEST_SIZE}-byte hex digest: {hexed!r}")
+        known[name] = raw
+    return known
 
 
 _POOLS: dict[int, tuple[int, ThreadPoolExecutor]] = {}
@@ -296,12 +325,13 @@ def _map(workers: int, fn, items: list) -> list:
 
 
 def _encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: _Plan, workers: int,
-            jobs: list[tuple[Method, list[str], object]]) -> bytes:
-    """`encode` of the batches `jobs` (method, names, lent scratch) and of the tensors outside them."""
-    batches = _map(workers, lambda job: _Batched(job[0], job[1], base, target, job[2]), jobs)
+            jobs: list[tuple[Method, list[str], object]], known: Mapping[str, bytes]) -> bytes:
+    """`encode` of the batches `jobs` (method, names, lent scratch) and of the tensors outside them;
+    `known`: base digests given by the caller."""
+    batches = _map(workers, lambda job: _Batched(job[0], job[1], base, target, job[2], known), jobs)
     in_batches = {name for _, names, _ in jobs for name in names}
     rest = [name for name in target if name not in in_batches]
-    pending = _map(workers, lambda name: _Pending(name, base[name], target[name], plan), rest)
+    pending = _map(workers, lambda name: _Pending(name, base[name], target[name], plan, known.get(name)), rest)
     for m in plan.methods:  # each analysing method's payload-wide model, from all its analyses
         if m.analyses:
             plan.models[m.id] = m.fit(plan.version, [b.batch for b in batches if b.method is m],

@@ -124,11 +124,13 @@ def local_tensors(state: Any) -> dict[str, _Local]:
     return out
 
 
-def _info(name: str, e: _Local) -> tuple[str, tuple[int, ...], str, tuple[int, int] | None]:
-    """(dtype, whole shape, digest of what this rank holds, rows) for the exchange."""
+def _info(name: str, e: _Local, digest: str | None = None) -> tuple[str, tuple[int, ...], str, tuple[int, int] | None]:
+    """(dtype, whole shape, digest of what this rank holds, rows) for the exchange; `digest`: that digest where
+    it is known (the payload's target digest of the tensor), else it is hashed here."""
     dt = dtype_of(e.tensor, name)
     local_shape = tuple(e.tensor.shape)
-    digest = digest_elements(dt.name, local_shape, element_view(e.tensor)).hex()
+    if digest is None:
+        digest = digest_elements(dt.name, local_shape, element_view(e.tensor)).hex()
     shape = local_shape if e.rows is None else (e.total_rows, *local_shape[1:])
     return dt.name, shape, digest, e.rows
 
@@ -232,6 +234,9 @@ class ShardedPublisher:
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self._adopt_unsigned = adopt_unsigned
         self.prev: dict[str, _Local] | None = None
+        self._digests: dict[str, str] = {}  # the digest (hex) of each tensor of prev: encode need not hash it
+        # kernels compile in the background; until they are ready, deltas are coded without them (codec/interim.py)
+        self._warm = codec.warm_up(("encode",))
         self.step: int | None = None
         self._last_snapshot_step = 0
         self._last_snapshot_bytes = 0
@@ -343,36 +348,49 @@ class ShardedPublisher:
             self._last_snapshot_bytes = sum(rep["bytes"] for rep in reports)
             self._chain_bytes = 0
         self.prev, self.step = local, step
+        self._digests = {k: info[2] for k, info in mine["infos"].items()}
         self._strong_local, self._next_strong = self._next_strong, {}
 
     def _upload_part(self, local: dict[str, _Local], step: int) -> dict[str, Any]:
         """This rank's digests, and its delta part uploaded ("mismatch": its tensors changed structure,
         None: it holds nothing or there is no previous step)."""
-        infos = {name: _info(name, e) for name, e in local.items()}
-        out: dict[str, Any] = {"infos": infos, "part": None, "names": list(local),
+        part, payload = self._encode_part(local, step)
+        # a payload records its tensors' digests (the scan made them): the exchange hashes only without one
+        found = {} if payload is None else codec.digests(payload, compiled=self._warm.done())
+        infos = {name: _info(name, e, found[name].target if name in found else None) for name, e in local.items()}
+        out: dict[str, Any] = {"infos": infos, "part": part, "names": list(local),
                                "blake3": self._blake3_of(local, infos),
                                "rows": {k: e.rows for k, e in local.items() if e.rows is not None},
                                "bytes": sum(e.tensor.numel() * e.tensor.element_size() for e in local.values())}
+        if payload is not None:
+            ref = ObjRef.of(delta_key(step, self.rank), payload, self.strong)
+            self._put(ref.key, payload)
+            out["part"] = ref
+        return out
+
+    def _encode_part(self, local: dict[str, _Local], step: int) -> tuple[str | None, bytes | None]:
+        """(part, payload): this rank's delta from prev, or no payload and why ("mismatch": its tensors changed
+        structure; None: it holds nothing or there is no previous step). The bases' digests are known (the last
+        step's), so the scan hashes targets only; while the kernels compile, the payload is coded without them."""
         prev = self.prev
         if prev is None:
-            return out
+            return None, None
         if {k: v.rows for k, v in prev.items()} != {k: v.rows for k, v in local.items()}:
-            out["part"] = "mismatch"  # another tensor set or other rows: only a snapshot reaches the step
-            return out
+            return "mismatch", None  # another tensor set or other rows: only a snapshot reaches the step
         if not local:
-            return out  # held nothing, holds nothing
+            return None, None  # held nothing, holds nothing
+        compiled = self._warm.done()
+        if not compiled:
+            log.info("%s: rank %d: step %d is coded without compiled kernels (they are still compiling)", self.url,
+                     self.rank, step)
         try:
             payload = codec.encode({k: v.tensor for k, v in prev.items()}, {k: v.tensor for k, v in local.items()},
-                                   effort=self.effort)
+                                   effort=self.effort, base_digests=self._digests, compiled=compiled)
         except codec.CheckpointMismatchError as exc:
             log.info("%s: rank %d: step %d changes its tensors (%s); the step is a snapshot", self.url, self.rank,
                      step, exc)
-            out["part"] = "mismatch"
-            return out
-        ref = ObjRef.of(delta_key(step, self.rank), payload, self.strong)
-        self._put(ref.key, payload)
-        out["part"] = ref
-        return out
+            return "mismatch", None
+        return None, payload
 
     def _blake3_of(self, local: dict[str, _Local], infos: dict[str, tuple]) -> dict[str, str]:
         """Signed runs: the BLAKE3 of each tensor (or slice) this rank holds, reused from the previous step where

@@ -30,6 +30,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 
 import codec
@@ -64,6 +65,9 @@ def live_tensors(state: Any) -> dict[str, torch.Tensor]:
             raise TypeError(f"state entry {name!r} is a {type(t).__name__}, not a tensor")
         out[name] = t.detach()
     return out
+
+
+_COPY_PIECE = 16 << 20  # elements per piece of a step's copy into prev: a few per tensor for the threads
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -343,6 +347,8 @@ class Publisher:
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
         self._blake3: dict[str, str] = {}  # signed runs: the BLAKE3 of each tensor of prev, where known
+        # the digest (hex) of each tensor of prev, where known: the next encode reads prev but need not hash it
+        self._digests: dict[str, str] = {}
         self.run = uuid.uuid4().hex
         self.writer = uuid.uuid4().hex  # this publisher's id in the manifest's `writer` field
         existing = self.store.read_manifest()
@@ -363,6 +369,7 @@ class Publisher:
         m, tensors, _ = Reader(self.store, trusted_keys=trusted).reach(None, None, timeout=self.resume_timeout)
         self.run = m.run
         self.prev, self.step, self._head = tensors, m.head, m.head
+        self._digests = {}
         snap = m.snapshots[-1]
         self._last_snapshot_step, self._last_snapshot_bytes = snap.step, snap.bytes
         self._chain_bytes = sum(s.delta_bytes for s in m.chain_since_base())
@@ -433,7 +440,7 @@ class Publisher:
             for names in parts:
                 target = {k: _on_host(live[k]) for k in names}  # host copies (device, strided): one part at a time
                 payload = codec.encode({k: prev[k] for k in names}, target, effort=self.effort, workers=self.workers,
-                                       compiled=compiled)
+                                       compiled=compiled, base_digests=self._digests)
                 found = codec.digests(payload, compiled=compiled)
                 if strong:
                     strongs.update(self._blake3_of(target, found))
@@ -471,12 +478,11 @@ class Publisher:
         self._chain_bytes += entry.delta_bytes
         if self.advance == "copy":
             try:
-                for name, d in digests.items():
-                    if d.base != d.target:
-                        self._copy_into_prev(name, live[name], budget)
+                self._advance_by_copy([name for name, d in digests.items() if d.base != d.target], live, budget)
             except BaseException:
                 self.prev = None  # partly moved to the committed step: the next step starts from a snapshot
                 raise
+        self._digests = {name: d.target for name, d in digests.items()}
         if due:
             self._snapshot(step, weight_map, strong)
 
@@ -492,15 +498,31 @@ class Publisher:
                 d.dtype, d.shape, element_view(t))
         return out
 
-    def _copy_into_prev(self, name: str, src: torch.Tensor, budget: int) -> None:
-        """prev[name] := src, in place unless a pending snapshot still has to write the old tensor."""
+    def _advance_by_copy(self, names: list[str], live: Mapping[str, torch.Tensor], budget: int) -> None:
+        """prev[name] := live[name] for the changed `names`: in place, unless a pending snapshot still has to
+        write the old tensor (then prev gets a new copy). A large step's copy is a pass over the model's
+        changed bytes, as long as a third of its encode: it runs on the encoder's `workers` threads, in
+        pieces, with numpy's copy (half the CPU time of torch's `copy_` here, measured on BF16)."""
         if self.prev is None:
             raise AssertionError("internal: no base to advance")
-        current = self.prev[name]
-        if self._cow.take(name, current, budget):
-            self.prev[name] = _private_copy(src)
-        else:
-            current.copy_(src)
+        pieces: list[tuple[Any, Any]] = []
+        for name in names:
+            current, src = self.prev[name], live[name]
+            if self._cow.take(name, current, budget):
+                self.prev[name] = _private_copy(src)
+            elif src.is_cpu and src.is_contiguous() and src.dtype == current.dtype and current.is_contiguous():
+                dst, flat = element_view(current), element_view(src)
+                pieces += [(dst[o:o + _COPY_PIECE], flat[o:o + _COPY_PIECE])
+                           for o in range(0, flat.size, _COPY_PIECE)]
+            else:  # a device or strided tensor: torch copies it
+                current.copy_(src)
+        if len(pieces) <= 1 or self.workers <= 1:
+            for dst, flat in pieces:
+                dst[...] = flat
+            return
+        with ThreadPoolExecutor(min(self.workers, len(pieces)), thread_name_prefix="relay-advance") as pool:
+            for f in [pool.submit(np.copyto, dst, flat) for dst, flat in pieces]:
+                f.result()
 
     def _apply(self, payload: bytes, found: Mapping[str, codec.TensorDigests], budget: int) -> None:
         """Apply one part to prev in place (verified by codec.apply_, or prev unchanged and DeltaError);
@@ -532,6 +554,7 @@ class Publisher:
                                snapshot_format=self.snapshot_format)
         self._commit(Step(step, rec_ref), snap)
         self.prev, self.step = prev, step
+        self._digests = {k: v.digest for k, v in infos.items()}
         self._snapshot_done(step, prev)
 
     def _snapshot_done(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -81,11 +81,20 @@ def _rank_main(rank: int, world: int, port: int, url: str, options: dict | None,
             from torch.distributed.device_mesh import init_device_mesh
 
             _MESH.append(init_device_mesh("cpu", (world,)))
-        pub = ShardedPublisher(url, storage_options=options, snapshot_every=3, timeout=kw.pop("timeout", 20),
-                               **kw)
+        warm = None
+        if fault is not None and fault.startswith("compiling@"):  # a fresh host: kernels ready from step N on
+            import codec
+
+            ready = int(fault.split("@")[1])
+            warm = type("Compiling", (), {"step": 0, "done": lambda self: self.step >= ready})()
+            codec.warm_up = lambda paths=None, **_: warm
+        pub = ShardedPublisher(url, storage_options=options, snapshot_every=kw.pop("snapshot_every", 3),
+                               timeout=kw.pop("timeout", 20), **kw)
         retried = False
         for step in range(steps):
             state = rank_state(step, rank, world, layout)
+            if warm is not None:
+                warm.step = step
             if fault == f"raise@{step}":
                 if rank == 1:
                     state["broken"] = "not a tensor"  # rank 1 fails before its part
@@ -192,6 +201,30 @@ def test_sharded_run_bit_exact_at_every_watcher(s3_run, tmp_path, world, layout)
     rec = Record.parse(open_store(s3_run.url, s3_run.options).get(head.record.key))
     assert set(rec.tensors) == set(SHAPES) and set(rec.weight_map) == set(SHAPES)
     assert all((rec.tensors[k].slices is not None) == (layout != "whole" and SHAPES[k][0] >= world) for k in SHAPES)
+
+
+def test_sharded_deltas_while_the_encoder_compiles_need_no_kernel(file_run, tmp_path):
+    """A fresh host's ranks code their parts without compiled kernels until the warm-up is done (steps 1-2 here:
+    sparse-split records, the same format), then with them; a watcher holds every step bit-exact, and the records'
+    digests (read from the payloads, not hashed again) are the trainer's."""
+    from codec import container
+    from codec.methods import conditional, sparse
+
+    follower = Watcher(file_run.url, tmp_path / "follow", poll_interval=0.05)
+
+    def check(step: int) -> None:
+        assert follower.sync(timeout=20) == step and same_bits(follower.tensors, full_state(step)), step
+
+    results = run_ranks(2, file_run.url, None, 5, "rows", tmp_path, fault="compiling@3", each_step=check,
+                        snapshot_every=100, snapshot_fraction=100.0)
+    follower.close()
+    assert all(r["error"] is None and r["published"] == list(range(5)) for r in results), results
+    store = open_store(file_run.url)
+    m = Manifest.parse(store.read_manifest().data)
+    assert [s.step for s in m.snapshots] == [0]
+    methods = {s.step: {e.method for p in s.parts for e in container.unpack(store.get(p.ref.key)).entries
+                        if e.changes and e.dtype.name == "BF16"} for s in m.steps[1:]}
+    assert methods[1] == methods[2] == {sparse.ID} and methods[3] == methods[4] == {conditional.ID}, methods
 
 
 def test_a_rank_that_raises_fails_the_step_on_every_rank(file_run, tmp_path):

@@ -390,6 +390,58 @@ def test_payload_digests_are_the_states_digests():
         codec.digests(b"not a payload")
 
 
+def test_known_base_digests_give_the_same_payload_unhashed(monkeypatch):
+    """codec.encode(base_digests=...) skips hashing those bases and writes the given digests: the payload is
+    byte for byte the one it makes hashing them (BF16 batches and other dtypes alike), and a malformed
+    digest is refused, naming the tensor."""
+    import codec
+    from codec import api
+
+    a = _model(3)
+    b = _bumped({k: v.clone() for k, v in a.items()}, 1)
+    b["same"] = a["same"] = torch.arange(5, dtype=torch.int32)
+    hashed = codec.encode(a, b)
+    known = {k: d.base for k, d in codec.digests(hashed).items()}
+    scanned = []
+    real = api._Batched.__init__
+
+    def spy(self, method, names, base, target, scratch, known_):
+        scanned.append(dict(known_))
+        real(self, method, names, base, target, scratch, known_)
+
+    monkeypatch.setattr(api._Batched, "__init__", spy)
+    for workers in (1, 2):
+        assert codec.encode(a, b, base_digests=known, workers=workers) == hashed
+    assert scanned and all(set(k) for k in scanned)  # the BF16 batches were given digests
+    with pytest.raises(ValueError, match="'same'"):
+        codec.encode(a, b, base_digests={"same": "00ff"})
+
+
+def test_publisher_hands_the_encoder_its_bases_digests(file_run, monkeypatch):
+    """After a snapshot or a delta, the publisher knows every tensor of its base by digest (the record's):
+    each delta's encode gets them all, and the chain still verifies at a watcher."""
+    import codec
+
+    given = []
+    real = codec.encode
+
+    def spy(base, target, **kw):
+        given.append(dict(kw.get("base_digests") or {}))
+        return real(base, target, **kw)
+
+    monkeypatch.setattr(codec, "encode", spy)
+    state = _model(3)
+    with relay.Publisher(file_run.url, background=False) as pub:
+        pub.publish(state, 0)
+        for step in (1, 2, 3):
+            pub.publish(_bumped(state, step), step)
+    m = manifest_of(file_run.url)
+    store = open_store(file_run.url)
+    for step, digests in zip((1, 2, 3), given):
+        previous = Record.parse(store.get(m.step(step - 1).record.key))
+        assert digests == {k: v.digest for k, v in previous.tensors.items()}, step
+
+
 # -- cold start -----------------------------------------------------------------------------------------
 class _Compiling:
     """A warm-up that has not finished (a fresh host whose encoder is still compiling) until `finish`."""

@@ -712,12 +712,13 @@ class Batch:
 
 
 def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None = None,
-               buffers: ec.ScanBuffers | None = None) -> Batch:
+               buffers: ec.ScanBuffers | None = None, hash_base: np.ndarray | None = None) -> Batch:
     """`analyze` of many BF16 tensors given by address (`exponent_classes.analyze_at`); with
-    `headers`, the scan also digests every base and target (Batch.digests). With `buffers`, the
-    batch's changes and value symbols lie in them: valid until they are lent to another scan."""
+    `headers`, the scan also digests every target and every base whose `hash_base` flag is set
+    (default: all; Batch.digests). With `buffers`, the batch's changes and value symbols lie in
+    them: valid until they are lent to another scan."""
     pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests = ec.analyze_at(
-        where, sizes, headers=headers, buffers=buffers)
+        where, sizes, headers=headers, buffers=buffers, hash_base=hash_base)
     return Batch(pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests, buffers=buffers)
 
 
@@ -1475,14 +1476,16 @@ class Conditional(Method):
     def scratch(self) -> ec.ScanBuffers:
         return ec.ScanBuffers()
 
-    def analyse_batch(self, bases, targets, scratch: ec.ScanBuffers | None) -> Batch:
-        """One compiled scan of all the pairs (digesting them too where the kernels can)."""
+    def analyse_batch(self, bases, targets, scratch: ec.ScanBuffers | None,
+                      hash_base: Sequence[bool] | None = None) -> Batch:
+        """One compiled scan of all the pairs (digesting them too where the kernels can; a base only
+        where `hash_base` says so)."""
         sizes = np.array([t.numel() for t in targets], np.int64)
         keep: list = []
         where = np.array([(elements_at(b, keep), elements_at(t, keep)) for b, t in zip(bases, targets)],
                          np.uintp).reshape(-1, 2)
         headers = [header_bytes(tensors.BF16.name, tuple(t.shape)) for t in targets] if hashing.KERNEL_DIGESTS else None
-        batch = analyze_at(where, sizes, headers, scratch)
+        batch = analyze_at(where, sizes, headers, scratch, None if hash_base is None else np.array(hash_base, np.uint8))
         del keep  # the scan is done with the tensors' memory
         return batch
 
