@@ -570,11 +570,12 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
     at `states`, reset per tensor and fed its header, headers[hoff[i]:hoff[i + 1]]) are fed
     that part while it is in cache; the base only where hash_base[i] (a caller that knows the
     base's digest saves ~13% of the scan: that row's base halves stay 0). Buffers that run out
-    in a part grow, and the part is scanned again (hashed once, after). Every tensor's changes go to the same buffers, back to
-    back, from the start of the change buffers pairs, cls and rank (`_scan_buffers`), which grow
-    if they run out. Returns (the buffers, grown or not; first change of each tensor and the
-    end; thresholds (row i: thresholds[i, :nthr[i]]), nthr, class sizes, class changes, digests
-    (row i: low and high halves of the base's, then of the target's))."""
+    in a part grow, and the part is scanned again (hashed once, after). Every tensor's changes
+    go to the same buffers, back to back, from the start of the change buffers pairs, cls and
+    rank (`_scan_buffers`), which grow if they run out. Returns (the buffers, grown or not;
+    first change of each tensor and the end; thresholds (row i: thresholds[i, :nthr[i]]), nthr,
+    class sizes, class changes, digests (row i: low and high halves of the base's, then of the
+    target's))."""
     hashing = functions.size > 0
     m = sizes.size
     first = np.zeros(m + 1, np.int64)
