@@ -484,7 +484,7 @@ def test_value_tables_fast_parse_accepts_exactly_what_the_checked_parse_accepts(
         want = conditional.ValueModel.unpack_checked(block)
     except codec.DeltaError:
         want = None
-    status, keys_fast, freq_fast = conditional._unpack_tables(np.array(vals, np.int64))
+    status, keys_fast, freq_fast = conditional._unpack_tables(np.array(vals, np.int64), conditional.N_KEYS)
     assert (status == 0) == (want is not None)
     if want is not None:
         got = conditional.ValueModel.unpack(block)

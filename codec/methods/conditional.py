@@ -750,7 +750,8 @@ def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, cou
 
 _STATUS = {
     1: "entropy stream ends early", 2: "a class's changes lie beyond its elements",
-    3: "a change falls under an exponent (or vote context) with no value table", 4: "a decoded step leaves the BF16 range",
+    3: "a change falls under an exponent (or vote context) with no value table",
+    4: "a decoded step leaves the BF16 range",
     6: "a change's rank lies beyond the tensor",
     7: "entropy stream has leftover state (corrupt or forged)",
 }
@@ -912,7 +913,8 @@ class Batch:
 
 
 def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None = None,
-               buffers: ec.ScanBuffers | None = None, cols: np.ndarray | None = None, keep: list | None = None) -> Batch:
+               buffers: ec.ScanBuffers | None = None, cols: np.ndarray | None = None,
+               keep: list | None = None) -> Batch:
     """`analyze` of many BF16 tensors given by address (`exponent_classes.analyze_at`); with
     `headers`, the scan also digests every base and target (Batch.digests). With `buffers`, the
     batch's changes and value symbols lie in them: valid until they are lent to another scan.
@@ -1470,7 +1472,11 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
     except DeltaError as exc:
         raise DeltaError(exc.reason, tensor=entry.name) from None
     words, states = _stream(entry, four)
-    return base.reshape(-1), thresholds, levels, counts, words, states, four, _model(shared)
+    try:
+        model = _model(shared)
+    except DeltaError as exc:
+        raise DeltaError(exc.reason, tensor=entry.name) from None
+    return base.reshape(-1), thresholds, levels, counts, words, states, four, model
 
 
 def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None,
