@@ -1040,7 +1040,19 @@ class ValueModel:
             _count_symbols(sym, flat)
         keys = np.flatnonzero(hist.sum(axis=1))
         freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
-        return cls(freq, keys, vote)
+        model = cls(freq, keys, vote)
+        model.fitted_bits = model.cost(hist[keys])
+        return model
+
+    fitted_bits = 0.0  # what `fit_symbols` expects its symbols and tables to cost
+
+    def cost(self, counts: np.ndarray) -> float:
+        """Bits of the token symbols counted in `counts` (a row per table) under these tables,
+        plus the tables' own block: what the model costs the payload (raw bits aside, which any
+        model pays alike)."""
+        used = counts > 0
+        code = float((counts[used] * (VALUE_SCALE - np.log2(self.freq[used]))).sum())
+        return code + 8.0 * len(self.pack())
 
     def pack(self) -> bytes:
         """The shared value-tables block (docs/FORMAT.md), built in one compiled pass."""
@@ -1724,16 +1736,17 @@ class Conditional(Method):
         return analyze_at(where, sizes, headers, scratch, cols=cols, keep=keep)
 
     def fit(self, version: int, batches: list[Batch], analyses: list[Analysis]) -> Tables | None:
-        vote = version in VOTE_VERSIONS  # v4: values coded with column votes (the vote tables)
-        if vote:
-            symbols = [b.vote_symbols() for b in batches] + [a.vote_symbols() for a in analyses]
-        else:
-            symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]
+        symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]
         if not any(s.size for s in symbols):
             return None
+        model = ValueModel.fit_symbols(symbols)
+        if version in VOTE_VERSIONS:  # v4: values coded with column votes where that costs less
+            votes = ValueModel.fit_symbols([b.vote_symbols() for b in batches] + [a.vote_symbols() for a in analyses],
+                                           vote=True)
+            if votes.fitted_bits < model.fitted_bits:  # (their five times the tables lose on small payloads)
+                model = votes
         # v3: records with many changes use four interleaved rANS states (the payload states the rule)
-        return Tables(ValueModel.fit_symbols(symbols, vote),
-                      FOUR_STATES_FROM if version in INTERLEAVE.versions else NEVER)
+        return Tables(model, FOUR_STATES_FROM if version in INTERLEAVE.versions else NEVER)
 
     def encode(self, job: Job, model: Tables | None) -> tuple[bytes, list[Stream]] | None:
         if job.analysis is None or model is None:
