@@ -217,7 +217,7 @@ def v3_dense_max(rng):
 
 
 def column_step(t: torch.Tensor, fraction: float, rng: np.random.Generator) -> torch.Tensor:
-    """`fraction` of the elements move by 1 to 40 ULPs, mostly (85%) the way their column leans
+    """`fraction` of the elements move by 1 to 40 ULPs, mostly (97%) the way their column leans
     (a random direction per column, as an update's sign is shared along a weight's input axis),
     so column counters reach both signs and every strength, large steps carry raw bits, and a
     few steps cross zero."""
@@ -226,8 +226,8 @@ def column_step(t: torch.Tensor, fraction: float, rng: np.random.Generator) -> t
     k = max(1, int(round(b.size * fraction)))
     idx = rng.choice(b.size, size=k, replace=False)
     lean = rng.choice(np.array([-1, 1]), size=cols)[idx % cols]
-    sign = np.where(rng.random(k) < 0.85, lean, -lean)
-    size = rng.choice(np.array([1, 1, 1, 1, 2, 3, 9, 40]), size=k)
+    sign = np.where(rng.random(k) < 0.97, lean, -lean)
+    size = rng.choice(np.array([1, 1, 1, 1, 1, 1, 1, 2, 9, 40]), size=k)
     o = np.where(b & 0x8000, b ^ 0xFFFF, b ^ 0x8000).astype(np.int64)
     moved = np.clip(o[idx] + sign * size, 0, 0xFFFF)
     moved = np.where(moved == o[idx], moved ^ 1, moved)
@@ -249,7 +249,7 @@ def v4_votes(rng):
     at = np.sort(rng.choice(specials_b.size, size=int(keep.sum()), replace=False))
     specials_b[at] = grid_b[keep]
     specials_t[at] = grid_t[keep]
-    base = {"big": weights(rng, (144, 128), spread=1.2), "small": weights(rng, (48, 40)),
+    base = {"big": weights(rng, (192, 192), spread=0.3), "small": weights(rng, (48, 40), spread=0.3),
             "bias": weights(rng, (300,)), "cube": weights(rng, (4, 6, 24)),
             "specials": bf16(specials_b, (32, 64))}
     target = {"big": column_step(base["big"], 0.25, rng), "small": column_step(base["small"], 0.03, rng),

@@ -536,10 +536,10 @@ def _leaning_pair() -> tuple[dict, dict]:
     rng = np.random.default_rng(11)
     base, target = {}, {}
     for name, shape in (("w", (1024, 512)), ("cube", (8, 32, 64)), ("bias", (4000,))):
-        b = (0.03 * rng.standard_normal(shape)).astype(np.float32)
+        b = (0.03 * np.exp(0.3 * rng.standard_normal(shape)) * rng.choice([-1.0, 1.0], size=shape)).astype(np.float32)
         cols = shape[-1] if len(shape) > 1 else 1
         lean = rng.choice([-1.0, 1.0], size=cols)
-        step = np.where(rng.random(shape) < 0.9, lean, -lean) * np.abs(b) * 2.0 ** -8 * (rng.random(shape) < 0.05)
+        step = np.where(rng.random(shape) < 0.97, lean, -lean) * np.abs(b) * 2.0 ** -8 * (rng.random(shape) < 0.05)
         base[name] = torch.from_numpy(b).to(torch.bfloat16)
         target[name] = torch.from_numpy(b + 1.5 * step).to(torch.bfloat16)
     return base, target
