@@ -5,7 +5,11 @@ checkpoint of every version asked for, each round trip checked bit-exact; then, 
 median encode and decode MB/s of each version with one thread, each run paired with a zstd-1
 compression of the raw target timed just before it (the bench's yardstick).
 
-    python scripts/compare_versions.py corpus/minilm-fp32-lr1e-6 --span 4 --versions 3 4
+    python scripts/compare_versions.py corpus/minilm-fp32-lr1e-6 --span 4 --versions 3 4 [--arcv3]
+
+`--arcv3` also sizes Fireworks' real ARCv3 (PyPI `fireworks-delta-compression`, backend `arc_v3`,
+every raced candidate allowed to finish, so it returns its smallest) on the same pairs: the
+safetensors file its `delta_compress_dicts_to_file` writes.
 """
 
 from __future__ import annotations
@@ -33,7 +37,21 @@ def _exact(out: dict, target: dict) -> bool:
                for k in target)
 
 
-def sizes(corpus: Path, span: int, pairs: int, versions: list[int]) -> list[dict]:
+def arcv3_bytes(base: dict, target: dict) -> int:
+    """Bytes of the real ARCv3's delta file for a pair, every candidate allowed to finish."""
+    import os
+    import tempfile
+
+    os.environ["ARC3_CANDIDATE_WAIT_MULTIPLIER"] = "1e9"  # read at import: set before it
+    from fireworks_delta_compression import delta_compress_dicts_to_file
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "delta.safetensors")
+        delta_compress_dicts_to_file(src=base, dst=target, diff_file=path, compression_format="arc_v3")
+        return os.path.getsize(path)
+
+
+def sizes(corpus: Path, span: int, pairs: int, versions: list[int], arcv3: bool = False) -> list[dict]:
     files = sorted(corpus.glob("step_*.safetensors"))
     rows = []
     for t in range(min(pairs, len(files) - span)):
@@ -45,6 +63,8 @@ def sizes(corpus: Path, span: int, pairs: int, versions: list[int]) -> list[dict
             if not _exact(codec.decode(base, payload), target):
                 raise SystemExit(f"{corpus.name} {row['pair']}: v{v} does not round-trip")
             row[f"v{v}"] = len(payload)
+        if arcv3:
+            row["arcv3"] = arcv3_bytes(base, target)
         rows.append(row)
     return rows
 
@@ -90,16 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--versions", type=int, nargs="+", default=[3, 4])
     p.add_argument("--speed-runs", type=int, default=0, help="timed runs per version on the first pair (0: none)")
+    p.add_argument("--arcv3", action="store_true", help="also size the real ARCv3 on the same pairs")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     report = []
     for c in a.corpora:
-        rows = sizes(c, a.span, a.pairs, a.versions)
+        rows = sizes(c, a.span, a.pairs, a.versions, a.arcv3)
         raw = sum(r["raw_bytes"] for r in rows)
         total = {f"v{v}": sum(r[f"v{v}"] for r in rows) for v in a.versions}
         line = ", ".join(f"v{v} {100 * total[f'v{v}'] / raw:.4f}%" for v in a.versions)
         last = a.versions[-1]
         rel = " ".join(f"v{last}/v{v} {total[f'v{last}'] / total[f'v{v}']:.4f}" for v in a.versions[:-1])
+        if a.arcv3:
+            arc = sum(r["arcv3"] for r in rows)
+            total["arcv3"] = arc
+            rel += f"; real ARCv3 {100 * arc / raw:.4f}%, " + " ".join(
+                f"v{v}/ARCv3 {total[f'v{v}'] / arc:.4f}" for v in a.versions)
         print(f"{c.name} span {a.span}, {len(rows)} pairs: {line} of BF16; {rel}")
         entry = {"corpus": c.name, "span": a.span, "pairs": rows, "total": total}
         if a.speed_runs:
