@@ -43,7 +43,7 @@ def arcv3_bytes(base: dict, target: dict) -> int:
     import tempfile
 
     os.environ["ARC3_CANDIDATE_WAIT_MULTIPLIER"] = "1e9"  # read at import: set before it
-    from fireworks_delta_compression import delta_compress_dicts_to_file
+    from fireworks_delta_compression import delta_compress_dicts_to_file  # type: ignore[import-untyped]
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "delta.safetensors")

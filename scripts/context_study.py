@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from scipy.special import gammaln
+from scipy.special import gammaln  # type: ignore[import-untyped]
 
 LN2 = np.log(2.0)
 VALUE_TOKENS = 64
@@ -334,7 +334,7 @@ def load_bits(path: Path) -> dict[str, np.ndarray]:
 
 def study(corpus: Path, span: int, first: int, limit: int) -> list[dict]:
     files = sorted(corpus.glob("step_*.safetensors"))
-    rows = []
+    rows: list[dict] = []
     cache: dict[int, dict] = {}
 
     def snap(i: int) -> dict:

@@ -1716,7 +1716,8 @@ class Conditional(Method):
             a = analyze_on_device(base, target)
             a.cols = vote_columns(tuple(target.shape))
             return a
-        return analyze(*host(), cols=vote_columns(tuple(target.shape)))  # on the CPU, or on two devices
+        b, t = host()  # on the CPU, or on two devices: from host copies
+        return analyze(b, t, cols=vote_columns(tuple(target.shape)))
 
     def batch_encodable(self, base: torch.Tensor, target: torch.Tensor) -> bool:
         return target.dtype == torch.bfloat16 and target.is_cpu and base.is_cpu
