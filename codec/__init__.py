@@ -27,6 +27,7 @@ from ._kernel_cache import keyed_by_sources
 with keyed_by_sources():  # every compiled kernel is defined while these imports run
     from .api import UndoLog, _check_structure, apply_, decode, encode
     from .container import CURRENT_VERSION as FORMAT_VERSION
+    from .container import SUPPORTED_VERSIONS as FORMAT_VERSIONS
     from .errors import CheckpointMismatchError, DeltaError
     from .inspect import TensorDigests, describe, digests
     from .snapshot import (SnapshotEntry, SnapshotError, decode_snapshot, encode_snapshot, read_snapshot_index,
@@ -44,6 +45,6 @@ def check_structure(base: _Mapping, target: _Mapping) -> None:
 
 
 __all__ = ["encode", "decode", "apply_", "UndoLog", "describe", "digests", "TensorDigests", "check_structure",
-           "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "warm_up", "WarmUp",
+           "DeltaError", "CheckpointMismatchError", "FORMAT_VERSION", "FORMAT_VERSIONS", "warm_up", "WarmUp",
            "encode_snapshot", "write_snapshot", "decode_snapshot", "read_snapshot_index", "SnapshotEntry",
            "SnapshotError", "SNAPSHOT_FORMAT_VERSION", "SNAPSHOT_MAGIC"]

@@ -22,7 +22,7 @@ from .wire import Reader, Writer, put_uvarint
 MAGIC = b"DRDELTA\x00"
 PREFIX = struct.Struct("<8sHHI16s")  # magic, version, flags, index length, checksum
 PREFIX_SIZE = PREFIX.size  # 32
-SUPPORTED_VERSIONS = (1, 2, 3)
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 CURRENT_VERSION = 3
 
 MAX_INDEX_BYTES = 256 << 20

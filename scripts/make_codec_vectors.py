@@ -216,6 +216,48 @@ def v3_dense_max(rng):
             {"dense.random": ta, "dense.rl": rl_step(b, 0.5, rng, False), "norm.f32": tf})
 
 
+def column_step(t: torch.Tensor, fraction: float, rng: np.random.Generator) -> torch.Tensor:
+    """`fraction` of the elements move by 1 to 40 ULPs, mostly (97%) the way their column leans
+    (a random direction per column, as an update's sign is shared along a weight's input axis),
+    so column counters reach both signs and every strength, large steps carry raw bits, and a
+    few steps cross zero."""
+    b = bits16(t)
+    cols = t.shape[-1] if t.dim() >= 2 else 1
+    k = max(1, int(round(b.size * fraction)))
+    idx = rng.choice(b.size, size=k, replace=False)
+    lean = rng.choice(np.array([-1, 1]), size=cols)[idx % cols]
+    sign = np.where(rng.random(k) < 0.97, lean, -lean)
+    size = rng.choice(np.array([1, 1, 1, 1, 1, 1, 1, 2, 9, 40]), size=k)
+    o = np.where(b & 0x8000, b ^ 0xFFFF, b ^ 0x8000).astype(np.int64)
+    moved = np.clip(o[idx] + sign * size, 0, 0xFFFF)
+    moved = np.where(moved == o[idx], moved ^ 1, moved)
+    o[idx] = moved
+    out = np.where(o < 0x8000, o ^ 0xFFFF, o ^ 0x8000).astype(np.uint16)
+    return bf16(out, tuple(t.shape))
+
+
+def v4_votes(rng):
+    """v4: conditional values coded with column votes (the vote tables, kind 3): 2-D records with
+    column-wise leaning steps, one with >= 4096 changes (four states), a 1-D record (one column),
+    a 3-D one (columns = its last dim), and transitions to and from special patterns."""
+    sp = np.array(SPECIALS, np.uint16)
+    grid_b = np.repeat(sp, sp.size)
+    grid_t = np.tile(sp, sp.size)
+    keep = grid_b != grid_t
+    specials_b = bits16(weights(rng, (32, 64)))
+    specials_t = specials_b.copy()
+    at = np.sort(rng.choice(specials_b.size, size=int(keep.sum()), replace=False))
+    specials_b[at] = grid_b[keep]
+    specials_t[at] = grid_t[keep]
+    base = {"big": weights(rng, (192, 192), spread=0.3), "small": weights(rng, (48, 40), spread=0.3),
+            "bias": weights(rng, (300,)), "cube": weights(rng, (4, 6, 24)),
+            "specials": bf16(specials_b, (32, 64))}
+    target = {"big": column_step(base["big"], 0.25, rng), "small": column_step(base["small"], 0.03, rng),
+              "bias": column_step(base["bias"], 0.1, rng), "cube": column_step(base["cube"], 0.2, rng),
+              "specials": bf16(specials_t, (32, 64))}
+    return base, target
+
+
 # (name, builder, seed, format_version, effort)
 VECTORS = [
     ("v1-methods", v1_methods, 101, 1, "default"),
@@ -224,6 +266,7 @@ VECTORS = [
     ("v3-dtypes", v3_dtypes, 404, 3, "default"),
     ("v3-edge", v3_edge, 505, 3, "default"),
     ("v3-dense-max", v3_dense_max, 606, 3, "max"),
+    ("v4-votes", v4_votes, 707, 4, "default"),
 ]
 
 

@@ -15,7 +15,7 @@ import torch
 import xxhash
 import zstandard
 
-FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSIONS = (1, 2, 3, 4)
 
 # Container prefix (codec/container.py): magic 8s, version H, flags H, index length I, checksum 16s.
 PREFIX = struct.Struct("<8sHHI16s")

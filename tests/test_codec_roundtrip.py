@@ -153,7 +153,7 @@ def test_empty_checkpoint():
     assert codec.describe(payload)["tensors"] == []
 
 
-@pytest.mark.parametrize("version", [0, 4, 255])
+@pytest.mark.parametrize("version", [0, 5, 255])
 def test_unsupported_format_version_is_refused_at_encode(version):
     base, target = edge_pair()
     with pytest.raises(ValueError):

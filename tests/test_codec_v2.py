@@ -458,41 +458,44 @@ def test_value_tables_block_round_trips_in_the_documented_layout(keys, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data())
-def test_value_tables_fast_parse_accepts_exactly_what_the_checked_parse_accepts(data):
-    """Value-table blocks, valid or mutated (varints changed, dropped, added), parse the same in
-    the compiled pass as field by field: the same model, or both refuse (the checked parse then
-    names the fault)."""
-    keys = sorted(data.draw(st.sets(st.integers(0, conditional.N_KEYS - 1), max_size=4)))
+@given(data=st.data(), vote=st.booleans())
+def test_value_tables_fast_parse_accepts_exactly_what_the_checked_parse_accepts(data, vote):
+    """Value-table blocks (and v4's vote tables, keyed by context), valid or mutated (varints
+    changed, dropped, added), parse the same in the compiled pass as field by field: the same
+    model, or both refuse (the checked parse then names the fault)."""
+    n_keys = conditional.N_CONTEXTS if vote else conditional.N_KEYS
+    keys = sorted(data.draw(st.sets(st.integers(0, n_keys - 1), max_size=4)))
     hist = np.zeros((len(keys), conditional.VALUE_TOKENS), np.int64)
     for row in hist:
         for t in data.draw(st.sets(st.integers(0, conditional.VALUE_TOKENS - 1), min_size=1, max_size=5)):
             row[t] = data.draw(st.integers(1, 500))
     freq = rans.normalize_rows(hist, conditional.VALUE_SCALE) if keys else np.zeros((0, conditional.VALUE_TOKENS))
-    vals = wire.read_uvarints(conditional.ValueModel(freq, np.array(keys, np.int64)).pack(), "tables")
+    vals = wire.read_uvarints(conditional.ValueModel(freq, np.array(keys, np.int64), vote).pack(), "tables")
     for _ in range(data.draw(st.integers(0, 3))):
         i = data.draw(st.integers(0, len(vals)))
         choice = data.draw(st.sampled_from(["set", "drop", "insert"]))
         if choice == "set" and i < len(vals):
-            vals[i] = data.draw(st.sampled_from([0, 1, 2, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 1 << 40]))
+            vals[i] = data.draw(st.sampled_from([0, 1, 2, 63, 64, 65, 255, 256, 257, 1279, 1280, 1281, 4095, 4096, 4097,
+                                                 1 << 40]))
         elif choice == "drop" and i < len(vals):
             del vals[i]
         else:
             vals.insert(i, data.draw(st.integers(0, 5000)))
     block = wire.uvarints(np.array(vals, np.int64))
     try:
-        want = conditional.ValueModel.unpack_checked(block)
+        want = conditional.ValueModel.unpack_checked(block, vote)
     except codec.DeltaError:
         want = None
-    status, keys_fast, freq_fast = conditional._unpack_tables(np.array(vals, np.int64))
+    status, keys_fast, freq_fast = conditional._unpack_tables(np.array(vals, np.int64), n_keys)
     assert (status == 0) == (want is not None)
     if want is not None:
-        got = conditional.ValueModel.unpack(block)
+        got = conditional.ValueModel.unpack(block, vote)
+        assert got.vote == want.vote == vote
         assert np.array_equal(got.keys, want.keys) and np.array_equal(got.freq, want.freq)
         assert np.array_equal(keys_fast, want.keys) and np.array_equal(freq_fast, want.freq)
     else:
         with pytest.raises(codec.DeltaError):
-            conditional.ValueModel.unpack(block)
+            conditional.ValueModel.unpack(block, vote)
 
 
 def test_value_symbols_are_key_and_token_of_every_step():
@@ -525,3 +528,65 @@ def test_level_walk_finds_the_exhaustive_searchs_level():
     k[2000:4000] = n[2000:4000]
     logs = conditional._level_logs()
     assert np.array_equal(conditional._argmin_levels(n, k, logs), conditional._argmin_levels_exhaustive(n, k, logs))
+
+
+def _leaning_pair() -> tuple[dict, dict]:
+    """Steps whose direction leans per column (as an update's sign is shared along a weight's
+    input axis), on a 2-D and a 3-D tensor, and a 1-D one (a single column)."""
+    rng = np.random.default_rng(11)
+    base, target = {}, {}
+    for name, shape in (("w", (1024, 512)), ("cube", (8, 32, 64)), ("bias", (4000,))):
+        b = (0.03 * np.exp(0.3 * rng.standard_normal(shape)) * rng.choice([-1.0, 1.0], size=shape)).astype(np.float32)
+        cols = shape[-1] if len(shape) > 1 else 1
+        lean = rng.choice([-1.0, 1.0], size=cols)
+        step = np.where(rng.random(shape) < 0.97, lean, -lean) * np.abs(b) * 2.0 ** -8 * (rng.random(shape) < 0.05)
+        base[name] = torch.from_numpy(b).to(torch.bfloat16)
+        target[name] = torch.from_numpy(b + 1.5 * step).to(torch.bfloat16)
+    return base, target
+
+
+def test_v4_codes_values_with_column_votes():
+    """v4 writes the vote tables (kind 3) and no value tables (kind 1); where columns lean, its
+    values cost less than v3's, with the same mask; every record round-trips, through decode,
+    apply_ and the patch path. Where votes would cost more (a tiny payload: five times the
+    tables), v4 codes values as v3 does (kind 1) and is no larger."""
+    tiny = {k: v[:4] for k, v in _leaning_pair()[0].items()}, {k: v[:4] for k, v in _leaning_pair()[1].items()}
+    small = codec.encode(*tiny, format_version=4)
+    assert conditional.SHARED_VOTE_TABLES not in container.unpack(small).shared
+    assert len(small) <= len(codec.encode(*tiny, format_version=3)) + 2  # the version is all that differs
+    out = codec.decode(tiny[0], small)
+    assert all(np.array_equal(bits_of(out[k]), bits_of(tiny[1][k])) for k in tiny[1])
+    base, target = _leaning_pair()
+    v3 = codec.encode(base, target, format_version=3)
+    v4 = codec.encode(base, target, format_version=4)
+    p3, p4 = container.unpack(v3), container.unpack(v4)
+    assert conditional.SHARED_VOTE_TABLES in p4.shared and conditional.SHARED_VALUE_TABLES not in p4.shared
+    assert conditional.SHARED_VOTE_TABLES not in p3.shared
+    for e3, e4 in zip(p3.entries, p4.entries):
+        assert e3.method == e4.method == conditional.ID and e3.params == e4.params  # the mask is v3's
+    assert len(v4) < 0.97 * len(v3)
+    for payload in (v3, v4):
+        out = codec.decode(base, payload)
+        assert all(np.array_equal(bits_of(out[k]), bits_of(target[k])) for k in target)
+        held = {k: v.clone() for k, v in base.items()}
+        codec.apply_(held, payload)
+        assert all(np.array_equal(bits_of(held[k]), bits_of(target[k])) for k in target)
+    for e in p4.entries:
+        b = bits_of(base[e.name]).view(np.uint16)
+        patch = conditional.decode(e, b, p4.shared)
+        t = bits_of(target[e.name]).view(np.uint16)
+        assert np.array_equal(patch.index, np.flatnonzero(b != t)) and np.array_equal(patch.values, t[b != t])
+
+
+def test_vote_symbols_of_a_batch_are_those_of_each_tensor_alone():
+    """`Batch.vote_symbols` (one pass over the batch's tensors at their addresses) gives each
+    tensor the symbols its own analysis gives from its positions."""
+    base, target = _leaning_pair()
+    names = list(target)
+    method = conditional.METHOD
+    batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], None)
+    votes = batch.vote_symbols()
+    for i, n in enumerate(names):
+        alone = conditional.analyze(bits_of(base[n]).view(np.uint16), bits_of(target[n]).view(np.uint16),
+                                    conditional.vote_columns(tuple(target[n].shape)))
+        assert np.array_equal(votes[batch.first[i]:batch.first[i + 1]], alone.vote_symbols()), n

@@ -66,7 +66,7 @@ def test_vectors_cover_every_method_version_and_compressor():
     methods = {t["method"] for v in INDEX["vectors"] for t in v["tensors"].values()}
     codecs = {c for v in INDEX["vectors"] for t in v["tensors"].values() for c in t["stream_codecs"]}
     tensors = [t for v in INDEX["vectors"] for t in v["tensors"].values()]
-    assert versions == {1, 2, 3}
+    assert versions == {1, 2, 3, 4}
     assert methods == {"same", "xor-planes", "sparse-split", "conditional"}
     assert codecs == {0, 1, 2, 3}
     assert {t.get("position_mode") for t in tensors} >= {0, 1}
@@ -251,10 +251,10 @@ def _index_fields(raw: bytes) -> list[tuple[int, int, str]]:
 # Fields where a flip can leave the output unchanged, so a decoder may accept it (ours does, and
 # the output is then the exact target): the base digest (checked only for `same` records and to
 # explain a failure: the target digest proves every success), a conditional record's params (the
-# mask level of a class without changes is never used) and the shared blocks (value-table rows
-# of keys no record uses; an interleave rule that puts every record on the same states; an
+# mask level of a class without changes is never used) and the shared blocks (value- or
+# vote-table rows of keys or contexts no record uses; an interleave rule that puts every record on the same states; an
 # interleave block whose kind becomes unknown, and is ignored). Every other field is refused.
-MAY_BE_HARMLESS = {"base_digest", "params", "shared1", "shared2"}
+MAY_BE_HARMLESS = {"base_digest", "params", "shared1", "shared2", "shared3"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -344,6 +344,68 @@ def test_shared_blocks_unknown_kinds_ignored_duplicates_last_wins():
     # no value tables with a conditional record: refused
     with pytest.raises(codec.DeltaError, match="value tables"):
         codec.decode(*_with_shared("v3-interleave", [(2, rule)])[::2])
+
+
+def test_vote_tables_rules():
+    """Kind 3 (v4): it wins over a kind 1 block; without it (and without kind 1) a conditional
+    record is refused; a v3 payload carrying it is refused when opened; a malformed one, or one
+    missing a context a change falls under, is refused naming a tensor."""
+    base, target, payload = _load("v4-votes")
+    shared = container.unpack(payload).shared
+    votes, rule = shared[conditional.SHARED_VOTE_TABLES], shared[conditional.SHARED_INTERLEAVE]
+    assert conditional.SHARED_VALUE_TABLES not in shared
+    v3_tables = container.unpack(_load("v3-interleave")[2]).shared[conditional.SHARED_VALUE_TABLES]
+    assert _same_as(codec.decode(*_with_shared("v4-votes", [(1, v3_tables), (2, rule), (3, votes)])[::2]), target)
+    with pytest.raises(codec.DeltaError, match="value tables"):
+        codec.decode(*_with_shared("v4-votes", [(2, rule)])[::2])
+    b, _, p = _with_shared("v3-interleave", [(1, v3_tables), (2, shared[2] if 2 in shared else rule), (3, votes)])
+    with pytest.raises(codec.DeltaError, match="v4 field"):
+        codec.decode(b, p)
+    with pytest.raises(codec.DeltaError) as err:
+        codec.decode(*_with_shared("v4-votes", [(2, rule), (3, votes[:-1])])[::2])
+    assert err.value.tensor in target
+    model = conditional.ValueModel.unpack(votes, vote=True)
+    one = conditional.ValueModel(model.freq[1:], model.keys[1:], vote=True)  # the first context dropped
+    with pytest.raises(codec.DeltaError, match="no value table") as err:
+        codec.decode(*_with_shared("v4-votes", [(2, rule), (3, one.pack())])[::2])
+    assert err.value.tensor in target
+
+
+def _spec_vote_walk(base: np.ndarray, target: np.ndarray, cols: int) -> list[tuple[int, int]]:
+    """FORMAT.md's column votes in plain Python: each change's (context, coded zigzag u')."""
+    def ordered(x: int) -> int:
+        return x ^ 0xFFFF if x & 0x8000 else x ^ 0x8000
+
+    counters = [0] * cols
+    out = []
+    for i in np.flatnonzero(base != target).tolist():
+        b, t = int(base[i]), int(target[i])
+        s = ordered(t) - ordered(b)
+        u = 2 * s - 2 if s > 0 else -2 * s - 1
+        v = counters[i % cols]
+        out.append(((b >> 7 & 0xFF) * 5 + abs(v), u ^ (1 if v < 0 else 0)))
+        counters[i % cols] = min(4, v + 1) if s > 0 else max(-4, v - 1)
+    return out
+
+
+def test_vote_symbols_are_the_walk_format_md_defines():
+    """The encoder's vote symbols for every record of the v4 vector are FORMAT.md's column-vote
+    walk: the context, and the token of the coded (possibly negated) step."""
+    base, target, _ = _load("v4-votes")
+    seen = set()
+    for name in target:
+        b = base[name].contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        t = target[name].contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
+        cols = conditional.vote_columns(tuple(target[name].shape))
+        a = conditional.analyze(b, t, cols)
+        sym = a.vote_symbols().astype(np.int64)
+        want = _spec_vote_walk(b, t, cols)
+        ctx = [c for c, _ in want]
+        tok = conditional._tokens(np.array([u for _, u in want], np.int64))
+        assert np.array_equal((sym >> 6) & conditional.CONTEXT_MASK, ctx), name
+        assert np.array_equal(sym & 63, tok), name
+        seen |= {c % 5 for c in ctx} | {-1 for c in (sym >> conditional.FLIP_BIT) & 1 if c}
+    assert seen == {-1, 0, 1, 2, 3, 4}  # every strength, and negated steps
 
 
 _M = (4503599627370496, 4012251135041684, 3574509393065758, 3184525836262886, 2837089985411397, 2527559831251808)

@@ -104,7 +104,7 @@ def test_unknown_method_is_refused_naming_the_tensor(version):
 class _XorClone(Method):
     """A toy method under a new id: xor-planes' records, preferred over every other method."""
 
-    id, name, versions, preference = 200, "xor-clone", (1, 2, 3), -1
+    id, name, versions, preference = 200, "xor-clone", (1, 2, 3, 4), -1
     calls = 0
 
     def applicable(self, dtype):

@@ -442,6 +442,25 @@ def test_publisher_hands_the_encoder_its_bases_digests(file_run, monkeypatch):
         assert digests == {k: v.digest for k, v in previous.tensors.items()}, step
 
 
+def test_publisher_writes_the_payload_version_it_is_given(file_run, tmp_path):
+    """Publisher(format_version=4) writes v4 deltas (column votes), which a watcher follows bit-exact; an
+    unknown version is refused before anything is written."""
+    import codec
+
+    with pytest.raises(ValueError, match="format_version"):
+        relay.Publisher(file_run.url, format_version=9)
+    state = _model(3)
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    with relay.Publisher(file_run.url, background=False, format_version=4) as pub:
+        for step in range(4):
+            pub.publish(state if step == 0 else _bumped(state, step), step)
+            assert w.sync(timeout=30) == step and same_bits(w.tensors, state)
+    w.close()
+    store = open_store(file_run.url)
+    m = manifest_of(file_run.url)
+    assert {codec.describe(store.get(s.parts[0].ref.key))["format_version"] for s in m.steps[1:]} == {4}
+
+
 # -- cold start -----------------------------------------------------------------------------------------
 class _Compiling:
     """A warm-up that has not finished (a fresh host whose encoder is still compiling) until `finish`."""

@@ -15,6 +15,12 @@ only on the exponent. So every element gets a context: its base exponent (the ke
   x ^ 0x8000 for positives), zigzagged and tokenized, coded with one table per key shared by all
   tensors of the payload (small weights move more ULPs). Exponent/sign changes, zero crossings,
   NaN and Inf are just large steps: no escape needed, every bit pattern round-trips.
+- v4, column votes: the changes of a weight's column mostly move the same way (an update's sign
+  is shared along its input axis), so each column keeps a saturating counter (-4..4) of its
+  changes' directions, and a change's value is coded with the table of (key, |counter|), its
+  step negated where the counter is negative: values ~1.38 -> ~1.12 bits per change on MiniLM
+  (scripts/context_study.py measured the alternatives; the encoder keeps v3's key tables where
+  votes would cost more, e.g. tiny payloads).
 - One rANS stream per tensor: every class's gaps first, then the values in tensor order, so
   the decoder runs three tight compiled phases (class bitmaps, one pass over the base that
   deposits them into positions, values) instead of stopping its scan at every change.
@@ -36,6 +42,7 @@ from typing import Any
 import numba as nb
 import numpy as np
 from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 import torch
 
@@ -50,12 +57,14 @@ from .base import Job, Method, Patch, SharedBlock, parsed_block
 
 # numba's own intrinsic, typed as kernels call it (codec._intrinsic says why)
 leading_zeros: Callable[..., Any] = _leading_zeros
+trailing_zeros: Callable[..., Any] = _trailing_zeros
 
 ID = 3
 NAME = "conditional"
-VERSIONS = (2, 3)
+VERSIONS = (2, 3, 4)
 SHARED_VALUE_TABLES = 1  # key in Payload.shared
 SHARED_INTERLEAVE = 2  # key in Payload.shared (v3): from how many changes a record uses four states
+SHARED_VOTE_TABLES = 3  # key in Payload.shared (v4): value tables keyed by (key, column vote strength)
 
 KEY_SHIFT = ec.KEY_SHIFT  # key = (bits >> 7) & 0xFF: the exponent
 MAX_CLASSES = ec.MAX_CLASSES
@@ -69,6 +78,17 @@ VALUE_TOKENS = rans.token_count(VALUE_BITS)
 VALUE_SYMBOL_BITS = 6  # a value symbol is key << 6 | token (`_value_symbols`)
 if VALUE_TOKENS > 1 << VALUE_SYMBOL_BITS:
     raise ImportError("value tokens must fit the value symbols' 6 bits")
+# v4's value context (docs/FORMAT.md, "Column votes"): each column of a tensor keeps a saturating
+# counter of the directions of its changes so far, in [-VOTE_LIMIT, VOTE_LIMIT]; a change is coded
+# with the table of (key, |counter|), its step negated where the counter is negative. A vote symbol
+# is context << 6 | token | flipped << FLIP_BIT (`_vote_symbols_into`).
+VOTE_LIMIT = 4
+VOTE_LEVELS = VOTE_LIMIT + 1
+N_CONTEXTS = N_KEYS * VOTE_LEVELS
+CONTEXT_MASK = 0x7FF  # (symbol >> 6) & CONTEXT_MASK: the table row's context, v3 symbols' key alike
+FLIP_BIT = 17
+if N_CONTEXTS > CONTEXT_MASK + 1 or (N_CONTEXTS << VALUE_SYMBOL_BITS) > 1 << FLIP_BIT:
+    raise ImportError("vote contexts must fit the vote symbols' bits")
 MASK_SCALE = 15
 VALUE_SCALE = 12
 STATES = 2  # interleaved rANS states of a record, or FOUR_STATES where the payload's rule says
@@ -172,9 +192,88 @@ def _value_symbols_into(pairs, out):
 
 @nb.njit(cache=True, nogil=True)
 def _count_symbols(symbols, hist):
-    """hist[symbol] += 1 (hist: the flat N_KEYS x VALUE_TOKENS histogram)."""
+    """hist[context << 6 | token] += 1 per symbol (hist: the flat contexts x VALUE_TOKENS
+    histogram; a vote symbol's flip bit is not part of it)."""
     for j in range(symbols.size):
-        hist[np.uint64(symbols[j])] += 1  # unsigned: no wraparound code
+        hist[np.uint64(symbols[j]) & np.uint64((1 << FLIP_BIT) - 1)] += 1  # unsigned: no wraparound code
+
+
+def vote_columns(shape: tuple[int, ...]) -> int:
+    """The columns of a tensor for its column votes: its last dimension when it has two or more,
+    else 1 (the whole tensor is one column)."""
+    return max(int(shape[-1]), 1) if len(shape) >= 2 else 1
+
+
+@nb.njit(inline="always", cache=True)
+def _column(p, cols, row0):
+    """(column of position p, start of its row) given the start of the row of an earlier position
+    (or 0): positions rise, so a row start moves on by one row, or by a division for a jump."""
+    d = p - row0
+    if d >= cols:
+        row0 = row0 + cols if d < 2 * cols else p - p % cols
+    return p - row0, row0
+
+
+@nb.njit(inline="always", cache=True)
+def _vote_symbol(pair, v):
+    """A change's vote symbol given its column's counter v (see VOTE_LIMIT): its step zigzagged,
+    the low bit flipped where v < 0 (zigzag's low bit is the step's sign), tokenized, with the
+    context key * VOTE_LEVELS + |v|. Returns (symbol, counter after the change)."""
+    bv = np.int64(pair >> np.uint32(16))
+    z = ec._zigzag(bv, np.int64(pair & np.uint32(0xFFFF)))
+    neg = np.int64(v < 0)
+    u = z ^ neg
+    n = 63 - np.int64(leading_zeros(np.uint64(u | 1)))
+    tok = u if u < rans.DIRECT else (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
+                                     + ((u >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
+    ctx = ((bv >> KEY_SHIFT) & 0xFF) * VOTE_LEVELS + (v if v >= 0 else -v)
+    after = min(max(v + 1 - 2 * (z & 1), -VOTE_LIMIT), VOTE_LIMIT)  # z even: the step was up
+    return np.uint32((ctx << VALUE_SYMBOL_BITS) | tok | (neg << FLIP_BIT)), after
+
+
+@nb.njit(cache=True, nogil=True)
+def _vote_symbols_into(pairs, positions, cols, out):
+    """The vote symbols (`_vote_symbol`) of one tensor's changes, in tensor order, given their
+    positions and the tensor's columns (`vote_columns`), into out[:pairs.size]."""
+    votes = np.zeros(cols, np.int8)
+    row0 = np.int64(0)
+    for j in range(pairs.size):
+        col, row0 = _column(np.int64(positions[j]), cols, row0)
+        c = np.uint64(col)
+        out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
+        votes[c] = after
+
+
+@nb.njit(cache=True, nogil=True)
+def _vote_symbols_at(where, sizes, cols, first, pairs, out):
+    """`_vote_symbols_into` for every tensor of a batch (`analyze_at`'s layout: tensor i's base
+    and target at where[i], its changes pairs[first[i]:first[i + 1]]), the positions found by a
+    pass comparing base and target a block at a time. Returns False if a tensor's changes are
+    not those its pairs say (the caller then refuses to code)."""
+    for i in range(sizes.size):
+        n = sizes[i]
+        padded = -(-n // ec.BLOCK) * ec.BLOCK
+        bb = nb.carray(ec._u16_at(where[i, 0]), padded)
+        tb = nb.carray(ec._u16_at(where[i, 1]), padded)
+        votes = np.zeros(cols[i], np.int8)
+        row0 = np.int64(0)
+        j = first[i]
+        end = first[i + 1]
+        for o in range(0, padded, ec.BLOCK):
+            changed = ec._differ(bb, tb, o)
+            while changed != np.uint64(0):
+                p = o + np.int64(trailing_zeros(changed))
+                changed &= changed - np.uint64(1)
+                if j >= end or pairs[j] != (np.uint32(bb[p]) << np.uint32(16)) | np.uint32(tb[p]):
+                    return False
+                col, row0 = _column(p, cols[i], row0)
+                c = np.uint64(col)
+                out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
+                votes[c] = after
+                j += 1
+        if j != end:
+            return False
+    return True
 
 
 def _specialised(four: bool):
@@ -220,10 +319,11 @@ def _specialised(four: bool):
             end[c] = g
             grouped[_U(g)] = ranks[j]
             sym = np.int64(symbols[j])
-            row = _U(vrow_of_key[_U(sym >> 6)])
+            row = _U(vrow_of_key[_U((sym >> 6) & CONTEXT_MASK)])  # the key (v3) or the vote context (v4)
             tok = sym & 63
             if tok >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
                 v = ec._zigzag(np.int64(pairs[j] >> np.uint32(16)), np.int64(pairs[j] & np.uint32(0xFFFF)))
+                v ^= (sym >> FLIP_BIT) & 1  # a vote symbol's flipped step (v3 symbols have no such bit)
                 nbits = 1 + ((tok - rans.DIRECT) >> rans.SUB_BITS)
                 if x >= (L >> nbits) << 32:
                     words[_U(nw)] = x & WM
@@ -404,9 +504,65 @@ def _specialised(four: bool):
                 vals[j] = new
         return x, o1, o2, o3, pos, 0
 
+    def decode_values_vote(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow_of_ctx, cols, votes,
+                           vals, out):
+        """`decode_values` with v4's column votes (docs/FORMAT.md): change j's table is that of
+        its (key, |counter of its column|), its step negated where the counter is negative, and
+        the counter (votes[column], carried across calls) moves by the step's direction. A
+        change's column follows from the one before (`_column`): positions rise."""
+        L = rans.RANS_L
+        vmask = (1 << VALUE_SCALE) - 1
+        writing = out.size > 0
+        row0 = np.int64(0)
+        for j in range(j0, j1):
+            p = np.int64(at[j])
+            where = _U(p)
+            col, row0 = _column(p, cols, row0)
+            c = _U(col)
+            v = np.int64(votes[c])
+            neg = np.int64(v < 0)
+            bv = np.int64(b[where])
+            srow = vrow_of_ctx[_U(((bv >> KEY_SHIFT) & 0xFF) * VOTE_LEVELS + (v ^ -neg) + neg)]
+            if srow < 0:
+                return x, o1, o2, o3, pos, 3
+            row = _U(srow)
+            slot = x & vmask
+            t = _U(vslot[row, _U(slot)])
+            x = np.int64(vfreq[row, t]) * (x >> VALUE_SCALE) + slot - vcum[row, t]
+            if x < L:
+                if pos < 0:
+                    return x, o1, o2, o3, pos, 1
+                x = (x << 32) | words[_U(pos)]
+                pos -= 1
+            tok = np.int64(t)
+            u = tok
+            if tok >= rans.DIRECT:  # value tokens carry at most 15 raw bits: one chunk
+                u, nbits = rans.token_base(tok)
+                u += x & ((1 << nbits) - 1)
+                x >>= nbits
+                if x < L:
+                    if pos < 0:
+                        return x, o1, o2, o3, pos, 1
+                    x = (x << 32) | words[_U(pos)]
+                    pos -= 1
+            if four:
+                x, o1, o2, o3 = o1, o2, o3, x
+            else:
+                x, o1 = o1, x
+            u ^= neg  # the coded step was negated where the column's counter is negative
+            votes[c] = min(max(v + 1 - 2 * (u & 1), -VOTE_LIMIT), VOTE_LIMIT)
+            o = ec.ordered(bv) + ec.unzigzag(u)
+            if o < 0 or o > 0xFFFF:
+                return x, o1, o2, o3, pos, 4
+            new = ec.unordered(o)
+            if writing:
+                out[where] = new
+            else:
+                vals[j] = new
+        return x, o1, o2, o3, pos, 0
 
     kernels = []
-    for fn in (encode, decode_gaps, decode_values):
+    for fn in (encode, decode_gaps, decode_values, decode_values_vote):
         # a name of its own per state count: compiled code is linked by name, and two cached
         # kernels with one name (and the same per-process serial) would call each other's code
         fn.__name__ = f"_{fn.__name__}{FOUR_STATES if four else STATES}"
@@ -415,8 +571,8 @@ def _specialised(four: bool):
     return tuple(kernels)
 
 
-_encode2, _decode_gaps2, _decode_values2 = _specialised(False)
-_encode4, _decode_gaps4, _decode_values4 = _specialised(True)
+_encode2, _decode_gaps2, _decode_values2, _decode_values_vote2 = _specialised(False)
+_encode4, _decode_gaps4, _decode_values4, _decode_values_vote4 = _specialised(True)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -446,6 +602,20 @@ def _decode_values(b, at, j0, j1, words, x, o1, o2, o3, four, pos, vcum, vfreq, 
     return _decode_values2(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow_of_key, vals, out)
 
 
+@nb.njit(cache=True, nogil=True)
+def _decode_values_any(b, at, j0, j1, words, x, o1, o2, o3, four, pos, vcum, vfreq, vslot, vrow, cols, votes, vals,
+                       out):
+    """Phase 3 of either model: `_decode_values` where `cols` is 0 (v2, v3: tables by key), else
+    `decode_values_vote` over `cols` columns with their counters in `votes`."""
+    if cols == 0:
+        return _decode_values(b, at, j0, j1, words, x, o1, o2, o3, four, pos, vcum, vfreq, vslot, vrow, vals, out)
+    if four:
+        return _decode_values_vote4(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow, cols, votes,
+                                    vals, out)
+    return _decode_values_vote2(b, at, j0, j1, words, x, o1, o2, o3, pos, vcum, vfreq, vslot, vrow, cols, votes, vals,
+                                out)
+
+
 # Elements per round of the decoder's scan: a round's values are decoded while its base and
 # output (8 KiB each) are still in L1. A separate pass over the whole tensor re-read both from
 # memory: the model's decode 10% slower (2**11..2**13 measure the same).
@@ -466,14 +636,14 @@ def _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts
 
 @nb.njit(cache=True, nogil=True)
 def _decode_span(b, bb, o0, o1, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq, vslot,
-                 vrow_of_key, at, vals, out, copy_to, function, digest):
+                 vrow_of_key, cols, votes, at, vals, out, copy_to, function, digest):
     """Phases 2 and 3 over elements [o0, o1) (whole blocks), chunk by chunk: positions from a
     scan of the base, then those changes' values, so a chunk's base and output are decoded while
     in L1. Resumable: st = [x, y1, y2, y3, pos, changes decoded] carries on. Building a target (`out`
     not empty), `at` holds one chunk's positions (and ec.POSITION_SLACK spare entries); otherwise
     at and vals collect the patch. Building, with `function` not 0, each finished chunk of the
-    target is fed to the running digest `digest` (`hashing.Running`) while in L1. Returns the
-    status."""
+    target is fed to the running digest `digest` (`hashing.Running`) while in L1. `cols` and
+    `votes`: the value model (`_decode_values_any`). Returns the status."""
     x, y1, y2, y3, pos, total = st[0], st[1], st[2], st[3], st[4], st[5]
     building = out.size > 0
     for o in range(o0, o1, CHUNK):
@@ -482,8 +652,8 @@ def _decode_span(b, bb, o0, o1, words, st, four, bits, lanes, nclass, ge, cursor
                                          at, done, copy_to)
         if status:
             return status
-        x, y1, y2, y3, pos, status = _decode_values(b, at, done, k, words, x, y1, y2, y3, four, pos, vcum, vfreq,
-                                                    vslot, vrow_of_key, vals, out)
+        x, y1, y2, y3, pos, status = _decode_values_any(b, at, done, k, words, x, y1, y2, y3, four, pos, vcum, vfreq,
+                                                        vslot, vrow_of_key, cols, votes, vals, out)
         if status:
             return status
         total += k - done
@@ -507,7 +677,7 @@ def _decode_end(st, expected):
 
 @nb.njit(cache=True, nogil=True)
 def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq, vslot,
-            vrow_of_key, out, copy_to, function, digest):
+            vrow_of_key, cols, out, copy_to, function, digest):
     """The three phases in one compiled call: (positions, values, changes decoded, status).
 
     With an empty `out`, the positions and values of every change are returned (a patch). With
@@ -515,11 +685,12 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
     `copy_to`, which is `out` itself when the base needs no padding to whole blocks), the values
     written as they are decoded, and positions kept only for the current chunk (no per-change
     arrays to allocate and fill), and fed to the running digest `digest` as it is finished when
-    `function` is not 0 (`_decode_span`)."""
+    `function` is not 0 (`_decode_span`). `cols`: 0, or the columns of v4's vote model."""
     bits, lanes, nclass, ge, cursor, guard, st, status = _decode_start(b, bb, words, x0, x1, x2, x3, four, thresholds,
                                                                        levels, counts, mcum, mfreq, mslot)
     expected = counts.sum()
     building = out.size > 0
+    votes = np.zeros(cols, np.int8)
     # positions: a chunk's at a time when building, else all; the scan's slack after them
     at = np.empty((min(expected, CHUNK) if building else expected) + ec.POSITION_SLACK, np.int64)
     vals = np.empty(0 if building else expected, np.uint16)
@@ -529,7 +700,7 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
         for i in range(b.size):  # a loop, not `out[:] = b` (codec/_warmup.py says why)
             out[i] = b[i]
     status = _decode_span(b, bb, 0, bb.size, words, st, four, bits, lanes, nclass, ge, cursor, guard, vcum, vfreq,
-                          vslot, vrow_of_key, at, vals, out, copy_to, function, digest)
+                          vslot, vrow_of_key, cols, votes, at, vals, out, copy_to, function, digest)
     if status == 0:
         status = _decode_end(st, expected)
     return at[:at.size - ec.POSITION_SLACK], vals, st[5], status
@@ -537,7 +708,7 @@ def _decode(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum
 
 @nb.njit(cache=True, nogil=True)
 def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq, mslot, vcum, vfreq,
-                     vslot, vrow_of_key, function, digest):
+                     vslot, vrow_of_key, cols, function, digest):
     """The three phases writing the target into the base b itself, in one pass over it: chunk by
     chunk, the positions from the scan of bb (b, or its padded copy), those changes' values,
     then each swapped into b (the old element kept in its place in `vals`: the undo log) and the
@@ -552,6 +723,7 @@ def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, cou
     at = np.empty(expected + ec.POSITION_SLACK, np.int64)
     vals = np.empty(expected, np.uint16)
     none = np.zeros(0, np.uint16)
+    votes = np.zeros(cols, np.int8)
     total = 0
     if status == 0:
         x, y1, y2, y3, pos = st[0], st[1], st[2], st[3], st[4]
@@ -561,8 +733,8 @@ def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, cou
                                              none)
             if status:
                 break
-            x, y1, y2, y3, pos, status = _decode_values(b, at, total, k, words, x, y1, y2, y3, four, pos, vcum, vfreq,
-                                                        vslot, vrow_of_key, vals, none)
+            x, y1, y2, y3, pos, status = _decode_values_any(b, at, total, k, words, x, y1, y2, y3, four, pos, vcum,
+                                                            vfreq, vslot, vrow_of_key, cols, votes, vals, none)
             if status:
                 break
             for j in range(total, k):
@@ -584,7 +756,8 @@ def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, cou
 
 _STATUS = {
     1: "entropy stream ends early", 2: "a class's changes lie beyond its elements",
-    3: "a change falls under an exponent with no value table", 4: "a decoded step leaves the BF16 range",
+    3: "a change falls under an exponent (or vote context) with no value table",
+    4: "a decoded step leaves the BF16 range",
     6: "a change's rank lies beyond the tensor",
     7: "entropy stream has leftover state (corrupt or forged)",
 }
@@ -603,9 +776,11 @@ class Analysis:
     classes: np.ndarray  # class of each change
     ranks: np.ndarray  # rank of each change among the elements of its class
     index: np.ndarray | None = None  # changed positions, where the scan had them for free
+    cols: int = 1  # the tensor's columns (`vote_columns`), for v4's vote symbols
     _class_changes: np.ndarray | None = field(default=None, repr=False, compare=False)
     _steps: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _votes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     @property
     def changes(self) -> int:
@@ -643,6 +818,15 @@ class Analysis:
             self._symbols = _value_symbols(self.pairs)
         return self._symbols
 
+    def vote_symbols(self) -> np.ndarray:
+        """Each change's v4 vote symbol (`_vote_symbols_into`), from its position (`index`)."""
+        if self._votes is None:
+            if self.index is None or self.index.size != self.pairs.size:
+                raise ValueError("vote symbols need the changes' positions (Analysis.index)")
+            self._votes = np.empty(self.pairs.size, np.uint32)
+            _vote_symbols_into(self.pairs, self.index.astype(np.int64, copy=False), self.cols, self._votes)
+        return self._votes
+
 
 def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarray:
     """Class thresholds from (elements, changes) per exponent among every stride-th element;
@@ -652,10 +836,12 @@ def choose_thresholds(n_e: np.ndarray, k_e: np.ndarray, stride: int) -> np.ndarr
     return ec.choose_classes(n_e * stride, k_e * stride, MAX_CLASSES)
 
 
-def analyze(base: np.ndarray, target: np.ndarray) -> Analysis:
-    """The changes of two BF16 tensors (as uint16), with classes chosen for them."""
+def analyze(base: np.ndarray, target: np.ndarray, cols: int = 1) -> Analysis:
+    """The changes of two BF16 tensors (as uint16), with classes chosen for them, and their
+    positions (for vote symbols over `cols` columns)."""
     thresholds, pairs, classes, ranks, sizes, changes = ec.analyze(base.reshape(-1), target.reshape(-1))
-    return Analysis(thresholds, sizes, pairs, classes, ranks, _class_changes=changes[: thresholds.size + 1])
+    return Analysis(thresholds, sizes, pairs, classes, ranks, index=ec.differences(base, target), cols=cols,
+                    _class_changes=changes[: thresholds.size + 1])
 
 
 @dataclass
@@ -675,6 +861,13 @@ class Batch:
     digests: np.ndarray | None  # row i: (low, high) halves of the base's digest, then the target's
     buffers: ec.ScanBuffers | None = field(default=None, repr=False, compare=False)  # where the changes lie
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # where the tensors lie (`analyze_at`'s addresses, the memory `keep` holds) and their columns:
+    # for v4's vote symbols, found by a second pass over them
+    where: np.ndarray | None = field(default=None, repr=False, compare=False)
+    sizes: np.ndarray | None = field(default=None, repr=False, compare=False)
+    cols: np.ndarray | None = field(default=None, repr=False, compare=False)
+    keep: list | None = field(default=None, repr=False, compare=False)
+    _votes: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.nthr.size)
@@ -696,6 +889,18 @@ class Batch:
                 _value_symbols_into(self.pairs, self._symbols)
         return self._symbols
 
+    def vote_symbols(self) -> np.ndarray:
+        """Every change's v4 vote symbol (`_vote_symbols_at`), from one compiled pass over the
+        tensors, which must still lie where the batch was scanned."""
+        if self._votes is None:
+            if self.where is None or self.sizes is None or self.cols is None:
+                raise ValueError("vote symbols need the batch's tensors (Batch.where)")
+            votes = np.empty(self.pairs.size, np.uint32)
+            if not _vote_symbols_at(self.where, self.sizes, self.cols, self.first, self.pairs, votes):
+                raise ValueError("the batch's tensors changed since they were scanned")
+            self._votes = votes
+        return self._votes
+
     def digest_pairs(self) -> list[tuple[bytes, bytes]] | None:
         """(base, target) digest of each tensor, where the scan made them (`analyze_at` with headers)."""
         if self.digests is None:
@@ -707,19 +912,26 @@ class Batch:
         """Tensor i's analysis (views into the batch's arrays)."""
         a, b, nthr = int(self.first[i]), int(self.first[i + 1]), int(self.nthr[i])
         return Analysis(self.thresholds[i, :nthr], self.class_sizes[i], self.pairs[a:b], self.classes[a:b],
-                        self.ranks[a:b], _class_changes=self.class_changes[i, : nthr + 1],
-                        _symbols=None if self._symbols is None else self._symbols[a:b])
+                        self.ranks[a:b], cols=1 if self.cols is None else int(self.cols[i]),
+                        _class_changes=self.class_changes[i, : nthr + 1],
+                        _symbols=None if self._symbols is None else self._symbols[a:b],
+                        _votes=None if self._votes is None else self._votes[a:b])
 
 
 def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None = None,
-               buffers: ec.ScanBuffers | None = None, hash_base: np.ndarray | None = None) -> Batch:
+               buffers: ec.ScanBuffers | None = None, cols: np.ndarray | None = None,
+               keep: list | None = None, hash_base: np.ndarray | None = None) -> Batch:
     """`analyze` of many BF16 tensors given by address (`exponent_classes.analyze_at`); with
     `headers`, the scan also digests every target and every base whose `hash_base` flag is set
     (default: all; Batch.digests). With `buffers`, the batch's changes and value symbols lie in
-    them: valid until they are lent to another scan."""
+    them: valid until they are lent to another scan. With `cols` (each tensor's `vote_columns`)
+    and `keep` (what keeps the addresses valid), the batch can make vote symbols later
+    (`Batch.vote_symbols`)."""
     pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests = ec.analyze_at(
         where, sizes, headers=headers, buffers=buffers, hash_base=hash_base)
-    return Batch(pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests, buffers=buffers)
+    return Batch(pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests, buffers=buffers,
+                 where=None if cols is None else np.ascontiguousarray(where, np.uintp),
+                 sizes=np.asarray(sizes, np.int64), cols=cols, keep=keep)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -746,12 +958,12 @@ def _pack_tables(keys, freq):
 
 
 @nb.njit(cache=True, nogil=True)
-def _unpack_tables(vals):
-    """`ValueModel.unpack_checked`'s parse of the block's varints, accepting exactly what it
-    accepts: (0, keys, freq), or (1, ...) for anything it would refuse."""
+def _unpack_tables(vals, n_keys):
+    """`ValueModel.unpack_checked`'s parse of the block's varints (keys below n_keys), accepting
+    exactly what it accepts: (0, keys, freq), or (1, ...) for anything it would refuse."""
     keys = np.zeros(0, np.int64)
     freq = np.zeros((0, VALUE_TOKENS), np.int64)
-    if vals.size == 0 or vals[0] > N_KEYS:
+    if vals.size == 0 or vals[0] > n_keys:
         return 1, keys, freq
     n = vals[0]
     at = 1
@@ -759,12 +971,12 @@ def _unpack_tables(vals):
     freq = np.zeros((n, VALUE_TOKENS), np.int64)
     key = -1
     for i in range(n):
-        if at + 2 > vals.size or vals[at] > N_KEYS or vals[at + 1] > VALUE_TOKENS:
+        if at + 2 > vals.size or vals[at] > n_keys or vals[at + 1] > VALUE_TOKENS:
             return 1, keys, freq
         key += vals[at] + 1
         count = vals[at + 1]
         at += 2
-        if key >= N_KEYS:
+        if key >= n_keys:
             return 1, keys, freq
         keys[i] = key
         tok = -1
@@ -788,17 +1000,25 @@ def _unpack_tables(vals):
 
 
 class ValueModel:
-    """One value-token table per key, shared by every conditional tensor of a payload."""
+    """One value-token table per key (v2, v3), or per vote context (v4, `vote`: key *
+    VOTE_LEVELS + |column counter|), shared by every conditional tensor of a payload."""
 
-    def __init__(self, freq: np.ndarray, keys: np.ndarray) -> None:
+    def __init__(self, freq: np.ndarray, keys: np.ndarray, vote: bool = False) -> None:
+        self.vote = vote
+        n_keys = N_CONTEXTS if vote else N_KEYS
         self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
         self.slots = (rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0]
                       else np.zeros((0, 1 << VALUE_SCALE), np.uint8))
         self._reciprocals: tuple[np.ndarray, np.ndarray] | None = None  # the encoder's; built on demand
-        self.row_of_key = np.full(N_KEYS, -1, np.int64)
+        self.row_of_key = np.full(n_keys, -1, np.int64)  # of a context, for vote models
         self.row_of_key[keys] = np.arange(keys.size)
         self.keys = keys
+
+    def columns(self, shape: tuple[int, ...]) -> int:
+        """The `cols` argument of the decoding kernels for a record of this shape: 0 (no votes)
+        unless this is a vote model."""
+        return vote_columns(shape) if self.vote else 0
 
     @property
     def rcp(self) -> np.ndarray:
@@ -818,35 +1038,50 @@ class ValueModel:
         return cls.fit_symbols([a.value_symbols for a in analyses])
 
     @classmethod
-    def fit_symbols(cls, symbols: list[np.ndarray]) -> "ValueModel":
-        """The tables of changes whose value symbols (`_value_symbols`) these arrays hold."""
-        hist = np.zeros((N_KEYS, VALUE_TOKENS), np.int64)
+    def fit_symbols(cls, symbols: list[np.ndarray], vote: bool = False) -> "ValueModel":
+        """The tables of changes whose value symbols (`_value_symbols`; with `vote`, vote
+        symbols, `_vote_symbols_into`) these arrays hold."""
+        hist = np.zeros((N_CONTEXTS if vote else N_KEYS, VALUE_TOKENS), np.int64)
         flat = hist.reshape(-1)
         for sym in symbols:
             _count_symbols(sym, flat)
         keys = np.flatnonzero(hist.sum(axis=1))
         freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
-        return cls(freq, keys)
+        model = cls(freq, keys, vote)
+        model.fitted_bits = model.cost(hist[keys])
+        return model
+
+    fitted_bits = 0.0  # what `fit_symbols` expects its symbols and tables to cost
+
+    def cost(self, counts: np.ndarray) -> float:
+        """Bits of the token symbols counted in `counts` (a row per table) under these tables,
+        plus the tables' own block: what the model costs the payload (raw bits aside, which any
+        model pays alike)."""
+        used = counts > 0
+        code = float((counts[used] * (VALUE_SCALE - np.log2(self.freq[used]))).sum())
+        return code + 8.0 * len(self.pack())
 
     def pack(self) -> bytes:
         """The shared value-tables block (docs/FORMAT.md), built in one compiled pass."""
         return _pack_tables(self.keys.astype(np.int64), self.freq).tobytes()
 
     @classmethod
-    def unpack(cls, data: bytes) -> "ValueModel":
-        """The shared value-tables block, parsed in one compiled pass; a block that pass declines
-        goes through `unpack_checked`, which names the fault."""
+    def unpack(cls, data: bytes, vote: bool = False) -> "ValueModel":
+        """The shared value-tables block (with `vote`, the vote tables: the same layout, keyed by
+        context), parsed in one compiled pass; a block that pass declines goes through
+        `unpack_checked`, which names the fault."""
         vals, n = _decode_uvarints(np.frombuffer(data, np.uint8))
         if n >= 0:
-            status, keys, freq = _unpack_tables(vals[:n])
+            status, keys, freq = _unpack_tables(vals[:n], N_CONTEXTS if vote else N_KEYS)
             if status == 0:
-                return cls(freq, keys)
-        return cls.unpack_checked(data)
+                return cls(freq, keys, vote)
+        return cls.unpack_checked(data, vote)
 
     @classmethod
-    def unpack_checked(cls, data: bytes) -> "ValueModel":
+    def unpack_checked(cls, data: bytes, vote: bool = False) -> "ValueModel":
         """`unpack`, field by field, every fault a DeltaError saying what is wrong."""
-        vals = read_uvarints(data, "value tables")
+        n_keys = N_CONTEXTS if vote else N_KEYS
+        vals = read_uvarints(data, "vote tables" if vote else "value tables")
         at = 0
 
         def take(limit: int) -> int:
@@ -859,13 +1094,13 @@ class ValueModel:
                 raise DeltaError(f"value {v} in value tables exceeds its limit {limit}")
             return v
 
-        n = take(N_KEYS)
+        n = take(n_keys)
         keys = np.zeros(n, np.int64)
         freq = np.zeros((n, VALUE_TOKENS), np.int64)
         key = -1
         for i in range(n):
-            key += take(N_KEYS) + 1
-            if key >= N_KEYS:
+            key += take(n_keys) + 1
+            if key >= n_keys:
                 raise DeltaError("value tables: key out of range")
             keys[i] = key
             tok = -1
@@ -879,7 +1114,7 @@ class ValueModel:
                 raise DeltaError(f"value tables: key {key} frequencies sum to {total}, expected {1 << VALUE_SCALE}")
         if at != len(vals):
             raise DeltaError(f"{len(vals) - at} trailing values after the value tables")
-        return cls(freq, keys)
+        return cls(freq, keys, vote)
 
 
 def _tokens(zig: np.ndarray) -> np.ndarray:
@@ -1043,8 +1278,10 @@ def encode_batch(batch: Batch, which: np.ndarray, model: ValueModel, four_from: 
                  ) -> list[tuple[bytes, list[Stream]]]:
     """(params, streams) of the batch's tensors `which`, coded where the batch holds them, in
     one compiled call. Tensors with at least `four_from` changes use four interleaved states
-    (the payload's SHARED_INTERLEAVE rule, which the caller writes)."""
-    return _records(batch.pairs, batch.value_symbols, batch.classes, batch.ranks, batch.first, batch.thresholds,
+    (the payload's SHARED_INTERLEAVE rule, which the caller writes). A vote model codes the
+    batch's vote symbols."""
+    symbols = batch.vote_symbols() if model.vote else batch.value_symbols
+    return _records(batch.pairs, symbols, batch.classes, batch.ranks, batch.first, batch.thresholds,
                     batch.nthr, batch.class_sizes, batch.class_changes, np.asarray(which, np.int64), model, four_from)
 
 
@@ -1054,10 +1291,10 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
     m = len(analyses)
     if m == 1:
         a = analyses[0]
-        pairs, symbols, cls, ranks = a.pairs, a.value_symbols, a.classes, a.ranks
+        pairs, symbols, cls, ranks = a.pairs, a.vote_symbols() if model.vote else a.value_symbols, a.classes, a.ranks
     else:
         pairs = np.concatenate([a.pairs for a in analyses])
-        symbols = np.concatenate([a.value_symbols for a in analyses])
+        symbols = np.concatenate([a.vote_symbols() if model.vote else a.value_symbols for a in analyses])
         cls = np.concatenate([a.classes for a in analyses])
         ranks = np.concatenate([a.ranks for a in analyses])
     first = np.zeros(m + 1, np.int64)
@@ -1172,8 +1409,16 @@ def _parse_model(shared: dict) -> ValueModel:
     return ValueModel.unpack(data)
 
 
+def _parse_vote_model(shared: dict) -> ValueModel:
+    return ValueModel.unpack(shared[SHARED_VOTE_TABLES], vote=True)
+
+
 def _model(shared: dict) -> ValueModel:
-    """The payload's value tables, parsed once per payload (its records all share them)."""
+    """The payload's value model, parsed once per payload (its records all share it): the vote
+    tables where the payload has them (v4; other versions refuse the block when opened), else
+    the value tables."""
+    if SHARED_VOTE_TABLES in shared:
+        return parsed_block(shared, SHARED_VOTE_TABLES, _parse_vote_model)
     return parsed_block(shared, SHARED_VALUE_TABLES, _parse_model)
 
 
@@ -1209,7 +1454,8 @@ def decode_in_place(entry: Entry, elems: np.ndarray, shared: dict, digest: Runni
     mfreq, mcum, mslot = mask_tables()
     at, old, _, status = _decode_in_place(base, ec.blocks(base), words, x0, x1, x2, x3, four, thresholds, levels,
                                           counts, mcum, mfreq, mslot, model.cum, model.freq, model.slots,
-                                          model.row_of_key, np.uintp(function), np.uintp(state))
+                                          model.row_of_key, model.columns(entry.shape), np.uintp(function),
+                                          np.uintp(state))
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(at, old)
@@ -1245,7 +1491,11 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
     except DeltaError as exc:
         raise DeltaError(exc.reason, tensor=entry.name) from None
     words, states = _stream(entry, four)
-    return base.reshape(-1), thresholds, levels, counts, words, states, four, _model(shared)
+    try:
+        model = _model(shared)
+    except DeltaError as exc:
+        raise DeltaError(exc.reason, tensor=entry.name) from None
+    return base.reshape(-1), thresholds, levels, counts, words, states, four, model
 
 
 def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None,
@@ -1263,8 +1513,8 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
     function, state = (digest.function, digest.state) if digest is not None and out.size else (0, 0)
     mfreq, mcum, mslot = mask_tables()
     at, val, count, status = _decode(base, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq,
-                                     mslot, model.cum, model.freq, model.slots, model.row_of_key, out, copy_to,
-                                     np.uintp(function), np.uintp(state))
+                                     mslot, model.cum, model.freq, model.slots, model.row_of_key,
+                                     model.columns(entry.shape), out, copy_to, np.uintp(function), np.uintp(state))
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return at, val, int(count)
@@ -1289,7 +1539,7 @@ def _stream_states(words, nstates):
 
 @nb.njit(cache=True, nogil=True)
 def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq, mslot, vcum, vfreq, vslot,
-                  vrow_of_key, headers, hoff, functions, state):
+                  vrow_of_key, cols, headers, hoff, functions, state):
     """`_decode` building the targets of many tensors in one compiled call, their records parsed
     here too: tensor i's base is at address where[i, 0] (sizes[i] elements, readable in whole
     blocks), its target goes to where[i, 1] (sizes[i] elements), its params are
@@ -1327,8 +1577,8 @@ def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, m
             hash_update(functions[1], state, headers, hoff[i], hoff[i + 1])
             function = functions[1]
         _, _, decoded[i], status[i] = _decode(bb[:n], bb, w, x[0], x[1], x[2], x[3], four, thr[:nc - 1], levels[:nc],
-                                              counts[:nc], mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, out,
-                                              copy_to, function, state)
+                                              counts[:nc], mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, cols[i],
+                                              out, copy_to, function, state)
         if hashing and status[i] == 0:
             digests[i, 0], digests[i, 1] = hash_digest(functions[2], state)
     return decoded, status, digests
@@ -1366,11 +1616,12 @@ def decode_at(entries: list[Entry], where: np.ndarray, shared: dict, headers: li
     words = np.frombuffer(b"".join(e.streams[0].stored for e in entries), "<u4")
     changes = np.array([e.changes for e in entries], np.int64)
     sizes = np.array([e.numel for e in entries], np.int64)
+    cols = np.array([model.columns(e.shape) for e in entries], np.int64)
     digesting = hashing.KernelDigests(headers, m)
     mfreq, mcum, mslot = mask_tables()
     decoded, status, digests = _decode_batch(np.ascontiguousarray(where, np.uintp), sizes, params, poff, words, woff,
                                              changes, four_from, mcum, mfreq, mslot, model.cum, model.freq,
-                                             model.slots, model.row_of_key, digesting.headers, digesting.offsets,
+                                             model.slots, model.row_of_key, cols, digesting.headers, digesting.offsets,
                                              digesting.functions, digesting.states[0])
     del digesting  # frees its states
     return decoded, status, digests if headers is not None else None
@@ -1434,7 +1685,9 @@ def elements_at(t: torch.Tensor, keep: list) -> int:
 
 VALUE_TABLES = SharedBlock(SHARED_VALUE_TABLES, VERSIONS, "value tables",
                            refused_elsewhere=False)  # a v1 payload carrying it has always decoded, the block unread
-INTERLEAVE = SharedBlock(SHARED_INTERLEAVE, (3,), "an interleave rule")
+INTERLEAVE = SharedBlock(SHARED_INTERLEAVE, (3, 4), "an interleave rule")
+VOTE_TABLES = SharedBlock(SHARED_VOTE_TABLES, (4,), "vote tables")
+VOTE_VERSIONS = VOTE_TABLES.versions  # where the encoder codes values with column votes
 
 
 @dataclass
@@ -1447,13 +1700,13 @@ class Tables:
 
 
 class Conditional(Method):
-    """BF16 in v2 and v3: analyses every BF16 tensor (CPU pairs in batches: one compiled scan, and
+    """BF16 in v2 to v4: analyses every BF16 tensor (CPU pairs in batches: one compiled scan, and
     one compiled coding call for the sparse ones; device pairs where they live, `device.py`),
     fits the payload's value tables from all of them, and decodes CPU records in one call."""
 
     id, name, versions = ID, NAME, VERSIONS
     preference = 10
-    shared_kinds = (VALUE_TABLES, INTERLEAVE)
+    shared_kinds = (VALUE_TABLES, INTERLEAVE, VOTE_TABLES)
     analyses = True
     builds_target = True
     decodes_in_place = True
@@ -1467,8 +1720,11 @@ class Conditional(Method):
         if target.device.type != "cpu" and base.device == target.device:
             from ..device import analyze_on_device  # (device.py builds on this module)
 
-            return analyze_on_device(base, target)
-        return analyze(*host())  # on the CPU, or on two devices: from host copies
+            a = analyze_on_device(base, target)
+            a.cols = vote_columns(tuple(target.shape))
+            return a
+        b, t = host()  # on the CPU, or on two devices: from host copies
+        return analyze(b, t, cols=vote_columns(tuple(target.shape)))
 
     def batch_encodable(self, base: torch.Tensor, target: torch.Tensor) -> bool:
         return target.dtype == torch.bfloat16 and target.is_cpu and base.is_cpu
@@ -1485,21 +1741,31 @@ class Conditional(Method):
         where = np.array([(elements_at(b, keep), elements_at(t, keep)) for b, t in zip(bases, targets)],
                          np.uintp).reshape(-1, 2)
         headers = [header_bytes(tensors.BF16.name, tuple(t.shape)) for t in targets] if hashing.KERNEL_DIGESTS else None
-        batch = analyze_at(where, sizes, headers, scratch, None if hash_base is None else np.array(hash_base, np.uint8))
-        del keep  # the scan is done with the tensors' memory
-        return batch
+        cols = np.array([vote_columns(tuple(t.shape)) for t in targets], np.int64)
+        # the batch keeps the tensors' memory: v4's vote symbols are found by a second pass over it
+        return analyze_at(where, sizes, headers, scratch, cols=cols, keep=keep,
+                          hash_base=None if hash_base is None else np.array(hash_base, np.uint8))
 
     def fit(self, version: int, batches: list[Batch], analyses: list[Analysis]) -> Tables | None:
         symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]
         if not any(s.size for s in symbols):
             return None
+        model = ValueModel.fit_symbols(symbols)
+        if version in VOTE_VERSIONS:  # v4: values coded with column votes where that costs less
+            votes = ValueModel.fit_symbols([b.vote_symbols() for b in batches] + [a.vote_symbols() for a in analyses],
+                                           vote=True)
+            if votes.fitted_bits < model.fitted_bits:  # (their five times the tables lose on small payloads)
+                model = votes
         # v3: records with many changes use four interleaved rANS states (the payload states the rule)
-        return Tables(ValueModel.fit_symbols(symbols), FOUR_STATES_FROM if version in INTERLEAVE.versions else NEVER)
+        return Tables(model, FOUR_STATES_FROM if version in INTERLEAVE.versions else NEVER)
 
     def encode(self, job: Job, model: Tables | None) -> tuple[bytes, list[Stream]] | None:
         if job.analysis is None or model is None:
             return None
-        return encode(job.analysis, model.values, model.four_from)
+        a = job.analysis
+        if model.values.vote and a._votes is None and a.index is None:  # a batch's tensor coded alone
+            a.index = job.index if job.index is not None else ec.differences(job.base, job.target)
+        return encode(a, model.values, model.four_from)
 
     def encode_batch(self, batch: Batch, which: np.ndarray, model: Tables | None
                      ) -> Sequence[tuple[bytes, list[Stream]] | None]:
@@ -1510,7 +1776,7 @@ class Conditional(Method):
     def shared_blocks(self, model: Tables | None) -> dict[int, bytes]:
         if model is None:
             return {}
-        blocks = {SHARED_VALUE_TABLES: model.values.pack()}
+        blocks = {SHARED_VOTE_TABLES if model.values.vote else SHARED_VALUE_TABLES: model.values.pack()}
         if model.four_from < NEVER:
             blocks[SHARED_INTERLEAVE] = interleave_rule(model.four_from)
         return blocks

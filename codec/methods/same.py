@@ -11,7 +11,7 @@ from .base import Job, Method, Patch, empty_patch
 
 ID = 0
 NAME = "same"
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 
 
 def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:

@@ -21,7 +21,7 @@ from .base import Job, Method, Patch, check_index, expect_streams, pack_stream, 
 
 ID = 2
 NAME = "sparse-split"
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 
 POS_GAPS, POS_BITMASK = 0, 1
 HIGH_BITS = np.uint16(0xFF80)  # BF16 sign + exponent

@@ -16,7 +16,7 @@ from .base import Job, Method, Patch, check_index, expect_streams, pack_stream, 
 
 ID = 1
 NAME = "xor-planes"
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 
 
 def encode(base: np.ndarray, target: np.ndarray, effort: str) -> tuple[bytes, list[Stream]]:
