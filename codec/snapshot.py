@@ -236,6 +236,7 @@ class _Source:
         self._f: IO[bytes] | None = None
         self.pos = 0
         self.version = 0  # the object's, once its prefix is read
+        self._buf = np.empty(0, np.uint8)  # a file source's record bytes, reused record after record
         if isinstance(src, (bytes, bytearray, memoryview)):
             self._mv = memoryview(src).cast("B")
         elif isinstance(src, (str, os.PathLike)):
@@ -274,6 +275,44 @@ class _Source:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.pos += n
         return memoryview(data)
+
+    def read_blocks(self, sizes: list[int], tensor: str) -> list[memoryview]:
+        """A record's blocks. From a file, into one buffer reused from record to record (valid
+        until the next call): a new bytes object per block cost fresh pages each time. A buffer
+        grows only as far as the file can back it (its size, or the bytes that arrived), so a
+        length the file cannot back allocates no more than it holds."""
+        readinto = getattr(self._f, "readinto", None)
+        if self._f is None or readinto is None:
+            return [self.read(size, f"block {i}", tensor) for i, size in enumerate(sizes)]
+        total = sum(sizes)
+        if self._buf.size < total and self.seekable() and self.size() - self.pos >= total:
+            self._buf = np.empty(total, np.uint8)  # the file holds them: no growing (and copying) as they come
+        got = 0
+        while got < total:
+            if got == self._buf.size:
+                bigger = np.empty(min(total, max(2 * self._buf.size, READ_CHUNK)), np.uint8)
+                bigger[:got] = self._buf[:got]
+                self._buf = bigger
+            try:
+                n = readinto(memoryview(self._buf)[got:min(total, self._buf.size)])
+            except (NotImplementedError, io.UnsupportedOperation):  # a reader without readinto
+                if got:
+                    raise
+                return [self.read(size, f"block {i}", tensor) for i, size in enumerate(sizes)]
+            if not n:
+                ends = np.cumsum(sizes)
+                i = int(np.searchsorted(ends, got, side="right"))
+                start = int(ends[i]) - sizes[i]
+                raise self.error(f"truncated block {i}: needs {sizes[i]} bytes at offset {self.pos + start}, "
+                                 f"{got - start} left", tensor)
+            got += n
+        self.pos += total
+        mv = memoryview(self._buf)
+        out, at = [], 0
+        for size in sizes:
+            out.append(mv[at:at + size])
+            at += size
+        return out
 
     def skip(self, n: int, what: str, tensor: str | None = None) -> None:
         if self.seekable():
@@ -422,13 +461,41 @@ _HEAD_ERRORS = {
 }
 
 
-def _decode_bf16(block: memoryview, out: np.ndarray, kind: int) -> None:
-    """A kind 2 or 3 block (after its kind byte) into `out`. The header is parsed by a kernel
-    (`block_head`), so Python runs a fixed handful of steps per block whatever its table."""
+class _Scratch:
+    """What decoding a BF16 block needs besides its bytes, made once per record: the frequency
+    and slot tables a kernel fills, and the tensor's running digest, which the kernels feed
+    chunk by chunk while the chunk is in L1 (Python feeds it where no kernel can: `digest`)."""
+
+    def __init__(self, dt: tensors.DType, shape: tuple[int, ...]) -> None:
+        self.freq = np.zeros(256, np.int64)
+        self.table = np.empty(1 << snapshot_rans.SCALE, np.uint32)
+        self.running = hashing.running(dt.name, shape)
+        self.fallback = hashing.digester(dt.name, shape) if self.running is None else None
+        self.function = np.uintp(self.running.function if self.running is not None else 0)
+        self.state = np.uintp(self.running.state if self.running is not None else 0)
+
+    def feed(self, part: np.ndarray) -> None:
+        """The digest of a part no kernel fed (stored and zstd blocks, all of a fallback's)."""
+        if self.running is not None:
+            self.running.update(part)
+        else:
+            assert self.fallback is not None
+            hashing.feed(self.fallback, part)
+
+    def digest(self) -> bytes:
+        if self.running is not None:
+            return self.running.digest()
+        assert self.fallback is not None
+        return self.fallback.digest()
+
+
+def _decode_bf16(block: memoryview, out: np.ndarray, kind: int, scratch: _Scratch) -> None:
+    """A kind 2 or 3 block (after its kind byte) into `out`, fed to the digest. The header is
+    parsed by a kernel (`block_head`), so Python runs a fixed handful of steps per block whatever
+    its table (a Python loop over ~40 table entries cost ~20% of the decode)."""
     n = out.size
     states = snapshot_rans.STATES_V2 if kind == KIND_BF16_GROUPS else snapshot_rans.STATES
-    body = np.frombuffer(block, np.uint8)
-    err, value, freq, n_words, res_codec, at = snapshot_rans.block_head(body, states)
+    err, value, n_words, res_codec, at = snapshot_rans.block_head(np.frombuffer(block, np.uint8), states, scratch.freq)
     if err:
         raise DeltaError(_HEAD_ERRORS[err](int(value)))
     words = np.frombuffer(block, "<u4", n_words, at)
@@ -441,19 +508,21 @@ def _decode_bf16(block: memoryview, out: np.ndarray, kind: int) -> None:
         residual = np.frombuffer(compressors.decompress(compressors.ZSTD, rest, n, "residual plane"), np.uint8)
     else:
         raise DeltaError(f"unknown residual codec {res_codec}")
-    table = snapshot_rans.slot_table(freq)
+    snapshot_rans.slot_table(scratch.freq, scratch.table)
     decode = snapshot_rans.decode_groups if kind == KIND_BF16_GROUPS else snapshot_rans.decode_block
-    status = decode(table, words, residual, out)
+    status = decode(scratch.table, words, residual, out, scratch.function, scratch.state)
     if status == snapshot_rans.BAD_STATES:
         raise DeltaError("rANS final states out of range")
     if status != snapshot_rans.OK:
         raise DeltaError("rANS stream does not decode to its block (corrupt)")
+    if scratch.running is None:
+        scratch.feed(out)
 
 
 def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
     """Reads a record's blocks (all of them before any allocation: the output is justified by bytes
     actually present) and returns its verified tensor."""
-    blocks = [src.read(size, f"block {i}", head.name) for i, size in enumerate(head.sizes)]
+    blocks = src.read_blocks(head.sizes, head.name)
     dt = head.dt
     epi = tensors.elements_per_item(dt)
     try:
@@ -462,7 +531,7 @@ def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
         raise src.error(f"no memory for {head.numel} elements", head.name) from None
     raw = out.view(np.uint8)
     isz = dt.itemsize
-    digest = hashing.digester(dt.name, head.shape)
+    scratch = _Scratch(dt, head.shape)
     bf16_kinds = (KIND_BF16, KIND_BF16_GROUPS) if src.version >= 2 else (KIND_BF16,)
     try:
         for i, block in enumerate(blocks):
@@ -482,16 +551,17 @@ def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
                     compressors.decompress(compressors.ZSTD, body, nbytes, f"block {i}"), np.uint8)
             elif kind in bf16_kinds and dt is tensors.BF16:
                 try:
-                    _decode_bf16(body, out[start:stop], kind)
+                    _decode_bf16(body, out[start:stop], kind, scratch)
                 except DeltaError as exc:
                     raise DeltaError(f"block {i}: {exc.reason}") from None
             else:
                 defined = f"in a version {src.version} object" if kind == KIND_BF16_GROUPS else f"for {dt.name}"
                 raise DeltaError(f"block {i}: kind {kind} is not defined {defined}")
-            hashing.feed(digest, raw[start * isz:stop * isz])  # the block is still in cache
+            if kind in (KIND_RAW, KIND_ZSTD):
+                scratch.feed(raw[start * isz:stop * isz])  # the block is still in cache
     except DeltaError as exc:
         raise src.error(exc.reason, head.name) from None
-    if digest.digest() != head.digest:
+    if scratch.digest() != head.digest:
         raise src.error("decoded bytes do not match the tensor's digest (corrupt or forged record)", head.name)
     return tensors.tensor_from_elements(out, dt, head.shape, copy=False)
 

@@ -33,6 +33,7 @@ import numba as nb
 import numpy as np
 
 from . import rans
+from .hashing import hash_update
 
 SCALE = 12
 STATES = 4  # kind 2
@@ -48,17 +49,17 @@ BAD_STATES, CORRUPT = 1, 2
 
 
 @nb.njit(cache=True, nogil=True)
-def slot_table(freq):
-    """The decoders' slot table for 256 frequencies summing to 2**SCALE (each < 2**SCALE): slot
-    `cum[s] + j` of symbol s holds `j | s << 12 | freq[s] << 20`."""
-    table = np.empty(1 << SCALE, np.uint32)
+def slot_table(freq, table):
+    """Fills `table` (2**SCALE uint32), the decoders' slot table for 256 frequencies summing to
+    2**SCALE (each < 2**SCALE): slot `cum[s] + j` of symbol s holds `j | s << 12 | freq[s] << 20`.
+    (The caller's scratch arrays, not new ones: numba rebuilds the dtype of every array it returns
+    to Python by unpickling it, ~5-20 us, twice per block when block_head and this returned theirs.)"""
     at = 0
     for s in range(256):
         f = freq[s]
         for j in range(f):
             table[at + j] = np.uint32(j | (s << 12) | (f << 20))
         at += f
-    return table
 
 
 @nb.njit(cache=True, nogil=True)
@@ -98,47 +99,48 @@ def _uvarint(body, at, limit):
 
 
 @nb.njit(cache=True, nogil=True)
-def block_head(body, states):
-    """A kind 2 or 3 block's header (after its kind byte): (error code, the value at fault,
-    freq[256], n_words, residual codec, offset of the stream). The checks of FORMAT.md: 2-256
-    symbols, strictly increasing, frequencies 1-4095 summing to 2**12, at least two words per
-    state and the stream inside the block."""
-    freq = np.zeros(256, np.int64)
+def block_head(body, states, freq):
+    """A kind 2 or 3 block's header (after its kind byte), its table into `freq` (256 int64):
+    (error code, the value at fault, n_words, residual codec, offset of the stream). The checks
+    of FORMAT.md: 2-256 symbols, strictly increasing, frequencies 1-4095 summing to 2**12, at
+    least two words per state and the stream inside the block."""
+    for s in range(256):
+        freq[s] = 0
     n_sym, at, err = _uvarint(body, 0, 256)
     if err:
-        return err, np.int64(n_sym), freq, 0, 0, at
+        return err, np.int64(n_sym), 0, 0, at
     if n_sym < 2:
-        return E_N_SYM, np.int64(n_sym), freq, 0, 0, at
+        return E_N_SYM, np.int64(n_sym), 0, 0, at
     prev = -1
     total = 0
     for _ in range(np.int64(n_sym)):
         if at >= body.size:
-            return E_TRUNCATED, 0, freq, 0, 0, at
+            return E_TRUNCATED, 0, 0, 0, at
         s = np.int64(body[at])
         at += 1
         if s <= prev:
-            return E_ORDER, s, freq, 0, 0, at
+            return E_ORDER, s, 0, 0, at
         prev = s
         f, at, err = _uvarint(body, at, MAX_FREQ)
         if err:
-            return err, np.int64(f) if err == E_LIMIT else 0, freq, 0, 0, at
+            return err, np.int64(f) if err == E_LIMIT else 0, 0, 0, at
         if f == 0:
-            return E_FREQ_0, s, freq, 0, 0, at
+            return E_FREQ_0, s, 0, 0, at
         freq[s] = np.int64(f)
         total += np.int64(f)
     if total != 1 << SCALE:
-        return E_SUM, total, freq, 0, 0, at
+        return E_SUM, total, 0, 0, at
     nw, at, err = _uvarint(body, at, body.size)
     if err:
-        return err, np.int64(nw) if err == E_LIMIT else 0, freq, 0, 0, at
+        return err, np.int64(nw) if err == E_LIMIT else 0, 0, 0, at
     n_words = np.int64(nw)
     if at >= body.size:
-        return E_TRUNCATED, 0, freq, 0, 0, at
+        return E_TRUNCATED, 0, 0, 0, at
     res_codec = np.int64(body[at])
     at += 1
     if n_words < 2 * states or at + 4 * n_words > body.size:
-        return E_WORDS, n_words, freq, 0, 0, at
-    return OK, 0, freq, n_words, res_codec, at
+        return E_WORDS, n_words, 0, 0, at
+    return OK, 0, n_words, res_codec, at
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -282,10 +284,12 @@ def encode_groups(elems, freq, cum, rcp, rsh, residual):
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_block(table, words, residual, out):
+def decode_block(table, words, residual, out, function, state):
     """The inverse of `encode_block` (kind 2) into `out` (uint16, residual.size elements); `words`
     is the whole stream, its four states last. OK only if the states are in range (else
-    BAD_STATES), every word was consumed and all four states ended at exactly 2**31 (else CORRUPT)."""
+    BAD_STATES), every word was consumed and all four states ended at exactly 2**31 (else CORRUPT).
+    Each finished chunk of `out` is fed, while in L1, to the running digest (`hashing.Running`'s
+    `function` and `state`; `function` 0: none); a block that is refused has fed part of its own."""
     n = out.size
     xs = _initial_states(words, STATES)
     if xs.size == 0:
@@ -308,6 +312,8 @@ def decode_block(table, words, residual, out):
             x3, pos = _pull(x3, words, pos)
             i += 4
         _merge(residual, out, start, i)
+        if function:
+            hash_update(function, state, out, start, i)
         if i < stop:
             break
     xs[0], xs[1], xs[2], xs[3] = x0, x1, x2, x3
@@ -323,14 +329,17 @@ def decode_block(table, words, residual, out):
             pos -= 1
         i += 1
     _merge(residual, out, tail, n)
+    if function:
+        hash_update(function, state, out, tail, n)
     return OK if pos == -1 and xs[0] == L and xs[1] == L and xs[2] == L and xs[3] == L else CORRUPT
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_groups(table, words, residual, out):
+def decode_groups(table, words, residual, out, function, state):
     """The inverse of `encode_groups` (kind 3) into `out` (uint16, residual.size elements); `words`
     is the whole stream, its eight states last. OK only if the states are in range (else
-    BAD_STATES), every word was consumed and all eight states ended at exactly 2**31 (else CORRUPT)."""
+    BAD_STATES), every word was consumed and all eight states ended at exactly 2**31 (else CORRUPT).
+    The digest is fed as `decode_block` feeds it."""
     n = out.size
     xs = _initial_states(words, STATES_V2)
     if xs.size == 0:
@@ -369,6 +378,8 @@ def decode_groups(table, words, residual, out):
             x7, pos = _pull(x7, words, pos)
             i += GROUP
         _merge(residual, out, start, i)
+        if function:
+            hash_update(function, state, out, start, i)
         if i < stop:
             break
     xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
@@ -387,6 +398,8 @@ def decode_groups(table, words, residual, out):
                 pos -= 1
         i += m
     _merge(residual, out, tail, n)
+    if function:
+        hash_update(function, state, out, tail, n)
     if pos != -1:
         return CORRUPT
     for k in range(STATES_V2):
