@@ -294,7 +294,7 @@ class _Source:
                 bigger[:got] = self._buf[:got]
                 self._buf = bigger
             try:
-                n = readinto(memoryview(self._buf)[got:min(total, self._buf.size)])
+                n = readinto(self._buf.data[got:min(total, self._buf.size)])
             except (NotImplementedError, io.UnsupportedOperation):  # a reader without readinto
                 if got:
                     raise
@@ -307,7 +307,7 @@ class _Source:
                                  f"{got - start} left", tensor)
             got += n
         self.pos += total
-        mv = memoryview(self._buf)
+        mv = self._buf.data
         out, at = [], 0
         for size in sizes:
             out.append(mv[at:at + size])

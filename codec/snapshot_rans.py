@@ -104,15 +104,15 @@ def block_head(body, states, freq):
     (error code, the value at fault, n_words, residual codec, offset of the stream). The checks
     of FORMAT.md: 2-256 symbols, strictly increasing, frequencies 1-4095 summing to 2**12, at
     least two words per state and the stream inside the block."""
-    for s in range(256):
-        freq[s] = 0
+    for j in range(256):
+        freq[j] = 0
     n_sym, at, err = _uvarint(body, 0, 256)
     if err:
         return err, np.int64(n_sym), 0, 0, at
     if n_sym < 2:
         return E_N_SYM, np.int64(n_sym), 0, 0, at
-    prev = -1
-    total = 0
+    prev = np.int64(-1)
+    total = np.int64(0)
     for _ in range(np.int64(n_sym)):
         if at >= body.size:
             return E_TRUNCATED, 0, 0, 0, at
