@@ -3,11 +3,12 @@
 Numba compiles a kernel on its first call, and on a fresh host (an empty kernel cache) the first
 encode, decode or apply_ paid ~20-50 s of compilation on top of the step itself. A publisher or
 watcher calls `warm_up()` in its constructor: the kernels compile in a background thread while
-the first snapshot uploads or downloads (the snapshot path runs no kernel), so the first delta
-finds them ready. Kernels go to numba's on-disk cache (`_kernel_cache`), so on a host whose cache
-is warm, warm-up only loads them (~1 s), and processes of one host that warm up the same path
-take turns (a file lock in the cache directory): the first compiles, the others then load what
-it wrote instead of compiling the same kernels at the same time on the same cores.
+the first snapshot uploads or downloads (a safetensors snapshot runs no kernel; a compressed one
+has its own paths, "snapshot_encode" and "snapshot_decode"), so the first delta finds them
+ready. Kernels go to numba's on-disk cache (`_kernel_cache`), so on a host whose cache is warm,
+warm-up only loads them (~1 s), and processes of one host that warm up the same path take turns
+(a file lock in the cache directory): the first compiles, the others then load what it wrote
+instead of compiling the same kernels at the same time on the same cores.
 
 Each path ("encode", "decode", "apply_") is a list of steps, callables that run the real entry
 point on a tiny checkpoint holding every dtype and method the codec has, so that each kernel is
@@ -102,7 +103,7 @@ def warm_up(paths: Iterable[str] | None = None, *, background: bool = True) -> W
     """Compile (or load from the on-disk cache) every kernel that `paths` use: "encode",
     "decode", "apply_" (default: all). Idempotent and thread-safe: a path runs once per process,
     later calls share it. In a background thread (exit waits for it) unless `background` is False; returns a handle to
-    `wait()` on. A publisher wants ("encode",), a watcher ("apply_",)."""
+    `wait()` on. A publisher wants ("encode",), a watcher ("apply_", "snapshot_decode")."""
     wanted = tuple(dict.fromkeys(PATHS if paths is None else paths))
     unknown = [p for p in wanted if p not in _STEPS]
     if unknown:
@@ -311,15 +312,16 @@ def _warm_apply() -> None:
 
 
 def _warm_snapshot_decode() -> None:
-    """A snapshot object's decoder on every BF16 block kind (its encoder runs too: a snapshot of
-    the tiny checkpoint, so that nothing embedded here can go stale)."""
-    from .snapshot import decode_snapshot, encode_snapshot
+    """A snapshot object's decoder on every BF16 block kind, of both versions (its encoder runs
+    too: a snapshot of the tiny checkpoint, so that nothing embedded here can go stale)."""
+    from .snapshot import VERSIONS, decode_snapshot, encode_snapshot
     named = list(checkpoint()[0].items())
-    named.append(("zeros", torch.zeros(64, dtype=torch.bfloat16)))  # kind 2 with a zstd residual plane
-    blob = b"".join(encode_snapshot(named))
-    for src in (blob, bytearray(blob)):
-        for _ in decode_snapshot(src):
-            pass
+    named.append(("zeros", torch.zeros(64, dtype=torch.bfloat16)))  # kind 2 or 3 with a zstd residual plane
+    for version in VERSIONS:  # buckets keep objects of older versions
+        blob = b"".join(encode_snapshot(named, version=version))
+        for src in (blob, bytearray(blob)):
+            for _ in decode_snapshot(src):
+                pass
 
 
 def _warm_snapshot_encode() -> None:
@@ -332,7 +334,7 @@ register("encode", _warm_encode)
 register("decode", _warm_decode)
 register("apply_", _warm_apply)
 register("snapshot_encode", _warm_snapshot_encode)  # a publisher or relay that writes compressed snapshots
-register("snapshot_decode", _warm_snapshot_decode)  # a watcher that reads them
+register("snapshot_decode", _warm_snapshot_decode)  # a watcher (relay.watcher warms it after apply_)
 
 PAYLOAD = (  # encoded() of checkpoint(); tests/test_warmup.py checks it still decodes
     "RFJERUxUQQADAAAAGwMAAE/TaD0k/EgJPfdgv9GhnBAotS/9YGICjRgAtCwOC2JmMTYubWF0cml4BwJAQAMfiu7h0S9XclaMmfRyFergIKlE2kIkkeya"

@@ -133,6 +133,11 @@ class Running:
         header = header_bytes(dtype_name, shape)
         native.update(self.state, header, len(header))
 
+    def update(self, elems: np.ndarray) -> None:
+        """Feeds `elems` from Python: the parts of a tensor that no kernel wrote."""
+        a = np.ascontiguousarray(elems)
+        self._native.update(self.state, a.ctypes.data, a.nbytes)
+
     def digest(self) -> bytes:
         """The 16-byte digest (big-endian high then low half, as xxhash's digest())."""
         h = self._native.digest(self.state)

@@ -29,12 +29,13 @@ from . import compressors, hashing, rans, snapshot_rans, tensors, wire
 from .errors import DeltaError
 
 MAGIC = b"DRSN"
-VERSION = 1
+VERSION = 2  # what the encoder writes; v2 adds block kind 3 (BF16 exponents, 8 states)
+VERSIONS = (1, 2)  # what the decoder reads
 PREFIX = struct.Struct("<4sHH")  # magic, version, flags
 TRAILER = struct.Struct("<QII8s8s")  # index offset, index length, reserved, index checksum, magic
 TAIL_MAGIC = b"DRSNTAIL"
 TAG_RECORD, TAG_INDEX = 1, 2
-KIND_RAW, KIND_ZSTD, KIND_BF16 = 0, 1, 2
+KIND_RAW, KIND_ZSTD, KIND_BF16, KIND_BF16_GROUPS = 0, 1, 2, 3
 RESIDUAL_RAW, RESIDUAL_ZSTD = 0, 1
 
 BF16_BLOCK_ELEMS = 1 << 18  # 512 KiB of output: per-block tables follow local statistics
@@ -78,8 +79,8 @@ class SnapshotEntry:
 # ---------------------------------------------------------------- encoding
 
 
-def _bf16_block(blk: np.ndarray) -> bytes:
-    """One BF16 block (kind 2, or kind 0 where coding does not pay)."""
+def _bf16_block(blk: np.ndarray, version: int = VERSION) -> bytes:
+    """One BF16 block: kind 3 (version 2) or kind 2 (version 1), or kind 0 where coding does not pay."""
     n = blk.size
     he, hr = snapshot_rans.histograms(blk)
     freq = rans.normalize(he, snapshot_rans.SCALE, floor_all=False)
@@ -87,10 +88,17 @@ def _bf16_block(blk: np.ndarray) -> bytes:
     np.cumsum(freq[:-1], out=cum[1:])
     rcp, rsh = rans.reciprocals(freq)
     residual = np.empty(n, np.uint8)
-    words, nw, x0, x1, x2, x3 = snapshot_rans.encode_block(blk, freq, cum, rcp, rsh, residual)
+    if version >= 2:
+        kind = KIND_BF16_GROUPS
+        words, nw, xs = snapshot_rans.encode_groups(blk, freq, cum, rcp, rsh, residual)
+        states = tuple(int(x) for x in xs)
+    else:
+        kind = KIND_BF16
+        words, nw, *xs = snapshot_rans.encode_block(blk, freq, cum, rcp, rsh, residual)
+        states = tuple(int(x) for x in xs)
     if nw < 0:
         raise AssertionError("rANS word buffer overflow")  # unreachable with normalised tables
-    stream = rans.words_to_bytes(words, nw, (x0, x1, x2, x3))
+    stream = rans.words_to_bytes(words, nw, states)
     res_codec, res = RESIDUAL_RAW, residual.tobytes()
     p = hr[hr > 0] / n
     if float(-(p * np.log2(p)).sum()) < RESIDUAL_TRY_BITS:
@@ -98,7 +106,7 @@ def _bf16_block(blk: np.ndarray) -> bytes:
         if len(packed) < len(res):
             res_codec, res = RESIDUAL_ZSTD, packed
     w = wire.Writer()
-    w.u8(KIND_BF16)
+    w.u8(kind)
     syms = np.flatnonzero(freq)
     w.uvarint(int(syms.size))
     for s in syms.tolist():
@@ -119,7 +127,8 @@ def _other_block(raw: bytes) -> bytes:
     return bytes((KIND_RAW,)) + bytes(raw)
 
 
-def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int) -> tuple[bytes, list[bytes], SnapshotEntry]:
+def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int, version: int
+                   ) -> tuple[bytes, list[bytes], SnapshotEntry]:
     """(record head with its tag and length, blocks, index entry without offset)."""
     dt = tensors.dtype_of(t, name)
     shape = tuple(int(d) for d in t.shape)
@@ -130,7 +139,7 @@ def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int) -> tuple[bytes, 
     if dt is tensors.BF16:
         block_elems = bf16_block
         for start in range(0, numel, block_elems):
-            blocks.append(_bf16_block(elems[start:start + block_elems]))
+            blocks.append(_bf16_block(elems[start:start + block_elems], version))
     else:
         block_elems = max(1, OTHER_BLOCK_BYTES // dt.itemsize)
         raw = elems.view(np.uint8)
@@ -172,14 +181,17 @@ def _index_body(entries: list[SnapshotEntry]) -> bytes:
     return w.getvalue()
 
 
-def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *,
-                    bf16_block_elems: int = BF16_BLOCK_ELEMS) -> Iterator[bytes]:
+def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *, bf16_block_elems: int = BF16_BLOCK_ELEMS,
+                    version: int = VERSION) -> Iterator[bytes]:
     """The snapshot object of `named` (name, tensor) pairs, as chunks in order: memory holds one
     tensor's output at a time. Names must be unique (ValueError otherwise, before the index).
-    `bf16_block_elems` (1 to 2**21) is for tests and vectors: decoders take any block size."""
+    `bf16_block_elems` (1 to 2**21) is for tests and vectors: decoders take any block size.
+    `version` 1 writes the older format (BF16 blocks of kind 2), for readers that predate v2."""
     if not 1 <= bf16_block_elems <= MAX_BLOCK_BYTES // 2:
         raise ValueError(f"bf16_block_elems {bf16_block_elems} is not in 1..{MAX_BLOCK_BYTES // 2}")
-    yield PREFIX.pack(MAGIC, VERSION, 0)
+    if version not in VERSIONS:
+        raise ValueError(f"snapshot format version {version} is not one of {VERSIONS}")
+    yield PREFIX.pack(MAGIC, version, 0)
     offset = PREFIX.size
     entries: list[SnapshotEntry] = []
     seen: set[str] = set()
@@ -189,7 +201,7 @@ def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *,
         if len(name.encode()) > MAX_NAME:
             raise ValueError(f"tensor {name[:64]!r}...: name over {MAX_NAME} bytes")
         seen.add(name)
-        head, blocks, entry = _encode_tensor(name, t, bf16_block_elems)
+        head, blocks, entry = _encode_tensor(name, t, bf16_block_elems, version)
         entries.append(SnapshotEntry(entry.name, entry.dtype, entry.shape, entry.digest, offset, entry.length))
         offset += entry.length
         yield head
@@ -223,6 +235,8 @@ class _Source:
         self._mv: memoryview | None = None
         self._f: IO[bytes] | None = None
         self.pos = 0
+        self.version = 0  # the object's, once its prefix is read
+        self._buf = np.empty(0, np.uint8)  # a file source's record bytes, reused record after record
         if isinstance(src, (bytes, bytearray, memoryview)):
             self._mv = memoryview(src).cast("B")
         elif isinstance(src, (str, os.PathLike)):
@@ -261,6 +275,44 @@ class _Source:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         self.pos += n
         return memoryview(data)
+
+    def read_blocks(self, sizes: list[int], tensor: str) -> list[memoryview]:
+        """A record's blocks. From a file, into one buffer reused from record to record (valid
+        until the next call): a new bytes object per block cost fresh pages each time. A buffer
+        grows only as far as the file can back it (its size, or the bytes that arrived), so a
+        length the file cannot back allocates no more than it holds."""
+        readinto = getattr(self._f, "readinto", None)
+        if self._f is None or readinto is None:
+            return [self.read(size, f"block {i}", tensor) for i, size in enumerate(sizes)]
+        total = sum(sizes)
+        if self._buf.size < total and self.seekable() and self.size() - self.pos >= total:
+            self._buf = np.empty(total, np.uint8)  # the file holds them: no growing (and copying) as they come
+        got = 0
+        while got < total:
+            if got == self._buf.size:
+                bigger = np.empty(min(total, max(2 * self._buf.size, READ_CHUNK)), np.uint8)
+                bigger[:got] = self._buf[:got]
+                self._buf = bigger
+            try:
+                n = readinto(self._buf.data[got:min(total, self._buf.size)])
+            except (NotImplementedError, io.UnsupportedOperation):  # a reader without readinto
+                if got:
+                    raise
+                return [self.read(size, f"block {i}", tensor) for i, size in enumerate(sizes)]
+            if not n:
+                ends = np.cumsum(sizes)
+                i = int(np.searchsorted(ends, got, side="right"))
+                start = int(ends[i]) - sizes[i]
+                raise self.error(f"truncated block {i}: needs {sizes[i]} bytes at offset {self.pos + start}, "
+                                 f"{got - start} left", tensor)
+            got += n
+        self.pos += total
+        mv = self._buf.data
+        out, at = [], 0
+        for size in sizes:
+            out.append(mv[at:at + size])
+            at += size
+        return out
 
     def skip(self, n: int, what: str, tensor: str | None = None) -> None:
         if self.seekable():
@@ -303,14 +355,18 @@ class _Source:
         return not self._f.read(1)
 
 
-def _prefix(src: _Source) -> None:
+def _prefix(src: _Source) -> int:
+    """Checks the prefix; the object's format version."""
     magic, version, flags = PREFIX.unpack(src.read(PREFIX.size, "prefix"))
     if magic != MAGIC:
         raise src.error(f"not a snapshot object (magic {bytes(magic)!r}, expected {MAGIC!r})")
-    if version != VERSION:
-        raise src.error(f"snapshot format version {version} is not supported (this reader knows {VERSION})")
+    if version not in VERSIONS:
+        known = ", ".join(map(str, VERSIONS))
+        raise src.error(f"snapshot format version {version} is not supported (this reader knows {known})")
     if flags:
         raise src.error(f"flags {flags:#x} are reserved and must be 0")
+    src.version = int(version)
+    return src.version
 
 
 def _shape(r: wire.Reader) -> tuple[int, ...]:
@@ -393,33 +449,56 @@ def _record_head(src: _Source) -> _Head:
     return head
 
 
-def _decode_bf16(block: memoryview, out: np.ndarray) -> None:
+_HEAD_ERRORS = {
+    snapshot_rans.E_TRUNCATED: lambda v: "truncated BF16 block header",
+    snapshot_rans.E_VARINT: lambda v: "malformed varint in BF16 block",
+    snapshot_rans.E_LIMIT: lambda v: f"value {v} in BF16 block exceeds its limit",
+    snapshot_rans.E_N_SYM: lambda v: f"exponent table of {v} symbols (needs 2 to 256)",
+    snapshot_rans.E_ORDER: lambda v: "exponent table symbols are not strictly increasing",
+    snapshot_rans.E_FREQ_0: lambda v: f"exponent {v} listed with frequency 0",
+    snapshot_rans.E_SUM: lambda v: f"exponent frequencies sum to {v}, not {1 << snapshot_rans.SCALE}",
+    snapshot_rans.E_WORDS: lambda v: f"rANS stream of {v} words does not fit the block",
+}
+
+
+class _Scratch:
+    """What decoding a BF16 block needs besides its bytes, made once per record: the frequency
+    and slot tables a kernel fills, and the tensor's running digest, which the kernels feed
+    chunk by chunk while the chunk is in L1 (Python feeds it where no kernel can: `digest`)."""
+
+    def __init__(self, dt: tensors.DType, shape: tuple[int, ...]) -> None:
+        self.freq = np.zeros(256, np.int64)
+        self.table = np.empty(1 << snapshot_rans.SCALE, np.uint32)
+        self.running = hashing.running(dt.name, shape)
+        self.fallback = hashing.digester(dt.name, shape) if self.running is None else None
+        self.function = np.uintp(self.running.function if self.running is not None else 0)
+        self.state = np.uintp(self.running.state if self.running is not None else 0)
+
+    def feed(self, part: np.ndarray) -> None:
+        """The digest of a part no kernel fed (stored and zstd blocks, all of a fallback's)."""
+        if self.running is not None:
+            self.running.update(part)
+        else:
+            assert self.fallback is not None
+            hashing.feed(self.fallback, part)
+
+    def digest(self) -> bytes:
+        if self.running is not None:
+            return self.running.digest()
+        assert self.fallback is not None
+        return self.fallback.digest()
+
+
+def _decode_bf16(block: memoryview, out: np.ndarray, kind: int, scratch: _Scratch) -> None:
+    """A kind 2 or 3 block (after its kind byte) into `out`, fed to the digest. The header is
+    parsed by a kernel (`block_head`), so Python runs a fixed handful of steps per block whatever
+    its table (a Python loop over ~40 table entries cost ~20% of the decode)."""
     n = out.size
-    r = wire.Reader(block, "BF16 block")
-    n_sym = r.uvarint(256)
-    if n_sym < 2:
-        raise DeltaError(f"exponent table of {n_sym} symbols (needs 2 to 256)")
-    freq = np.zeros(256, np.int64)
-    prev = -1
-    for _ in range(n_sym):
-        s = r.u8()
-        if s <= prev:
-            raise DeltaError("exponent table symbols are not strictly increasing")
-        prev = s
-        freq[s] = r.uvarint((1 << snapshot_rans.SCALE) - 1)
-        if freq[s] == 0:
-            raise DeltaError(f"exponent {s} listed with frequency 0")
-    if int(freq.sum()) != 1 << snapshot_rans.SCALE:
-        raise DeltaError(f"exponent frequencies sum to {int(freq.sum())}, not {1 << snapshot_rans.SCALE}")
-    n_words = r.uvarint(len(block))
-    res_codec = r.u8()
-    at = len(block) - r.remaining
-    if n_words < 2 * snapshot_rans.STATES or at + 4 * n_words > len(block):
-        raise DeltaError(f"rANS stream of {n_words} words does not fit the block")
-    parsed = rans.bytes_to_words(block[at:at + 4 * n_words], snapshot_rans.STATES)
-    if parsed is None:
-        raise DeltaError("rANS final states out of range")
-    words, (x0, x1, x2, x3) = parsed
+    states = snapshot_rans.STATES_V2 if kind == KIND_BF16_GROUPS else snapshot_rans.STATES
+    err, value, n_words, res_codec, at = snapshot_rans.block_head(np.frombuffer(block, np.uint8), states, scratch.freq)
+    if err:
+        raise DeltaError(_HEAD_ERRORS[err](int(value)))
+    words = np.frombuffer(block, "<u4", n_words, at)
     rest = block[at + 4 * n_words:]
     if res_codec == RESIDUAL_RAW:
         if len(rest) != n:
@@ -429,15 +508,21 @@ def _decode_bf16(block: memoryview, out: np.ndarray) -> None:
         residual = np.frombuffer(compressors.decompress(compressors.ZSTD, rest, n, "residual plane"), np.uint8)
     else:
         raise DeltaError(f"unknown residual codec {res_codec}")
-    table = snapshot_rans.packed_table(freq)
-    if not snapshot_rans.decode_block(table, words, x0, x1, x2, x3, residual, out):
+    snapshot_rans.slot_table(scratch.freq, scratch.table)
+    decode = snapshot_rans.decode_groups if kind == KIND_BF16_GROUPS else snapshot_rans.decode_block
+    status = decode(scratch.table, words, residual, out, scratch.function, scratch.state)
+    if status == snapshot_rans.BAD_STATES:
+        raise DeltaError("rANS final states out of range")
+    if status != snapshot_rans.OK:
         raise DeltaError("rANS stream does not decode to its block (corrupt)")
+    if scratch.running is None:
+        scratch.feed(out)
 
 
 def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
     """Reads a record's blocks (all of them before any allocation: the output is justified by bytes
     actually present) and returns its verified tensor."""
-    blocks = [src.read(size, f"block {i}", head.name) for i, size in enumerate(head.sizes)]
+    blocks = src.read_blocks(head.sizes, head.name)
     dt = head.dt
     epi = tensors.elements_per_item(dt)
     try:
@@ -446,6 +531,8 @@ def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
         raise src.error(f"no memory for {head.numel} elements", head.name) from None
     raw = out.view(np.uint8)
     isz = dt.itemsize
+    scratch = _Scratch(dt, head.shape)
+    bf16_kinds = (KIND_BF16, KIND_BF16_GROUPS) if src.version >= 2 else (KIND_BF16,)
     try:
         for i, block in enumerate(blocks):
             start = i * head.block_elems
@@ -462,16 +549,19 @@ def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
             elif kind == KIND_ZSTD:
                 raw[start * isz:stop * isz] = np.frombuffer(
                     compressors.decompress(compressors.ZSTD, body, nbytes, f"block {i}"), np.uint8)
-            elif kind == KIND_BF16 and dt is tensors.BF16:
+            elif kind in bf16_kinds and dt is tensors.BF16:
                 try:
-                    _decode_bf16(body, out[start:stop])
+                    _decode_bf16(body, out[start:stop], kind, scratch)
                 except DeltaError as exc:
                     raise DeltaError(f"block {i}: {exc.reason}") from None
             else:
-                raise DeltaError(f"block {i}: kind {kind} is not defined for {dt.name}")
+                defined = f"in a version {src.version} object" if kind == KIND_BF16_GROUPS else f"for {dt.name}"
+                raise DeltaError(f"block {i}: kind {kind} is not defined {defined}")
+            if kind in (KIND_RAW, KIND_ZSTD):
+                scratch.feed(raw[start * isz:stop * isz])  # the block is still in cache
     except DeltaError as exc:
         raise src.error(exc.reason, head.name) from None
-    if hashing.digest_elements(dt.name, head.shape, out) != head.digest:
+    if scratch.digest() != head.digest:
         raise src.error("decoded bytes do not match the tensor's digest (corrupt or forged record)", head.name)
     return tensors.tensor_from_elements(out, dt, head.shape, copy=False)
 

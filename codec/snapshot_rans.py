@@ -8,10 +8,23 @@ exponent 6.924 of 7 bits. So a block codes its exponents with one static order-0
 `sign << 7 | mantissa` as a plain byte plane, which a decoder copies at memory speed.
 
 Coder: the codec's rANS conventions (`rans.py`: 64-bit state in [2**31, 2**63), 32-bit words
-read from the end) with precision 2**12 and four interleaved states (element i uses state
-i mod 4: four independent dependency chains). The decoder looks up one packed uint32 per
-slot (`symbol | freq << 8 | (slot - cum) << 20`), so a symbol costs one load, a multiply and
-an add; the word pull is branch-free and an over-read is caught by the end check.
+read from the end) with precision 2**12. Two layouts (docs/FORMAT.md, block kinds 2 and 3):
+
+- kind 2 (snapshot v1): four interleaved states, a renormalisation check after every symbol.
+- kind 3 (snapshot v2): eight states over groups of 16 elements (element j of a group uses
+  state j mod 8), renormalised once per group, after both of a state's symbols. Decoding is
+  bound by instruction count and by the dependency chains: each renormalisation pulls its word
+  at a position the previous state's pull moved, which ties the states together, so fewer
+  pulls per symbol (half) and more independent chains (eight) are what made it fast (measured
+  on a 2-core EPYC: 3.4-4.2 ns per element for the kind-2 kernel as it was, 1.4-1.5 for kind 3).
+  Two symbols between pulls stay exact because L / 2**24 is an integer (`encode_groups`).
+
+The decoders look up one packed uint32 per slot (`slot - cum | symbol << 12 | freq << 20`):
+a symbol costs one load, a multiply and an add, and `e >> 5` is the exponent already in its
+place in the BF16 word (the bits below and above are masked off when sign and mantissa merge
+in). Pulls are branch-free (a select), and all arithmetic is on uint64 so that numba emits no
+negative-index wraparound code. Block headers are parsed here too (`block_head`): a Python
+loop over ~40 table entries per block cost ~20% of the decode.
 """
 
 from __future__ import annotations
@@ -20,26 +33,33 @@ import numba as nb
 import numpy as np
 
 from . import rans
+from .hashing import hash_update
 
 SCALE = 12
-STATES = 4
+STATES = 4  # kind 2
+STATES_V2 = 8  # kind 3
+GROUP = 2 * STATES_V2  # kind 3: elements per renormalisation
 CHUNK = 1 << 12  # elements decoded before their sign and mantissa are merged (L1-sized)
-PAD = 4  # zero words before a block's stream in the decoder: one group's worth of pulls
+MAX_FREQ = (1 << SCALE) - 1
 _U = np.uint64
+
+# block_head's error codes (snapshot.py words them), and the decoders' OK, BAD_STATES, CORRUPT
+OK, E_TRUNCATED, E_VARINT, E_LIMIT, E_N_SYM, E_ORDER, E_FREQ_0, E_SUM, E_WORDS = range(9)
+BAD_STATES, CORRUPT = 1, 2
 
 
 @nb.njit(cache=True, nogil=True)
-def packed_table(freq):
-    """The decoder's slot table for 256 frequencies summing to 2**SCALE (each < 2**SCALE): slot
-    `cum[s] + j` of symbol s holds `s | freq[s] << 8 | j << 20`."""
-    table = np.empty(1 << SCALE, np.uint32)
+def slot_table(freq, table):
+    """Fills `table` (2**SCALE uint32), the decoders' slot table for 256 frequencies summing to
+    2**SCALE (each < 2**SCALE): slot `cum[s] + j` of symbol s holds `j | s << 12 | freq[s] << 20`.
+    (The caller's scratch arrays, not new ones: numba rebuilds the dtype of every array it returns
+    to Python by unpickling it, ~5-20 us, twice per block when block_head and this returned theirs.)"""
     at = 0
     for s in range(256):
         f = freq[s]
         for j in range(f):
-            table[at + j] = np.uint32(s | (f << 8) | (j << 20))
+            table[at + j] = np.uint32(j | (s << 12) | (f << 20))
         at += f
-    return table
 
 
 @nb.njit(cache=True, nogil=True)
@@ -54,10 +74,119 @@ def histograms(elems):
     return he, hr
 
 
+@nb.njit(inline="always", cache=True, nogil=True)
+def _uvarint(body, at, limit):
+    """(value, next offset, error code) of the LEB128 varint at body[at] (FORMAT.md **Varints**:
+    up to 10 bytes, values above `limit` refused)."""
+    value = _U(0)
+    shift = 0
+    while True:
+        if at >= body.size:
+            return value, at, E_TRUNCATED
+        b = _U(body[at])
+        at += 1
+        if shift == 63 and (b & _U(0x7F)) > _U(0):  # a value of 2**63 or more
+            return value, at, E_LIMIT
+        value |= (b & _U(0x7F)) << _U(shift)
+        if not b & _U(0x80):
+            break
+        shift += 7
+        if shift > 63:
+            return value, at, E_VARINT
+    if value > _U(limit):
+        return value, at, E_LIMIT
+    return value, at, OK
+
+
+@nb.njit(cache=True, nogil=True)
+def block_head(body, states, freq):
+    """A kind 2 or 3 block's header (after its kind byte), its table into `freq` (256 int64):
+    (error code, the value at fault, n_words, residual codec, offset of the stream). The checks
+    of FORMAT.md: 2-256 symbols, strictly increasing, frequencies 1-4095 summing to 2**12, at
+    least two words per state and the stream inside the block."""
+    for j in range(256):
+        freq[j] = 0
+    n_sym, at, err = _uvarint(body, 0, 256)
+    if err:
+        return err, np.int64(n_sym), 0, 0, at
+    if n_sym < 2:
+        return E_N_SYM, np.int64(n_sym), 0, 0, at
+    prev = np.int64(-1)
+    total = np.int64(0)
+    for _ in range(np.int64(n_sym)):
+        if at >= body.size:
+            return E_TRUNCATED, 0, 0, 0, at
+        s = np.int64(body[at])
+        at += 1
+        if s <= prev:
+            return E_ORDER, s, 0, 0, at
+        prev = s
+        f, at, err = _uvarint(body, at, MAX_FREQ)
+        if err:
+            return err, np.int64(f) if err == E_LIMIT else 0, 0, 0, at
+        if f == 0:
+            return E_FREQ_0, s, 0, 0, at
+        freq[s] = np.int64(f)
+        total += np.int64(f)
+    if total != 1 << SCALE:
+        return E_SUM, total, 0, 0, at
+    nw, at, err = _uvarint(body, at, body.size)
+    if err:
+        return err, np.int64(nw) if err == E_LIMIT else 0, 0, 0, at
+    n_words = np.int64(nw)
+    if at >= body.size:
+        return E_TRUNCATED, 0, 0, 0, at
+    res_codec = np.int64(body[at])
+    at += 1
+    if n_words < 2 * states or at + 4 * n_words > body.size:
+        return E_WORDS, n_words, 0, 0, at
+    return OK, 0, n_words, res_codec, at
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _initial_states(words, states):
+    """The final encoder states, from the last 2 * states words (low, high); None-like (an empty
+    array) if any lies outside [L, 2**63)."""
+    xs = np.empty(states, np.uint64)
+    base = words.size - 2 * states
+    for k in range(states):
+        x = _U(words[base + 2 * k]) | (_U(words[base + 2 * k + 1]) << _U(32))
+        if x < _U(rans.RANS_L) or x >> _U(63):
+            return xs[:0]
+        xs[k] = x
+    return xs
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _merge(residual, out, start, stop):
+    """Sign and mantissa into elements [start, stop) of `out`, whose bits 7-14 hold their
+    exponents (other bits are masked off): a loop of its own, which the compiler vectorises."""
+    for j in range(start, stop):
+        r = np.uint16(residual[_U(j)])
+        out[_U(j)] = ((r & np.uint16(0x80)) << np.uint16(8)) | (out[_U(j)] & np.uint16(0x7F80)) | (r & np.uint16(0x7F))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _sym(table, x, out, i):
+    """Decode one symbol from state x into out[i] (its exponent bits only); the new state."""
+    e = _U(table[x & _U(MAX_FREQ)])
+    out[_U(i)] = np.uint16(e >> _U(5))
+    return (e >> _U(20)) * (x >> _U(SCALE)) + (e & _U(0xFFF))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _pull(x, words, pos):
+    """The renormalisation: x pulls words[pos] if it fell below L (words[pos] is read either way:
+    the caller guarantees pos >= 0). (new x, new pos)."""
+    w = _U(words[_U(pos)])
+    c = x < _U(rans.RANS_L)
+    return ((x << _U(32)) | w) if c else x, pos - c
+
+
 @nb.njit(cache=True, nogil=True)
 def encode_block(elems, freq, cum, rcp, rsh, residual):
-    """rANS-code the exponents of `elems` backwards (element i with state i % 4) and write each
-    element's `sign << 7 | mantissa` into `residual`. Returns (words, n_words, x0, x1, x2, x3)."""
+    """Kind 2: rANS-code the exponents of `elems` backwards (element i with state i % 4) and write
+    each element's `sign << 7 | mantissa` into `residual`. Returns (words, n_words, x0, x1, x2, x3)."""
     n = elems.size
     words = np.empty(3 * n // 8 + 64, np.int64)  # a symbol of freq >= 1 costs at most 12 bits
     nw = 0
@@ -82,84 +211,198 @@ def encode_block(elems, freq, cum, rcp, rsh, residual):
     return words, nw, xs[0], xs[1], xs[2], xs[3]
 
 
-@nb.njit(cache=True, nogil=True, inline="always")
-def merge(residual, out, start, stop):
-    """Sign and mantissa into elements [start, stop) of `out`, which hold their exponents: a loop of
-    its own, which the compiler vectorises."""
-    for j in range(start, stop):
-        r = np.uint16(residual[j])
-        out[j] |= ((r & np.uint16(0x80)) << np.uint16(8)) | (r & np.uint16(0x7F))
+@nb.njit(inline="always", cache=True, nogil=True)
+def _put(x, s, freq, cum, rcp, rsh):
+    """The rANS encode step of symbol s (no renormalisation): ((x // f) << 12) + x % f + cum, with
+    selects rather than branches (a mispredicted branch per symbol made the encoder 3x slower)."""
+    f = _U(freq[s])
+    q = rans.umulhi(x, rcp[s]) >> _U(rsh[s] & 63)  # rsh is -1 for f == 1, where q = x
+    q = x if f == _U(1) else q
+    return (q << _U(SCALE)) + (x - q * f) + _U(cum[s])
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _emit(x, bound, words, nw):
+    """The encoder's renormalisation: emit x's low word if x >= bound (written either way, counted
+    only then). (new x, new nw)."""
+    c = x >= bound
+    words[_U(nw)] = x & _U(rans.WORD_MASK)
+    return ((x >> _U(32)) if c else x), nw + c
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_block(table, words, x0, x1, x2, x3, residual, out):
-    """The inverse of `encode_block` into `out` (uint16, residual.size elements). Returns True
-    only if every word was consumed and all four states ended at exactly 2**31. The rANS loop
-    writes only the exponents; sign and mantissa are merged after each chunk of CHUNK elements, in a
-    loop the compiler vectorises (measured ~10% faster than merging in the serial loop), while the
-    chunk is still in cache."""
+def encode_groups(elems, freq, cum, rcp, rsh, residual):
+    """Kind 3: rANS-code the exponents of `elems` in groups of 16 (element j of a group with state
+    j % 8), from the last group to the first, and write each element's `sign << 7 | mantissa`
+    into `residual`. Returns (words, n_words, states[8]).
+
+    A state codes its (one or two) symbols of a group, a then b in decoding order, after one
+    renormalisation: it emits a word if x >= ((L >> 12c) << 32) * (product of the c symbols'
+    frequencies). With c = 2 that is exact, as with c = 1: a state of [L, 2**32 L) decodes both
+    symbols into [L fa fb / 2**24, ...), an interval whose bound is an integer (L = 2**31), so
+    the decoder pulls a word exactly when the encoder emitted one."""
+    n = elems.size
+    words = np.empty(3 * n // 8 + 64, np.uint64)  # at most 12 bits per symbol
+    nw = 0
+    L = _U(rans.RANS_L)
+    one = ((L >> _U(SCALE)) << _U(32))  # emit bounds per unit of frequency (product)
+    two = ((L >> _U(2 * SCALE)) << _U(32))
+    xs = np.full(STATES_V2, L, np.uint64)
+    for i in range(n):
+        b = elems[_U(i)]
+        residual[_U(i)] = ((b >> 8) & 0x80) | (b & 0x7F)
+    full = n - n % GROUP
+    g = full
+    if g < n:  # the short last group: a state holds 0, 1 or 2 of its symbols
+        for k in range(STATES_V2 - 1, -1, -1):
+            a = g + k
+            if a >= n:
+                continue
+            x = xs[_U(k)]
+            sa = _U((elems[_U(a)] >> 7) & 0xFF)
+            if a + STATES_V2 < n:
+                sb = _U((elems[_U(a + STATES_V2)] >> 7) & 0xFF)
+                bound = two * _U(freq[sa]) * _U(freq[sb])
+            else:
+                sb = _U(0)
+                bound = one * _U(freq[sa])
+            x, nw = _emit(x, bound, words, nw)
+            if a + STATES_V2 < n:
+                x = _put(x, sb, freq, cum, rcp, rsh)
+            xs[_U(k)] = _put(x, sa, freq, cum, rcp, rsh)
+    while g > 0:
+        g -= GROUP
+        if nw + STATES_V2 > words.size:  # cannot happen with valid tables; a guard, not a path
+            return words, -1, xs
+        for k in range(STATES_V2 - 1, -1, -1):
+            sa = _U((elems[_U(g + k)] >> 7) & 0xFF)
+            sb = _U((elems[_U(g + k + STATES_V2)] >> 7) & 0xFF)
+            x, nw = _emit(xs[_U(k)], two * _U(freq[sa]) * _U(freq[sb]), words, nw)
+            x = _put(x, sb, freq, cum, rcp, rsh)
+            xs[_U(k)] = _put(x, sa, freq, cum, rcp, rsh)
+    return words, nw, xs
+
+
+@nb.njit(cache=True, nogil=True)
+def decode_block(table, words, residual, out, function, state):
+    """The inverse of `encode_block` (kind 2) into `out` (uint16, residual.size elements); `words`
+    is the whole stream, its four states last. OK only if the states are in range (else
+    BAD_STATES), every word was consumed and all four states ended at exactly 2**31 (else CORRUPT).
+    Each finished chunk of `out` is fed, while in L1, to the running digest (`hashing.Running`'s
+    `function` and `state`; `function` 0: none); a block that is refused has fed part of its own."""
     n = out.size
-    L = rans.RANS_L
-    M = (1 << SCALE) - 1
-    # the words behind PAD zeros, so that a group of four symbols needs one bounds check: a
-    # forged stream that runs out reads those zeros and is refused right after its group
-    padded = np.zeros(words.size + PAD, np.uint32)
-    for j in range(words.size):
-        padded[j + PAD] = words[j]
-    pos = np.int64(words.size) - 1
+    xs = _initial_states(words, STATES)
+    if xs.size == 0:
+        return BAD_STATES
+    x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
+    pos = np.int64(words.size - 2 * STATES) - 1
     i = 0
     n4 = n - (n & 3)
-    while i < n4:
+    while i < n4:  # while a group of four cannot run out of words: no bounds checks
         start = i
         stop = min(i + CHUNK, n4)
-        while i < stop:
-            if pos < -1:
-                return False
-            e = np.int64(table[_U(x0 & M)])
-            x0 = ((e >> 8) & M) * (x0 >> SCALE) + (e >> 20)
-            if x0 < L:
-                x0 = (x0 << 32) | np.int64(padded[_U(pos + PAD)])
-                pos -= 1
-            out[_U(i)] = np.uint16((e & 0xFF) << 7)
-            e = np.int64(table[_U(x1 & M)])
-            x1 = ((e >> 8) & M) * (x1 >> SCALE) + (e >> 20)
-            if x1 < L:
-                x1 = (x1 << 32) | np.int64(padded[_U(pos + PAD)])
-                pos -= 1
-            out[_U(i + 1)] = np.uint16((e & 0xFF) << 7)
-            e = np.int64(table[_U(x2 & M)])
-            x2 = ((e >> 8) & M) * (x2 >> SCALE) + (e >> 20)
-            if x2 < L:
-                x2 = (x2 << 32) | np.int64(padded[_U(pos + PAD)])
-                pos -= 1
-            out[_U(i + 2)] = np.uint16((e & 0xFF) << 7)
-            e = np.int64(table[_U(x3 & M)])
-            x3 = ((e >> 8) & M) * (x3 >> SCALE) + (e >> 20)
-            if x3 < L:
-                x3 = (x3 << 32) | np.int64(padded[_U(pos + PAD)])
-                pos -= 1
-            out[_U(i + 3)] = np.uint16((e & 0xFF) << 7)
+        while i < stop and pos >= 3:
+            x0 = _sym(table, x0, out, i)
+            x0, pos = _pull(x0, words, pos)
+            x1 = _sym(table, x1, out, i + 1)
+            x1, pos = _pull(x1, words, pos)
+            x2 = _sym(table, x2, out, i + 2)
+            x2, pos = _pull(x2, words, pos)
+            x3 = _sym(table, x3, out, i + 3)
+            x3, pos = _pull(x3, words, pos)
             i += 4
-        merge(residual, out, start, stop)  # while the chunk is in L1/L2
-    if pos < -1:
-        return False
-    while i < n:  # the last n % 4 elements: states 0, 1, 2 in turn
+        _merge(residual, out, start, i)
+        if function:
+            hash_update(function, state, out, start, i)
+        if i < stop:
+            break
+    xs[0], xs[1], xs[2], xs[3] = x0, x1, x2, x3
+    L = _U(rans.RANS_L)
+    tail = i
+    while i < n:  # the last few words, checked one by one
         k = i & 3
-        x = x0 if k == 0 else (x1 if k == 1 else x2)
-        e = np.int64(table[_U(x & M)])
-        x = ((e >> 8) & M) * (x >> SCALE) + (e >> 20)
-        if x < L:
+        xs[k] = _sym(table, xs[k], out, i)
+        if xs[k] < L:
             if pos < 0:
-                return False
-            x = (x << 32) | np.int64(padded[_U(pos + PAD)])
+                return CORRUPT
+            xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
             pos -= 1
-        out[_U(i)] = np.uint16((e & 0xFF) << 7)
-        if k == 0:
-            x0 = x
-        elif k == 1:
-            x1 = x
-        else:
-            x2 = x
         i += 1
-    merge(residual, out, n4, n)
-    return pos == -1 and x0 == L and x1 == L and x2 == L and x3 == L
+    _merge(residual, out, tail, n)
+    if function:
+        hash_update(function, state, out, tail, n)
+    return OK if pos == -1 and xs[0] == L and xs[1] == L and xs[2] == L and xs[3] == L else CORRUPT
+
+
+@nb.njit(cache=True, nogil=True)
+def decode_groups(table, words, residual, out, function, state):
+    """The inverse of `encode_groups` (kind 3) into `out` (uint16, residual.size elements); `words`
+    is the whole stream, its eight states last. OK only if the states are in range (else
+    BAD_STATES), every word was consumed and all eight states ended at exactly 2**31 (else CORRUPT).
+    The digest is fed as `decode_block` feeds it."""
+    n = out.size
+    xs = _initial_states(words, STATES_V2)
+    if xs.size == 0:
+        return BAD_STATES
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
+    pos = np.int64(words.size - 2 * STATES_V2) - 1
+    i = 0
+    full = n - n % GROUP
+    while i < full:  # while a group cannot run out of words (it pulls at most 8): no bounds checks
+        start = i
+        stop = min(i + CHUNK, full)
+        while i < stop and pos >= STATES_V2 - 1:
+            x0 = _sym(table, x0, out, i)
+            x1 = _sym(table, x1, out, i + 1)
+            x2 = _sym(table, x2, out, i + 2)
+            x3 = _sym(table, x3, out, i + 3)
+            x4 = _sym(table, x4, out, i + 4)
+            x5 = _sym(table, x5, out, i + 5)
+            x6 = _sym(table, x6, out, i + 6)
+            x7 = _sym(table, x7, out, i + 7)
+            x0 = _sym(table, x0, out, i + 8)
+            x1 = _sym(table, x1, out, i + 9)
+            x2 = _sym(table, x2, out, i + 10)
+            x3 = _sym(table, x3, out, i + 11)
+            x4 = _sym(table, x4, out, i + 12)
+            x5 = _sym(table, x5, out, i + 13)
+            x6 = _sym(table, x6, out, i + 14)
+            x7 = _sym(table, x7, out, i + 15)
+            x0, pos = _pull(x0, words, pos)
+            x1, pos = _pull(x1, words, pos)
+            x2, pos = _pull(x2, words, pos)
+            x3, pos = _pull(x3, words, pos)
+            x4, pos = _pull(x4, words, pos)
+            x5, pos = _pull(x5, words, pos)
+            x6, pos = _pull(x6, words, pos)
+            x7, pos = _pull(x7, words, pos)
+            i += GROUP
+        _merge(residual, out, start, i)
+        if function:
+            hash_update(function, state, out, start, i)
+        if i < stop:
+            break
+    xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+    L = _U(rans.RANS_L)
+    tail = i
+    while i < n:  # the last few words (and a short last group), checked one by one
+        m = min(GROUP, n - i)
+        for j in range(m):
+            k = j & (STATES_V2 - 1)
+            xs[k] = _sym(table, xs[k], out, i + j)
+        for k in range(STATES_V2):
+            if xs[k] < L:
+                if pos < 0:
+                    return CORRUPT
+                xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
+                pos -= 1
+        i += m
+    _merge(residual, out, tail, n)
+    if function:
+        hash_update(function, state, out, tail, n)
+    if pos != -1:
+        return CORRUPT
+    for k in range(STATES_V2):
+        if xs[k] != L:
+            return CORRUPT
+    return OK

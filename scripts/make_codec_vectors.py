@@ -304,10 +304,28 @@ def snapshot_dtypes(rng):
     return out
 
 
-# (name, builder, seed, bf16_block_elems)
+def snapshot_v2(rng):
+    """Version 2: BF16 blocks of kind 3 (weights over three blocks of 1024 elements, the last one
+    952 long, so its last group of 16 is short: 8 elements, one symbol per state; 1008 elements in
+    one block: whole groups only; zeros: one exponent and a zstd-coded residual plane) and kind 0
+    (random bits; 13 elements, shorter than one group, where coding does not pay); an F32 tensor
+    (kind 1) beside them."""
+    return {
+        "weights": weights(rng, (3, 1000)),
+        "groups": weights(rng, (63, 16)),
+        "zeros": torch.zeros(3000, dtype=torch.bfloat16),
+        "noise": random_bits(torch.bfloat16, (300,), rng),
+        "short": weights(rng, (13,)),
+        "specials": bf16(SPECIALS, (len(SPECIALS),)),
+        "f32.zeros": torch.zeros(512, dtype=torch.float32),
+    }
+
+
+# (name, builder, seed, bf16_block_elems, snapshot format version)
 SNAPSHOT_VECTORS = [
-    ("snapshot-bf16", snapshot_bf16, 707, 1024),
-    ("snapshot-dtypes", snapshot_dtypes, 808, 1 << 18),
+    ("snapshot-bf16", snapshot_bf16, 707, 1024, 1),
+    ("snapshot-dtypes", snapshot_dtypes, 808, 1 << 18, 1),
+    ("snapshot-v2", snapshot_v2, 909, 1024, 2),
 ]
 
 
@@ -317,15 +335,15 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
     if existing and not overwrite:
         raise SystemExit(f"{out}: vectors {', '.join(existing)} exist; pass --overwrite to replace them")
     rows = []
-    for name, build, seed, block in SNAPSHOT_VECTORS:
+    for name, build, seed, block, version in SNAPSHOT_VECTORS:
         d = out / name
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
         save_file(build(np.random.default_rng(seed)), str(d / "tensors.safetensors"))
         t = load_file(str(d / "tensors.safetensors"))
-        blob = b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block))
-        if blob != b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block)):
+        blob = b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block, version=version))
+        if blob != b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block, version=version)):
             raise SystemExit(f"{name}: encoding is not deterministic")
         got = dict(codec.decode_snapshot(blob))
         if list(got) != list(t) or any(bits(got[k]) != bits(t[k]) for k in t):
@@ -334,8 +352,8 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
         kinds = snapshot_kinds(blob)
         rows.append({"name": name, "about": " ".join(build.__doc__.split()), "seed": seed,
                      "call": f'codec.encode_snapshot(load_file("tensors.safetensors").items(), '
-                             f'bf16_block_elems={block})',
-                     "snapshot_version": codec.SNAPSHOT_FORMAT_VERSION, "bytes": len(blob),
+                             f'bf16_block_elems={block}, version={version})',
+                     "snapshot_version": version, "bytes": len(blob),
                      "tensors": {e.name: {"dtype": e.dtype, "shape": list(e.shape), "block_kinds": kinds[e.name]}
                                  for e in codec.read_snapshot_index(blob)},
                      "sha256": {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
@@ -345,7 +363,8 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
 
 
 def snapshot_kinds(blob: bytes) -> dict[str, list]:
-    """Per tensor, each block's kind (2 with its residual codec as "2+zstd"), read from the object."""
+    """Per tensor, each block's kind (2 and 3 with their residual codec as "2+zstd", "3+zstd"), read
+    from the object."""
     from codec import snapshot, wire
 
     out = {}
@@ -363,13 +382,13 @@ def snapshot_kinds(blob: bytes) -> dict[str, list]:
         for size in sizes:
             block = blob[at:at + size]
             kind = block[0]
-            if kind == snapshot.KIND_BF16:
+            if kind in (snapshot.KIND_BF16, snapshot.KIND_BF16_GROUPS):
                 br = wire.Reader(block[1:], "block")
                 for _ in range(br.uvarint()):
                     br.u8()
                     br.uvarint()
                 br.uvarint()
-                kind = "2+zstd" if br.u8() == snapshot.RESIDUAL_ZSTD else 2
+                kind = f"{kind}+zstd" if br.u8() == snapshot.RESIDUAL_ZSTD else kind
             kinds.append(kind)
             at += size
         out[e.name] = kinds

@@ -216,7 +216,8 @@ def test_selective_reads_of_damaged_objects(small):
 def test_not_a_snapshot():
     refused(b"", "truncated prefix")
     refused(b"DRDELTA\0" + bytes(40), "not a snapshot object")
-    refused(struct.pack("<4sHH", b"DRSN", 2, 0) + bytes(40), "version 2")
+    refused(struct.pack("<4sHH", b"DRSN", 3, 0) + bytes(40), "version 3")
+    refused(struct.pack("<4sHH", b"DRSN", 0, 0) + bytes(40), "version 0")
     refused(struct.pack("<4sHH", b"DRSN", 1, 1) + bytes(40), "reserved")
 
 
@@ -240,6 +241,7 @@ def forged_head(name: str, dtype_code: int, shape: tuple[int, ...], block_elems:
 
 
 PREFIX = struct.pack("<4sHH", b"DRSN", 1, 0)
+PREFIX_V2 = struct.pack("<4sHH", b"DRSN", 2, 0)
 
 
 @pytest.mark.parametrize("head, reason", [
@@ -268,38 +270,99 @@ def test_head_claiming_a_huge_tensor_allocates_nothing_big():
     assert peak < 64 << 20, peak
 
 
+def _forged_block_cases(kind: int, states: int) -> list[tuple[bytes, str]]:
+    """Blocks of kind 2 or 3 (128 elements) that each break one rule of FORMAT.md, with the reason."""
+    table = bytes([kind, 2, 0x70, 0x80, 0x10, 0x7F, 0x80, 0x10])  # 2 symbols, 2048 each
+    at_l = struct.pack(f"<{2 * states}I", *([0x80000000, 0] * states))  # every state at exactly 2**31
+    n = bytes([2 * states])  # n_words: just the states
+    return [
+        (bytes([kind, 1, 0x70, 0x80, 0x20]) + bytes(130), "2 to 256"),
+        (bytes([kind, 2, 0x71, 0x80, 0x10, 0x70, 0x80, 0x10]) + bytes(130), "strictly increasing"),
+        (bytes([kind, 2, 0x70, 0x80, 0x10, 0x71, 0x80, 0x08]) + bytes(130), "sum to"),
+        (bytes([kind, 2, 0x70, 0x00, 0x71, 0x80, 0x20]) + bytes(130), "frequency 0"),
+        (bytes([kind, 2, 0x70, 0x80, 0x20, 0x71, 0x80, 0x20]) + bytes(130), "exceeds its limit"),  # freq 4096
+        (bytes([kind, 2, 0x70, 0x80, 0x10, 0x71]), "truncated"),
+        (bytes([kind, 0x80]), "truncated"),
+        (bytes([kind]) + bytes([0x80] * 11), "malformed varint"),
+        (table + bytes([0xFF, 0x01, 0]) + bytes(128), "exceeds its limit"),  # 255 words
+        (table + bytes([2 * states - 1, 0]) + bytes(128), "does not fit"),
+        (table + n + bytes([0]) + bytes(8 * states) + bytes(128), "out of range"),
+        (table + n + bytes([0]) + at_l[:-4] + struct.pack("<I", 0x80000000) + bytes(128), "out of range"),  # 2**63
+        (table + n + bytes([0]) + at_l + bytes(127), "residual plane of 127"),
+        (table + n + bytes([7]) + at_l + bytes(128), "unknown residual codec"),
+        (table + n + bytes([0]) + at_l + bytes(128), "does not decode"),
+        (table + bytes([2 * states + 1, 0]) + bytes(4) + at_l + bytes(128), "does not decode"),  # a word unread
+    ]
+
+
 def test_forged_blocks_are_refused():
     rng = np.random.default_rng(6)
-    t = random_bf16_weights((64,), rng)
+    t = random_bf16_weights((128,), rng)
     (entry,) = codec.read_snapshot_index(encoded({"t": t}))
 
-    def obj(block: bytes) -> bytes:
-        return PREFIX + forged_head("t", 7, (64,), 1 << 18, [len(block)], entry.digest) + block
+    def obj(block: bytes, prefix: bytes = PREFIX) -> bytes:
+        return prefix + forged_head("t", 7, (128,), 1 << 18, [len(block)], entry.digest) + block
 
-    table = bytes([2, 2, 0x70, 0x80, 0x10, 0x7F, 0x80, 0x10])  # kind 2, 2 symbols, 2048 each
-    states = struct.pack("<8I", *([0x80000000, 0] * 4))  # four states at exactly 2**31
     cases = [
-        (bytes([0]) + bytes(10), "stored bytes"),
-        (bytes([1]) + b"junk" * 8, "zstd"),
-        (bytes([9]) + bytes(128), "kind 9"),
-        (bytes([2, 1, 0x70, 0x80, 0x20]) + bytes(70), "2 to 256"),
-        (bytes([2, 2, 0x71, 0x80, 0x10, 0x70, 0x80, 0x10]) + bytes(70), "strictly increasing"),
-        (bytes([2, 2, 0x70, 0x80, 0x10, 0x71, 0x80, 0x08]) + bytes(70), "sum to"),
-        (table + bytes([100, 0]) + bytes(64), "exceeds its limit"),
-        (table + bytes([4, 0]) + bytes(64), "does not fit"),
-        (table + bytes([8, 0]) + bytes(32) + bytes(64), "out of range"),
-        (table + bytes([8, 0]) + states + bytes(63), "residual plane of 63"),
-        (table + bytes([8, 7]) + states + bytes(64), "unknown residual codec"),
-        (table + bytes([8, 0]) + states + bytes(64), "does not decode"),
+        (obj(bytes([0]) + bytes(10)), "stored bytes"),
+        (obj(bytes([1]) + b"junk" * 8), "zstd"),
+        (obj(bytes([9]) + bytes(128)), "kind 9"),
+        (obj(bytes([3]) + bytes(128)), "kind 3 is not defined in a version 1 object"),
+        (obj(bytes([9]) + bytes(128), PREFIX_V2), "kind 9"),
     ]
-    for block, reason in cases:
-        err = refused(obj(block), reason)
+    cases += [(obj(b, PREFIX), why) for b, why in _forged_block_cases(2, 4)]
+    cases += [(obj(b, PREFIX_V2), why) for b, why in _forged_block_cases(2, 4)]  # v2 reads kind 2 too
+    cases += [(obj(b, PREFIX_V2), why) for b, why in _forged_block_cases(3, 8)]
+    for data, reason in cases:
+        err = refused(data, reason)
         assert err.tensor == "t"
-    # a block that decodes, to other bits than the digest's
-    good = snapshot._bf16_block(t.view(torch.int16).numpy().view(np.uint16))
-    other = bytearray(good)
-    other[-1] ^= 1  # a mantissa bit in the residual plane
-    refused(obj(bytes(other)), "digest")
+        assert "block 0: " in str(err), str(err)
+    # blocks that decode, to other bits than the digest's
+    for version, prefix in ((1, PREFIX), (2, PREFIX_V2)):
+        good = snapshot._bf16_block(t.view(torch.int16).numpy().view(np.uint16), version)
+        assert good[0] == {1: 2, 2: 3}[version]
+        name, got = next(codec.decode_snapshot(obj(good, prefix)))  # an object without an index: its first tensor
+        assert_bit_exact({name: got}, {"t": t})
+        other = bytearray(good)
+        other[-1] ^= 1  # a mantissa bit in the residual plane
+        refused(obj(bytes(other), prefix), "digest")
+
+
+def test_a_block_of_a_kind_is_refused_when_its_stream_is_cut_anywhere():
+    """Every shortening of a multi-group kind-3 stream (words dropped from its front, the states
+    kept) is refused: the fast loop's unchecked reads stop in time and the checked tail catches it."""
+    rng = np.random.default_rng(8)
+    t = random_bf16_weights((4099,), rng)
+    block = snapshot._bf16_block(t.view(torch.int16).numpy().view(np.uint16), 2)
+    r = wire.Reader(block[1:], "block")
+    for _ in range(r.uvarint()):
+        r.u8()
+        r.uvarint()
+    head_len = len(block) - r.remaining
+    n_words = r.uvarint()
+    at = len(block) - r.remaining + 1
+    words, rest = block[at:at + 4 * n_words], block[at + 4 * n_words:]
+    for drop in range(1, n_words - 16 + 1, 7):
+        w = wire.Writer()
+        w.uvarint(n_words - drop)
+        w.u8(block[at - 1])
+        forged = block[:head_len] + w.getvalue() + words[4 * drop:] + rest
+        data = PREFIX_V2 + forged_head("t", 7, (4099,), 1 << 18, [len(forged)], bytes(16)) + forged
+        refused(data, "block 0")
+
+
+def test_version_1_objects_still_decode():
+    """An object written as version 1 (kind-2 blocks) decodes to the same tensors as version 2."""
+    tensors = every_dtype(np.random.default_rng(9))
+    tensors["big"] = random_bf16_weights((snapshot.BF16_BLOCK_ELEMS + 77,), np.random.default_rng(10))
+    old = b"".join(codec.encode_snapshot(tensors.items(), version=1))
+    new = encoded(tensors)
+    assert old[4:6] == b"\x01\x00" and new[4:6] == b"\x02\x00"
+    assert abs(len(old) - len(new)) < 0.001 * len(new)
+    for blob in (old, new):
+        assert_bit_exact(dict(codec.decode_snapshot(blob)), {k: v.contiguous() for k, v in tensors.items()})
+    with pytest.raises(ValueError, match="version 3"):
+        list(codec.encode_snapshot(tensors.items(), version=3))
 
 
 def test_index_that_lies_is_refused(small):

@@ -168,7 +168,8 @@ named = {"w": (torch.randn(700, 900, generator=g) * 0.02).to(torch.bfloat16), "z
          "f": torch.randn(77, generator=g), "i": torch.arange(9)}
 before = _warmup.kernel_signatures()
 blob = b"".join(codec.encode_snapshot(named.items()))
-for src in (blob, bytearray(blob), io.BytesIO(blob)):
+old = b"".join(codec.encode_snapshot(named.items(), version=1))  # a version-1 object, as buckets keep
+for src in (blob, bytearray(blob), io.BytesIO(blob), old, bytearray(old), io.BytesIO(old)):
     list(codec.decode_snapshot(src))
 list(codec.decode_snapshot(io.BytesIO(blob), only={"w"}))
 after = _warmup.kernel_signatures()
@@ -186,5 +187,6 @@ def test_snapshot_warm_up_paths_leave_nothing_to_compile(tmp_path):
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["warm"] == ["decode_block", "encode_block", "histograms", "packed_table"]
+    assert result["warm"] == ["block_head", "decode_block", "decode_groups", "encode_block", "encode_groups",
+                              "histograms", "slot_table"]
     assert result["later"] == {}
