@@ -906,6 +906,7 @@ class Watcher:
         self.delivered_step: int | None = None  # the last step on_update accepted
         self.engine_step: int | None = None  # the step `engine` serves (set by a successful commit)
         self._engine_tensors: dict[str, TensorInfo] | None = None  # that step's record entries (what changed)
+        self._engine_version: Path | None = None  # that step's version directory, kept for the engine's rollback
         self._module_tensors: dict[str, torch.Tensor] | None = None  # the dict the module took its step from
         # ... and the undo logs of the in-place syncs that have moved that dict on since (restore = revert them)
         self._module_logs: list[codec.UndoLog] = []
@@ -1244,8 +1245,9 @@ class Watcher:
         fsync_dir(self.dest)
         self._state, self._version = state, final
         self._drop_dangling(self._visible_names(final, journal))
+        engine_version = None if self._engine_version is None else self._engine_version.name
         for v in versions.iterdir():
-            if v.name != name and v.name != self._compacting:
+            if v.name not in (name, self._compacting, engine_version):
                 _remove_entry(v)
 
     def _write_journal_file(self, version: Path, s: Step, part: Part, data: bytes) -> JournalEntry:
@@ -1485,7 +1487,7 @@ class Watcher:
             except HotLoadError as exc:
                 log.error("%s", exc)
                 failure = exc
-        if self.engine is not None and self.step is not None and self.engine_step != self.step:
+        if self.engine is not None and self.step is not None and (self._engine_lost() or self.engine_step != self.step):
             try:
                 self._engine_load()
             except EngineError as exc:
@@ -1561,7 +1563,8 @@ class Watcher:
         if self.engine is None or self._state is None or self._version is None or self.step is None:
             raise SyncError("internal: engine load without an engine or a persisted step")
         update = Update(self.step, self._state.run, self.tensors or {}, self._version,
-                        changed_names(self._engine_tensors, self._state.tensors))
+                        changed_names(self._engine_tensors, self._state.tensors),
+                        self._engine_version if self.engine_step is not None else None)
         try:
             self.engine.stage(update)
             pause = self.engine.commit(self.step)
@@ -1571,10 +1574,31 @@ class Watcher:
         except Exception as exc:  # an adapter's own failure: a refused step
             self.engine.abort()
             raise EngineError(f"engine did not take step {self.step}: {exc}") from exc
+        old, self._engine_version = self._engine_version, self._version
         self.engine_step, self._engine_tensors = self.step, self._state.tensors
+        if old is not None and old != self._version:
+            with self._dest_lock:  # the engine left it: nothing rolls back to it any more
+                _remove_entry(old)
         changed = "all" if update.changed is None else len(update.changed)
         log.info("%s: engine now serves step %d (%s tensors changed, paused %.3f s)", self.dest, self.step,
                  changed, pause)
+
+    def _engine_lost(self) -> bool:
+        """Whether the engine no longer serves the step it took (state()'s step moved: it restarted, or a
+        commit's outcome is unknown); then it is treated as a fresh one (its next update is whole)."""
+        if self.engine is None or self.engine_step is None:
+            return False
+        try:
+            now = self.engine.state().get("step")
+        except Exception as exc:  # noqa: BLE001 - an adapter whose state() fails: nothing known to have changed
+            log.warning("%s: engine state() failed: %s", self.dest, exc)
+            return False
+        if now == self.engine_step:
+            return False
+        log.warning("%s: the engine no longer serves step %d (it reports %s); it gets the held step %s whole",
+                    self.dest, self.engine_step, now, self.step)
+        self.engine_step = self._engine_tensors = None
+        return True
 
     def run(self, sync_timeout: float | None = None) -> None:
         """Poll forever (until stop()): one conditional manifest read per interval, a sync when it changed.
@@ -1591,6 +1615,8 @@ class Watcher:
                 if got is not NOT_MODIFIED and got is not None:
                     self.sync(timeout=sync_timeout)
                     etag = got.etag
+                elif self.engine is not None and self.step is not None and self._engine_lost():
+                    self.sync(timeout=sync_timeout)  # an engine that restarted gets the held step back now
             except SyncTimeout:
                 if sync_timeout is not None:
                     raise

@@ -8,14 +8,19 @@ is driven in tests/test_engine_vllm.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import socket
+import threading
+import time
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from relay.engines import Engine, EngineError, Update, changed_names
-from relay.engines.vllm import layer_of, widen_to_layers
+from relay.engines.vllm import VLLMEngine, VLLMServer, layer_of, widen_to_layers
 from relay.manifest import TensorInfo
 from relay.publisher import Publisher
 from relay.watcher import Watcher
@@ -32,6 +37,7 @@ class MemoryEngine:
         self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
         self.fail_commit = False
         self.loaded: list[set[str]] = []
+        self.previous: list[Path | None] = []  # Update.previous of each stage
         self.aborts = 0
 
     def stage(self, update: Update) -> None:
@@ -41,6 +47,7 @@ class MemoryEngine:
             with safe_open(str(p), framework="pt") as f:
                 got.update({k: f.get_tensor(k) for k in f.keys() if names is None or k in names})
         self.staged = (update.step, got)
+        self.previous.append(update.previous)
 
     def commit(self, step: int) -> float:
         if self.staged is None or self.staged[0] != step:
@@ -130,3 +137,159 @@ def test_changed_tensors_widen_to_vllm_layers():
     assert sorted(got) == sorted(pre + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                    "self_attn.v_proj.weight", "mlp.gate_proj.weight",
                                                    "mlp.up_proj.weight"))
+
+
+def test_engine_that_restarts_gets_the_held_step_back_whole(tmp_path):
+    """An engine that lost its step (restarted from its checkpoint: state() reports step None) is re-pushed the
+    held step whole, by the next sync and, with no new step published, by the watcher's poll loop."""
+    url = (tmp_path / "store").as_uri()
+    t = Trainer(seed=6)
+    engine = MemoryEngine()
+    with Publisher(url, background=False, snapshot_every=100) as pub, \
+            Watcher(url, tmp_path / "dest", engine=engine, poll_interval=0.05) as w:
+        pub.publish(s0 := t.state(), 0)
+        w.sync()
+        s1 = {**t.step(), "0.weight": s0["0.weight"]}  # one tensor keeps its bits
+        pub.publish(s1, 1)
+        assert w.sync() == 1 and "0.weight" not in engine.loaded[-1]  # premise: step 1 moved only what changed
+        engine.step, engine.weights = None, {}  # a restart: the engine serves its checkpoint, no step known
+        assert w.sync() == 1 and engine.step == 1 and engine.loaded[-1] == set(s1) and engine.previous[-1] is None
+        assert same_bits(engine.weights, s1)
+        engine.step, engine.weights = None, {}
+        runner = threading.Thread(target=w.run, daemon=True)
+        runner.start()
+        try:
+            deadline = time.monotonic() + 30
+            while engine.step != 1:  # the manifest is unchanged: only the loop's engine check brings it back
+                assert time.monotonic() < deadline, "the poll loop never re-pushed the step to the restarted engine"
+                time.sleep(0.02)
+        finally:
+            w.stop()
+            runner.join(timeout=30)
+        assert same_bits(engine.weights, s1) and w.engine_step == 1
+
+
+def test_dest_keeps_the_engines_step_until_it_takes_a_newer_one(tmp_path):
+    """Update.previous is the version directory of the step the engine serves (a failed commit's rollback reads
+    it): it outlives the persisting of newer steps while the engine has not taken them, and goes once it has."""
+    url = (tmp_path / "store").as_uri()
+    t = Trainer(seed=7)
+    engine = MemoryEngine()
+    dest = tmp_path / "dest"
+    with Publisher(url, background=False, snapshot_every=100) as pub, Watcher(url, dest, engine=engine) as w:
+        pub.publish(s0 := t.state(), 0)
+        w.sync()
+        assert engine.previous == [None]  # a first update has nothing to roll back to but the engine's own
+        v0 = w._version
+        engine.fail_commit = True
+        for k in (1, 2):  # the engine refuses both: DEST moves on, step 0's version stays for the engine
+            pub.publish(t.step(), k)
+            with pytest.raises(EngineError):
+                w.sync()
+            assert engine.previous[-1] == v0 and v0 is not None and v0.is_dir()
+            assert {p.name for p in (dest / ".versions").iterdir()} == {v0.name, w._version.name}
+        held = {}
+        for shard in v0.glob("*.safetensors"):
+            with safe_open(str(shard), framework="pt") as f:
+                held.update({k: f.get_tensor(k) for k in f.keys()})
+        assert same_bits(held, s0)
+        engine.fail_commit = False
+        assert w.sync() == 2 and w.engine_step == 2 and engine.previous[-1] == v0
+        assert not v0.exists() and [p.name for p in (dest / ".versions").iterdir()] == [w._version.name]
+
+
+class ScriptedLLM:
+    """What VLLMEngine calls on a `vllm.LLM`, answering collective_rpc from a script: the driver's own
+    bookkeeping (rollback outcomes, unknown outcomes, a relabelled engine) without an engine."""
+
+    def __init__(self) -> None:
+        self.version = "default"
+        self.calls: list[tuple[str, dict]] = []
+        self.commit_result: object = None  # a dict to return, or an exception to raise
+        self.llm_engine = self
+
+    def set_weight_version(self, v: str) -> None:
+        self.version = v
+
+    def get_weight_version(self) -> str:
+        return self.version
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        spec = json.loads(args[0]) if args else {}
+        self.calls.append((method, spec))
+        if method == "deltarelay_commit":
+            if isinstance(self.commit_result, Exception):
+                raise self.commit_result
+            return [self.commit_result or {"step": spec["step"], "apply_s": 0.001}]
+        return [{"step": spec.get("step"), "tensors": 1}]
+
+
+def test_vllm_driver_knows_what_the_engine_serves_after_each_outcome(tmp_path):
+    llm = ScriptedLLM()
+    engine = VLLMEngine(llm)
+    up = lambda k, changed=frozenset({"a"}): Update(k, "r", {}, tmp_path / str(k), changed,  # noqa: E731
+                                                   tmp_path / str(k - 1))
+    engine.stage(up(0, None))
+    assert llm.calls[-1][1]["changed"] is None and llm.calls[-1][1]["previous"] is None
+    engine.commit(0)
+    assert engine.state()["step"] == 0 and llm.version == "0"
+    engine.stage(up(1))
+    assert llm.calls[-1][1] == {"step": 1, "files": str(tmp_path / "1"), "changed": ["a"],
+                                "previous": str(tmp_path / "0")}
+    llm.commit_result = {"step": 1, "error": "boom", "rolled_back_to": "previous"}
+    with pytest.raises(EngineError, match="rolled back and serves step 0"):
+        engine.commit(1)
+    st = engine.state()
+    assert st["step"] == 0 and st["status"] == "serving" and "boom" in st["last_error"] and llm.version == "0"
+    llm.commit_result = RuntimeError("the rollback failed too")  # outcome unknown: the next update is whole
+    engine.stage(up(1))
+    with pytest.raises(EngineError, match="weights are unknown"):
+        engine.commit(1)
+    assert engine.state()["step"] is None and engine.state()["status"] == "unknown"
+    engine.stage(up(2))
+    assert llm.calls[-1][1]["changed"] is None and llm.calls[-1][1]["previous"] is None
+    llm.commit_result = {"step": 2, "error": "boom", "rolled_back_to": "checkpoint"}
+    with pytest.raises(EngineError, match="own checkpoint"):
+        engine.commit(2)
+    assert llm.version == "default" and engine.state()["step"] is None
+    llm.commit_result = None
+    engine.stage(up(2, None))
+    engine.commit(2)
+    assert engine.state()["step"] == 2
+    llm.version = "default"  # the engine restarted (or someone relabelled it)
+    st = engine.state()
+    assert st["step"] is None and st["status"] == "lost" and st["weight_version"] == "default"
+
+
+def test_vllm_server_down_or_hung_fails_fast_and_clearly(tmp_path):
+    """A server that refuses connections, or accepts and never answers: every call fails within its timeout with
+    an error naming the URL, the ledger reports "unreachable", and a watcher keeps its step and retries."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = VLLMServer(f"http://127.0.0.1:{port}")
+    url = (tmp_path / "store").as_uri()
+    with Publisher(url, background=False, snapshot_every=100) as pub, \
+            Watcher(url, tmp_path / "dest", engine=down) as w:
+        pub.publish(Trainer(seed=8).state(), 0)
+        for _ in range(2):  # retried at each sync, never wedged
+            with pytest.raises(EngineError, match=f"127.0.0.1:{port}.*(refused|up there)"):
+                w.sync()
+            assert w.step == 0 and w.engine_step is None
+        assert down.state()["status"] == "unreachable"
+    with socket.socket() as hung:  # listens (connections complete in the backlog) but never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        server = VLLMServer(f"http://127.0.0.1:{hung.getsockname()[1]}", timeout=1.0, control_timeout=0.5)
+        t0 = time.monotonic()
+        assert server.state()["status"] == "unreachable"
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="timed out"):
+            server.stage(Update(0, "r", {}, tmp_path, None))
+        assert time.monotonic() - t0 < 5
+    with pytest.raises(ValueError, match="timeouts must be positive"):
+        VLLMServer("http://127.0.0.1:1", control_timeout=0)

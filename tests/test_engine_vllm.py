@@ -4,7 +4,10 @@ After every step the live engine must compute exactly what a freshly started eng
 checkpoint computes (greedy tokens and logprobs bit-identical, tests/vllm_reference.py starts one
 fresh engine per step in a subprocess), carry the step as its weight version, and have moved only
 the layers the step changed. A tampered delta is refused and the engine keeps serving the old
-step; an apply that fails inside the engine leaves every layer as it was.
+step; an apply that breaks midway (after some layers took the new values) is rolled back, bit for
+bit; a step that does not fit the model is refused before anything is touched. The engine core runs
+in this process (the 10-step test), in a process of its own (a few steps, and a restart), and
+under `vllm serve` (HTTP).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +31,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from relay import Publisher  # noqa: E402
 from relay.engines import EngineError, Update  # noqa: E402
-from relay.engines.vllm import VLLMEngine  # noqa: E402
+from relay.engines.vllm import VLLMEngine, layer_of, widen_to_layers  # noqa: E402
 from relay.manifest import Manifest  # noqa: E402
 from relay.watcher import SyncError, Watcher  # noqa: E402
 
@@ -40,6 +44,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 # loaded 2-core CI machine a second process per engine doubles the start and can miss vLLM's 5-minute handshake
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 STEPS = 10  # hot-loaded steps after the first (which the engine takes whole)
+MP_STEPS = 3  # steps the engine core in its own process follows (the same code path past the transport)
+LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 def tiny_llama(path: Path) -> dict[str, torch.Tensor]:
@@ -53,12 +59,12 @@ def tiny_llama(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
-def train(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
-    """A deterministic 'optimizer step': a few tensors move (a different few each step, fused q/k/v and
+def train(state: dict[str, torch.Tensor], step: int, moves: int = 3) -> dict[str, torch.Tensor]:
+    """A deterministic 'optimizer step': `moves` tensors move (a different few each step, fused q/k/v and
     gate/up members among them), the rest keep their bits."""
     names = sorted(state)
     g = torch.Generator().manual_seed(step)
-    picked = {names[(step * 7 + i * 5) % len(names)] for i in range(3)}
+    picked = {names[(step * 7 + i * 5) % len(names)] for i in range(moves)} if moves < len(names) else set(names)
     out = dict(state)
     for k in picked:
         t = state[k].float()
@@ -83,34 +89,47 @@ def run(tmp_path_factory):
     """The model, its steps' states and checkpoints, and the reference outputs of a fresh engine on each."""
     root = tmp_path_factory.mktemp("vllm")
     states = [tiny_llama(root / "model")]
-    for k in range(1, STEPS + 2):  # step STEPS + 1 is the one the test corrupts
+    for k in range(1, STEPS + 1):
         states.append(train(states[-1], k))
+    states.append(train(states[-1], STEPS + 1, moves=len(states[0])))  # every layer: the one faults are tried on
     dirs = [checkpoint_dir(root / "model", root / f"ref-{k}", s) for k, s in enumerate(states)]
     out = root / "reference.json"
     t0 = time.perf_counter()
     subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_reference.py"), str(out),
-                    *map(str, dirs[:STEPS + 1])], check=True, timeout=1800, env={**os.environ, **ENV})
+                    *map(str, dirs)], check=True, timeout=1800, env={**os.environ, **ENV})
     refs = json.loads(out.read_text())
     print(f"\nreference engines: {len(refs)} fresh starts in {time.perf_counter() - t0:.1f} s, start "
           f"{sorted(r['start_s'] for r in refs.values())[len(refs) // 2]:.1f} s median")
-    return root, states, [refs[str(d)]["outputs"] for d in dirs[:STEPS + 1]]
+    return root, states, [refs[str(d)]["outputs"] for d in dirs]
+
+
+def engine_env(monkeypatch, env: dict[str, str]) -> None:
+    """Set vLLM's environment for an engine about to start here. An engine core started in this process froze
+    vLLM's view of the environment (vllm.envs caches it from then on): thawed first."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
 
 
 def test_engine_follows_the_run_bit_identically(run, monkeypatch):
-    for k, v in ENV.items():
-        monkeypatch.setenv(k, v)
+    engine_env(monkeypatch, ENV)
     root, states, refs = run
     assert len({json.dumps(r) for r in refs}) > STEPS // 2, "premise: the steps change what the model computes"
+    assert refs[STEPS + 1] != refs[STEPS], "premise: the step faults are tried on changes what the model computes"
     from vllm import LLM
 
-    llm = LLM(model=str(root / "model"), worker_extension_cls="relay.engines.vllm.WorkerExtension", **ENGINE_ARGS)
+    # relay.engines.vllm.WorkerExtension, plus a switch that breaks the next apply's weights stream midway
+    llm = LLM(model=str(root / "model"), worker_extension_cls="vllm_faults.FaultyExtension", **ENGINE_ARGS)
     engine = VLLMEngine(llm)
     url = (root / "store").as_uri()
     pauses = []
     try:
         assert same(generate(llm), refs[0]), "premise: the engine started from step 0 matches a fresh one"
+        # a damaged object is downloaded again after 0.1 s, not 30 (the test heals the store)
         with Publisher(url, background=False, snapshot_every=100) as pub, \
-                Watcher(url, root / "dest", engine=engine) as w:
+                Watcher(url, root / "dest", engine=engine, failure_backoff_initial=0.1, failure_backoff_max=0.1) as w:
             for k in range(STEPS + 1):
                 pub.publish(states[k], k)
                 assert w.sync() == k and w.engine_step == k
@@ -128,30 +147,92 @@ def test_engine_follows_the_run_bit_identically(run, monkeypatch):
                     pauses.append(st["last_pause_s"])
             # a tampered delta: refused, the engine keeps serving step STEPS
             pub.publish(states[STEPS + 1], STEPS + 1)
-            part = Manifest.parse(w.store.read_manifest().data).step(STEPS + 1).delta_parts[0].ref
-            obj = root / "store" / part.key
-            assert obj.is_file(), obj
-            bad = bytearray(obj.read_bytes())
-            bad[len(bad) // 2] ^= 0xFF
-            obj.write_bytes(bytes(bad))
+            m = Manifest.parse(w.store.read_manifest().data)  # the step moves everything: it is snapshotted too
+            keys = [p.ref.key for p in m.step(STEPS + 1).delta_parts]
+            keys += [f.key for snap in m.snapshots if snap.step == STEPS + 1 for f in snap.files]
+            good = {k: (root / "store" / k).read_bytes() for k in keys}
+            for k, data in good.items():  # every route to the step is damaged
+                bad = bytearray(data)
+                bad[len(bad) // 2] ^= 0xFF
+                (root / "store" / k).write_bytes(bytes(bad))
             with pytest.raises(SyncError):
                 w.sync(timeout=5)
             assert w.step == STEPS and w.engine_step == STEPS
             assert engine.state()["weight_version"] == str(STEPS)
             assert same(generate(llm), refs[STEPS]), "the engine moved off its step after a refused delta"
-            # an apply that fails inside the engine (a tensor of the wrong shape): every layer as it was
+            for k, data in good.items():  # the store heals: the watcher reaches the step, which moves every layer
+                (root / "store" / k).write_bytes(data)
+            time.sleep(0.2)
+            # the apply breaks midway: after the layers sorted before the first fused one (each processed with the
+            # new values), inside that fused one; rolled back, the engine serves step STEPS bit for bit
+            order = widen_to_layers(states[STEPS + 1], states[STEPS + 1], LLAMA_PACKED)  # the staging order
+            layers = [layer_of(n, LLAMA_PACKED) for n in order]
+            fused = next(i for i, lay in enumerate(layers) if layers.count(lay) > 1)
+            assert fused >= 2, f"premise: whole layers are applied before the fault ({layers})"
+            llm.collective_rpc("deltarelay_test_fail_after", args=(str(fused + 1),))
+            with pytest.raises(EngineError, match="injected fault"):
+                w.sync()
+            st = engine.state()
+            assert w.step == STEPS + 1 and w.engine_step == STEPS and st["step"] == STEPS, st
+            assert st["weight_version"] == str(STEPS) and st["status"] == "serving" and "injected" in st["last_error"]
+            assert same(generate(llm), refs[STEPS]), "an apply that broke midway left the engine changed"
+            assert w.sync() == STEPS + 1 and w.engine_step == STEPS + 1  # and the engine takes the step after all
+            assert same(generate(llm), refs[STEPS + 1]), "after a rollback the engine took the next step wrong"
+            # a step that does not fit the model (a tensor of the wrong shape): refused at staging, nothing touched
             broken = root / "broken"
             broken.mkdir()
             name = "model.layers.0.mlp.down_proj.weight"
             save_file({name: torch.zeros(3, 3, dtype=torch.bfloat16)}, str(broken / "model.safetensors"))
-            engine.stage(Update(STEPS + 1, "x", {}, broken, frozenset([name])))
-            with pytest.raises(EngineError, match="did not take step"):
-                engine.commit(STEPS + 1)
-            assert engine.state()["step"] == STEPS and engine.state()["weight_version"] == str(STEPS)
-            assert same(generate(llm), refs[STEPS]), "a failed apply left the engine changed"
+            with pytest.raises(EngineError, match=r"does not fit the model.*down_proj.weight: BF16 \[3, 3\]"):
+                engine.stage(Update(STEPS + 2, "x", {}, broken, frozenset([name])))
+            assert engine.state()["step"] == STEPS + 1 and engine.state()["weight_version"] == str(STEPS + 1)
+            assert same(generate(llm), refs[STEPS + 1]), "a refused step left the engine changed"
     finally:
         llm.llm_engine.engine_core.shutdown()
     print(f"\npause per step: median {sorted(pauses)[len(pauses) // 2] * 1e3:.1f} ms over {len(pauses)} steps")
+
+
+def test_engine_core_in_its_own_process_follows_and_survives_a_restart(run, monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default: the engine core in a process of its own, reached over
+    ZMQ (as under `vllm serve`). The same VLLMEngine follows a few steps bit-identically. Then the engine comes
+    back as a restart leaves it (its checkpoint's weights, reloaded by vLLM, and weight version "default"): the
+    watcher's poll loop finds it without a new step being published and gives it the held step whole."""
+    engine_env(monkeypatch, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    root, states, refs = run
+    from vllm import LLM
+
+    llm = LLM(model=str(root / "model"), worker_extension_cls="relay.engines.vllm.WorkerExtension", **ENGINE_ARGS)
+    engine = VLLMEngine(llm)
+    url = (root / "store-mp").as_uri()
+    try:
+        assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient", "premise: the core runs elsewhere"
+        with Publisher(url, background=False, snapshot_every=100) as pub, \
+                Watcher(url, root / "dest-mp", engine=engine, poll_interval=0.1) as w:
+            for k in range(MP_STEPS):
+                pub.publish(states[k], k)
+                assert w.sync() == k and w.engine_step == k
+                outs = generate(llm)
+                assert same(outs, refs[k]), f"step {k}: the engine in its own process differs from a fresh one"
+                assert all(o["weight_versions"] == [str(k)] for o in outs), outs
+            held = MP_STEPS - 1
+            llm.collective_rpc("reload_weights")  # vLLM reloads the checkpoint it started from (step 0)
+            llm.llm_engine.set_weight_version("default")
+            assert same(generate(llm), refs[0]), "premise: the engine serves its checkpoint, as restarted"
+            before = engine.last_stage
+            runner = threading.Thread(target=w.run, daemon=True)
+            runner.start()
+            try:
+                deadline = time.monotonic() + 300
+                while engine.last_stage is before or w.engine_step != held:
+                    assert runner.is_alive() and time.monotonic() < deadline, "the restarted engine never got its step"
+                    time.sleep(0.1)
+            finally:
+                w.stop()
+                runner.join(timeout=120)
+            assert engine.last_stage["tensors"] == engine.last_stage["of_tensors"]  # whole: nothing was known
+            assert same(generate(llm), refs[held]) and engine.state()["weight_version"] == str(held)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def free_port() -> int:
@@ -160,6 +241,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def post(base: str, path: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
 
 
 def served(base: str) -> list[dict]:
@@ -223,6 +313,14 @@ def test_sidecar_drives_vllm_serve_over_http(run):
                 got = served(base)
                 assert same(got, refs[k]), f"step {k}: the server differs from a fresh engine"
                 assert all(o["weight_versions"] == [str(k)] for o in got), got
+            # the server as a restart leaves it (its checkpoint's weights, weight version "default"): the next
+            # sync, with no new step, gives it the held step whole
+            post(base, "/collective_rpc", {"method": "reload_weights", "timeout": 300})
+            post(base, "/update_weight_version", {"new_version": "default"})
+            assert same(served(base), refs[0]), "premise: the server serves its checkpoint, as restarted"
+            assert w.sync() == 3 and w.engine_step == 3 and engine.weight_version() == "3"
+            assert engine.last_stage["tensors"] == engine.last_stage["of_tensors"]
+            assert same(served(base), refs[3]), "the restarted server differs from a fresh engine on its step"
     finally:
         server.terminate()
         try:

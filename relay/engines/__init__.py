@@ -10,7 +10,9 @@ phases, so that the engine never serves half a step and pauses only for the appl
    EngineError; abort() drops a staged update that will not be committed.
 
 state() is a JSON-able summary (kind, step, weight_version, status, last_pause_s, ...) for a
-fleet ledger. Adapters: relay.engines.vllm (in-process `LLM` and `vllm serve` over HTTP). An
+fleet ledger; its "step" is the step the engine is known to serve, None once that is unknown (an
+engine that restarted, a commit whose outcome is unknown): a watcher then re-pushes its held step
+whole. Adapters: relay.engines.vllm (in-process `LLM` and `vllm serve` over HTTP). An
 engine adapter module imports its engine lazily: the runtime never needs the engine's package.
 """
 
@@ -59,13 +61,16 @@ class Update:
     it); `files` the version directory that holds this step as a complete safetensors checkpoint
     (the watcher's persist="full" DEST), stable until the watcher persists a newer step;
     `changed` the names whose record entry differs from the step the engine holds, or None when
-    the engine's step is unknown (its first update: everything moves)."""
+    the engine's step is unknown (its first update: everything moves); `previous` the version
+    directory of the step the engine holds (the watcher keeps it until the engine takes a newer
+    step: what a failed commit rolls back to), None when unknown."""
 
     step: int
     run: str
     tensors: Mapping[str, torch.Tensor]
     files: Path
     changed: frozenset[str] | None
+    previous: Path | None = None
 
 
 def changed_names(held: Mapping[str, TensorInfo] | None, new: Mapping[str, TensorInfo]) -> frozenset[str] | None:

@@ -3,9 +3,10 @@
 Two halves. WorkerExtension runs inside vLLM's workers (pass
 `worker_extension_cls="relay.engines.vllm.WorkerExtension"` to `LLM(...)` or
 `--worker-extension-cls` to `vllm serve`); it stages a step's changed tensors from the watcher's
-DEST version directory and applies them with vLLM's own reload path (reload_weights, which
-re-runs the post-load processing the CPU and GPU backends apply, layer by layer), restoring the
-layers it touched if the apply fails. A driver calls it through collective_rpc: VLLMEngine for
+DEST version directory, checks them against the step the engine serves, and applies them with
+vLLM's own reload path (reload_weights, which re-runs the post-load processing the CPU and GPU
+backends apply, layer by layer); an apply that fails midway is rolled back through the same path
+from the previous step's files. A driver calls it through collective_rpc: VLLMEngine for
 an in-process `vllm.LLM`, VLLMServer for `vllm serve` over its HTTP API (VLLM_SERVER_DEV_MODE=1:
 /collective_rpc, /pause, /resume, /update_weight_version, /reset_prefix_cache).
 
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,18 +88,22 @@ class WorkerExtension:
 
     Arguments and results are JSON strings and dicts, so the same calls work over `vllm serve`'s
     /collective_rpc (which passes strings only). `self` is the vLLM worker: model_runner,
-    reload_weights and vllm_config are its."""
+    reload_weights and vllm_config are its. Only vLLM's public worker and reload API is used: a failed
+    apply is rolled back by finishing vLLM's interrupted reload (finalize_layerwise_reload) and
+    reloading the previous step's values of the touched layers through the same reload_weights."""
 
-    _deltarelay_staged: tuple[int, list[tuple[str, torch.Tensor]], list[str]] | None = None
+    _deltarelay_staged: tuple[int, list[tuple[str, torch.Tensor]], Path | None] | None = None
 
     def deltarelay_stage(self, spec: str) -> dict:
         """Read the tensors of the step in spec's "files" that its "changed" names touch (whole layers;
         all tensors when "changed" is null or the model's layers cannot be told apart) into memory,
-        while the engine keeps serving. spec: {"step": int, "files": dir, "changed": [names] | null}."""
-        from safetensors import safe_open
-
+        while the engine keeps serving, and check them against the step the engine serves ("previous",
+        its version directory; null: the engine's own checkpoint, as started): same names, shapes and
+        dtypes, so an apply cannot fail on bad input and a failed one can be rolled back.
+        spec: {"step": int, "files": dir, "changed": [names] | null, "previous": dir | null}."""
         req = json.loads(spec)
         step, files, changed = int(req["step"]), Path(req["files"]), req.get("changed")
+        previous = Path(req["previous"]) if req.get("previous") else None
         self._deltarelay_staged = None
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         shards = _shard_files(files)
@@ -105,106 +112,166 @@ class WorkerExtension:
             raise ValueError(f"{files}: no safetensors tensors to load for step {step}")
         packed = dict(getattr(model, "packed_modules_mapping", None) or {})
         layers = {layer_of(n, packed) for n in names}
-        modules = dict(model.named_modules())
-        if changed is None or layers - set(modules):
-            load = sorted(names)  # the first update, or names that are not module paths here: everything
+        if changed is None or layers - {name for name, _ in model.named_modules()}:
+            load = widen_to_layers(names, names, packed)  # the first update, or names that are not module paths
         else:
             unknown = sorted(set(changed) - set(names))
             if unknown:
                 raise ValueError(f"{files}: step {step} lacks changed tensor(s) {unknown[:5]}")
             load = widen_to_layers(changed, names, packed)
-        where = {n: shard for shard, ns in shards.items() for n in ns}
-        wanted = set(load)
-        staged: dict[str, torch.Tensor] = {}
-        for shard in sorted({where[n] for n in load}):
-            with safe_open(str(files / shard), framework="pt") as f:
-                for n in f.keys():
-                    if n in wanted:
-                        staged[n] = f.get_tensor(n)  # a copy in memory: the file may go with the next step
-        touched = sorted({layer_of(n, packed) for n in load} & set(modules))
-        self._deltarelay_staged = (step, [(n, staged[n]) for n in load], touched)
+        _check_fits(step, files, load, previous, self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        staged = dict(_read(files, load))  # a copy in memory: the files may go with the next step
+        self._deltarelay_staged = (step, [(n, staged[n]) for n in load], previous)
         return {"step": step, "tensors": len(load), "bytes": sum(t.nbytes for t in staged.values()),
-                "layers": len(touched), "of_tensors": len(names)}
+                "layers": len({layer_of(n, packed) for n in load}), "of_tensors": len(names)}
 
     def deltarelay_abort(self) -> None:
         """Drop a staged step."""
         self._deltarelay_staged = None
 
     def deltarelay_commit(self, spec: str) -> dict:
-        """Apply the staged step (spec: {"step": int}) with vLLM's reload path; if that fails, every
-        layer is put back as it was (the touched ones from copies taken first) and the error raised."""
+        """Apply the staged step (spec: {"step": int}) with vLLM's reload path. If that fails, the engine is
+        rolled back to the step it served and the result says so ("error", "rolled_back_to"); if the
+        rollback fails too, RuntimeError (the engine's weights are then unknown)."""
         step = int(json.loads(spec)["step"])
         staged, self._deltarelay_staged = self._deltarelay_staged, None
         if staged is None or staged[0] != step:
             raise ValueError(f"step {step} was not staged (staged: {None if staged is None else staged[0]})")
-        _, weights, touched = staged
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        modules = dict(model.named_modules())
-        backup = {layer: {k: v.detach().clone() for k, v in _own_tensors(modules[layer])} for layer in touched}
+        _, weights, previous = staged
         t0 = time.perf_counter()
-        # a partial reload makes vLLM warn of every layer it leaves as is ("Failed to load weights",
-        # "Following weights were not loaded"): expected here, so those two loggers keep errors only
-        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
-        levels = [q.level for q in quiet]
-        for q in quiet:
-            q.setLevel(logging.ERROR)
         try:
-            self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        except BaseException:
-            _restore(model, backup)
-            raise
-        finally:
-            for q, level in zip(quiet, levels):
-                q.setLevel(level)
-        return {"step": step, "tensors": len(weights), "layers": len(touched), "apply_s": time.perf_counter() - t0}
+            with _quiet_partial_reload():
+                self.reload_weights(weights_iterator=self._deltarelay_weights(weights),  # type: ignore[attr-defined]
+                                    is_checkpoint_format=True)
+        except Exception as exc:  # noqa: BLE001 - rolled back below, reported in the result
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("deltarelay: applying step %d failed (%s); rolling back", step, error)
+            self._deltarelay_roll_back(step, [n for n, _ in weights], previous, error)
+            return {"step": step, "error": error, "rolled_back_to": "previous" if previous else "checkpoint",
+                    "apply_s": time.perf_counter() - t0}
+        return {"step": step, "tensors": len(weights), "apply_s": time.perf_counter() - t0}
+
+    def _deltarelay_weights(self, weights: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """What reload_weights reads the staged tensors from (a subclass may wrap it: tests inject faults)."""
+        return iter(weights)
+
+    def _deltarelay_roll_back(self, step: int, names: list[str], previous: Path | None, error: str) -> None:
+        """Put the engine back on the step it served after a reload of `names` failed midway: finish vLLM's
+        interrupted layerwise reload (every layer back on real tensors, its loaders unwrapped), then
+        reload the previous values of `names` (whole layers, from `previous`; without it the engine's own
+        checkpoint, whole) through reload_weights, which redoes the backend's processing of each."""
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        except ImportError as exc:
+            raise RuntimeError(f"applying step {step} failed ({error}) and this vLLM lacks "
+                               f"vllm.model_executor.model_loader.reload.finalize_layerwise_reload (or "
+                               f"vllm.config.set_current_vllm_config), which the rollback needs: the engine "
+                               f"may hold a mix of two steps; restart it") from exc
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        config = self.vllm_config  # type: ignore[attr-defined]
+        try:
+            with set_current_vllm_config(config), _quiet_partial_reload():
+                finalize_layerwise_reload(model, config.model_config)
+                if previous is None:
+                    self.reload_weights(is_checkpoint_format=True)  # type: ignore[attr-defined]
+                else:
+                    self.reload_weights(weights_iterator=_read(previous, names),  # type: ignore[attr-defined]
+                                        is_checkpoint_format=True)
+        except Exception as exc:
+            raise RuntimeError(f"applying step {step} failed ({error}) and so did the rollback to the step the "
+                               f"engine served ({type(exc).__name__}: {exc}): its weights are unknown") from exc
 
 
-def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(recurse=False)
-    yield from module.named_buffers(recurse=False)
+@contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    """A partial reload makes vLLM warn of every layer it leaves as is ("Failed to load weights",
+    "Following weights were not loaded"): expected here, so those two loggers keep errors only."""
+    quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
 
 
-def _restore(model: torch.nn.Module, backup: dict[str, dict[str, torch.Tensor]]) -> None:
-    """After a failed reload_weights: give every layer its kernel tensors back (vLLM's layerwise reload
-    moved them aside and may have left layers on the meta device), unwrap the loaders it wrapped, then
-    copy the touched layers' values back from `backup`."""
-    from vllm.model_executor.model_loader.reload import layerwise
+def _read(files: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of `names` from the checkpoint directory `files`, in that order (vLLM processes a
+    layer once all its tensors arrived: the caller groups them by layer)."""
+    from safetensors import safe_open
 
-    for module in model.modules():
-        info = layerwise.LAYERWISE_INFO.get(module)
-        if info is None:
-            continue
-        if info.kernel_tensors is not None:
-            layerwise._place_kernel_tensors(module, info)
-        for t in layerwise.get_layer_tensors(module).values():
-            if hasattr(t, "weight_loader"):
-                t.weight_loader = layerwise._get_original_loader(t)
-        info.reset()
-    layerwise.LOADING_LAYERS.clear()
-    if hasattr(model, "_original_do_torchao_reload"):
-        model._do_torchao_reload = model._original_do_torchao_reload
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for layer, tensors in backup.items():
-            live = dict(_own_tensors(modules[layer]))
-            for k, v in tensors.items():
-                live[k].copy_(v)
+    where = {n: shard for shard, ns in _shard_files(files).items() for n in ns}
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise ValueError(f"{files}: lacks tensor(s) {missing[:5]}")
+    with ExitStack() as stack:
+        opened = {shard: stack.enter_context(safe_open(str(files / shard), framework="pt"))
+                  for shard in sorted({where[n] for n in names})}
+        for n in names:
+            yield n, opened[where[n]].get_tensor(n)
+
+
+def _headers(files: Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) of a safetensors checkpoint directory, from the file headers (no tensor read)."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard, names in _shard_files(files).items():
+        with safe_open(str(files / shard), framework="pt") as f:
+            for n in names:
+                s = f.get_slice(n)
+                out[n] = (s.get_dtype(), list(s.get_shape()))
+    return out
+
+
+def _check_fits(step: int, files: Path, load: list[str], previous: Path | None, model_path: str) -> None:
+    """Refuse a step whose tensors differ in name, dtype or shape from the step the engine serves (the
+    version directory `previous`: it must hold every one of them, the rollback reads them there), or,
+    for a first update, from the engine's own checkpoint where that is a local directory."""
+    if previous is None and not (Path(model_path).is_dir() and _shard_files(Path(model_path))):
+        return  # an engine started from a hub id: vLLM's own loader checks what it loads
+    ref = _headers(previous if previous is not None else Path(model_path))
+    new = _headers(files)
+    problems = []
+    if previous is not None:
+        missing = [n for n in load if n not in ref]
+        if missing:
+            problems.append(f"the step the engine serves ({previous}) lacks {missing[:5]}")
+    problems += [f"{n}: {new[n][0]} {new[n][1]}, the engine's step has {ref[n][0]} {ref[n][1]}"
+                 for n in load if n in ref and ref[n] != new[n]]
+    if problems:
+        raise ValueError(f"{files}: step {step} does not fit the model the engine serves: {'; '.join(problems[:5])}")
+
+
+CHECKPOINT_VERSION = "default"  # vLLM's weight version of an engine as started from its checkpoint
 
 
 class _Driver:
     """The engine-side protocol of relay.engines.Engine over vLLM's collective_rpc; subclasses say how
-    to reach the engine (in-process LLM, HTTP)."""
+    to reach the engine (in-process LLM, HTTP).
+
+    The driver knows which step the engine serves only while the engine carries that step as its
+    weight version: state() finds an engine that restarted (or was relabelled) and forgets its step,
+    and so does a commit whose outcome is unknown (a transport error, a failed rollback); the next
+    update is then whole (a watcher re-pushes its held step)."""
 
     kind = "vllm"
 
     def __init__(self) -> None:
         self.step: int | None = None  # the step the engine serves (set by a commit)
+        self.files: Path | None = None  # that step's version directory: what a failed commit rolls back to
         self.staged: int | None = None
+        self._staged_files: Path | None = None
         self.status = "starting"
         self.last_pause_s: float | None = None
         self.last_apply_s: float | None = None
         self.last_stage: dict | None = None
         self.last_error: str | None = None
+        self._lock = threading.Lock()  # a commit and state()'s check of the weight version never interleave
+        self._must_resume = False  # a resume failed: the engine stays paused until one succeeds
 
     # -- what a subclass provides ----------------------------------------------------------------
     def _rpc(self, method: str, *args: str) -> list[Any]:
@@ -227,35 +294,61 @@ class _Driver:
 
     # -- relay.engines.Engine --------------------------------------------------------------------
     def stage(self, update: Update) -> None:
+        whole = self.step is None or update.changed is None  # the engine's step unknown: everything moves
+        previous = None if whole else (update.previous or self.files)
         spec = json.dumps({"step": update.step, "files": str(update.files),
-                           "changed": None if update.changed is None else sorted(update.changed)})
+                           "changed": None if whole or update.changed is None else sorted(update.changed),
+                           "previous": None if previous is None else str(previous)})
         try:
+            if self._must_resume:  # a resume that failed at the last commit: the engine must serve again first
+                self._resume()
+                self._must_resume = False
             got = self._rpc(RPC_STAGE, spec)
         except Exception as exc:  # any failure of the call: a refused stage
             self.staged, self.last_error = None, f"stage of step {update.step}: {exc}"
             raise EngineError(f"vLLM engine refused to stage step {update.step} ({exc}); it serves step "
                               f"{self.step}") from exc
-        self.staged, self.last_stage = update.step, (got[0] if got else None)
+        self.staged, self._staged_files, self.last_stage = update.step, update.files, (got[0] if got else None)
 
     def commit(self, step: int) -> float:
         if self.staged != step:
             raise EngineError(f"vLLM engine: step {step} is not staged (staged: {self.staged})")
-        self.staged = None
-        t0 = time.perf_counter()
-        try:
-            self._pause()
+        files, self.staged = self._staged_files, None
+        with self._lock:
+            t0 = time.perf_counter()
+            self._must_resume = True  # from here until a resume succeeds, the engine may be paused
             try:
-                got = self._rpc(RPC_COMMIT, json.dumps({"step": step}))
-                self._reset_prefix_cache()  # cached KV of the old weights must not serve the new step
-                self._set_version(str(step))
-            finally:
-                self._resume()
-        except Exception as exc:  # the worker restored its layers
-            self.status, self.last_error = "failed", f"commit of step {step}: {exc}"
-            raise EngineError(f"vLLM engine did not take step {step} ({exc}); it serves step {self.step}") from exc
-        self.last_pause_s = time.perf_counter() - t0
-        self.last_apply_s = got[0].get("apply_s") if got and isinstance(got[0], dict) else None
-        self.step, self.status, self.last_error = step, "serving", None
+                self._pause()
+            except Exception as exc:  # nothing applied; a pause that timed out may still take effect: resume
+                self._resume_after(exc)
+                self.last_error = f"pause for step {step}: {exc}"
+                raise EngineError(f"vLLM engine did not pause for step {step} ({exc}); it serves step "
+                                  f"{self.step}") from exc
+            try:
+                try:
+                    got = self._rpc(RPC_COMMIT, json.dumps({"step": step}))
+                    result = got[0] if got and isinstance(got[0], dict) else {}
+                    if not result.get("error") or result.get("rolled_back_to") == "checkpoint":
+                        self._reset_prefix_cache()  # cached KV of the old weights must not serve the new ones
+                        self._set_version(CHECKPOINT_VERSION if result.get("error") else str(step))
+                finally:
+                    self._resume()
+                    self._must_resume = False
+            except Exception as exc:  # applied or not, labelled or not: unknown
+                self._forget("unknown", f"commit of step {step}: {exc}")
+                raise EngineError(f"vLLM engine: committing step {step} failed ({exc}); its weights are unknown "
+                                  f"and the next update reloads them whole") from exc
+            self.last_pause_s = time.perf_counter() - t0
+        self.last_apply_s = result.get("apply_s")
+        if result.get("error"):
+            if result.get("rolled_back_to") == "checkpoint":
+                self._forget("failed", f"commit of step {step}: {result['error']}")
+                raise EngineError(f"vLLM engine did not take step {step} ({result['error']}); it rolled back to "
+                                  f"its own checkpoint (weight version {CHECKPOINT_VERSION!r})")
+            self.last_error = f"commit of step {step}: {result['error']}"
+            raise EngineError(f"vLLM engine did not take step {step} ({result['error']}); it rolled back and "
+                              f"serves step {self.step}")
+        self.step, self.files, self.status, self.last_error = step, files, "serving", None
         return self.last_pause_s
 
     def abort(self) -> None:
@@ -268,13 +361,34 @@ class _Driver:
 
     def state(self) -> dict[str, Any]:
         try:
-            version = self.weight_version()
+            if self._lock.acquire(blocking=False):
+                try:
+                    version = self.weight_version()
+                    if self.step is not None and version != str(self.step):
+                        self._forget("lost", f"the engine carries weight version {version!r}, not step {self.step} "
+                                             f"(restarted, or relabelled): its next update is whole")
+                    status = "paused" if self._must_resume else self.status
+                finally:
+                    self._lock.release()
+            else:  # a commit is under way (another thread): report, check the version next time
+                version, status = self.weight_version(), "updating"
         except Exception as exc:  # noqa: BLE001 - the ledger shows an unreachable engine, it does not fail
-            version, self.status = None, "unreachable"
-            self.last_error = str(exc)
-        return {"kind": self.kind, "step": self.step, "weight_version": version, "status": self.status,
+            version, status, self.last_error = None, "unreachable", str(exc)
+        return {"kind": self.kind, "step": self.step, "weight_version": version, "status": status,
                 "last_pause_s": self.last_pause_s, "last_apply_s": self.last_apply_s,
                 "last_stage": self.last_stage, "last_error": self.last_error}
+
+    def _forget(self, status: str, error: str) -> None:
+        """The engine's weights are no longer known to be a step's: the next update is whole."""
+        self.step, self.files, self.status, self.last_error = None, None, status, error
+        log.warning("vLLM engine: %s", error)
+
+    def _resume_after(self, exc: BaseException) -> None:
+        try:
+            self._resume()
+            self._must_resume = False
+        except Exception as again:  # noqa: BLE001 - the caller raises `exc`; the next stage resumes first
+            log.warning("vLLM engine: resuming after %s failed too: %s", exc, again)
 
 
 class VLLMEngine(_Driver):
@@ -315,13 +429,20 @@ class VLLMServer(_Driver):
     kind = "vllm-http"
 
     def __init__(self, url: str, *, pause_mode: str = "abort", timeout: float = 600.0,
-                 token: str | None = None) -> None:
+                 control_timeout: float = 30.0, token: str | None = None) -> None:
         super().__init__()
         if pause_mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause_mode must be abort, wait or keep, got {pause_mode!r}")
-        self.url, self.pause_mode, self.timeout, self.token = url.rstrip("/"), pause_mode, timeout, token
+        if timeout <= 0 or control_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got timeout={timeout}, control_timeout={control_timeout}")
+        self.url, self.pause_mode, self.token = url.rstrip("/"), pause_mode, token
+        # stage/commit (reading, applying) and the pause (mode "wait" drains in-flight requests) may take long;
+        # the version, cache and resume calls answer at once: a hung server holds a watcher or a ledger
+        # report at most control_timeout there
+        self.timeout, self.control_timeout = timeout, control_timeout
 
-    def _call(self, method: str, path: str, body: dict | None = None, query: dict | None = None) -> Any:
+    def _call(self, method: str, path: str, body: dict | None = None, query: dict | None = None,
+              timeout: float | None = None) -> Any:
         url = self.url + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
@@ -329,21 +450,26 @@ class VLLMServer(_Driver):
             headers["Authorization"] = f"Bearer {self.token}"
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.control_timeout if timeout is None else timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500].decode("utf-8", "replace")
-            raise EngineError(f"{method} {url}: HTTP {exc.code} {detail}") from None
+            hint = " (is the server started with VLLM_SERVER_DEV_MODE=1?)" if exc.code == 404 else ""
+            raise EngineError(f"{method} {url}: HTTP {exc.code} {detail}{hint}") from None
         except OSError as exc:  # refused, reset, timed out
-            raise EngineError(f"{method} {url}: {exc}") from None
-        return json.loads(raw) if raw.strip() else None
+            raise EngineError(f"{method} {url}: {exc} (is `vllm serve` up there?)") from None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError:
+            raise EngineError(f"{method} {url}: not a JSON answer: {raw[:200]!r}") from None
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
-        got = self._call("POST", "/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout})
+        got = self._call("POST", "/collective_rpc", {"method": method, "args": list(args), "timeout": self.timeout},
+                         timeout=self.timeout)
         return (got or {}).get("results") or []
 
     def _pause(self) -> None:
-        self._call("POST", "/pause", query={"mode": self.pause_mode})
+        self._call("POST", "/pause", query={"mode": self.pause_mode}, timeout=self.timeout)
 
     def _resume(self) -> None:
         self._call("POST", "/resume")
