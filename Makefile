@@ -51,13 +51,12 @@ lint: venv
 demo: venv-demo
 	$(PY) -m relay.cli demo --chart out/demo.png
 
+CORPORA := fp32-lr1e-6 fp32-lr5e-6-wd bf16-lr3e-6 fp32-lr1e-6-grpo-b95-wd fp32-lr1e-6-untied-subvocab fp32-lr1e-6-4step
 corpora: venv-demo
-	$(PY) scripts/make_corpus.py --regime fp32-lr1e-6 --steps 6 --out corpus/minilm-fp32-lr1e-6 --overwrite
-	$(PY) scripts/make_corpus.py --regime fp32-lr5e-6-wd --steps 6 --out corpus/minilm-fp32-lr5e-6-wd --overwrite
-	$(PY) scripts/make_corpus.py --regime bf16-lr3e-6 --steps 6 --out corpus/minilm-bf16-lr3e-6 --overwrite
+	for r in $(CORPORA); do $(PY) scripts/make_corpus.py --regime $$r --steps 6 --out corpus/minilm-$$r --overwrite || exit 1; done
 
 bench: corpora
-	$(PY) -m relay.cli bench corpus/minilm-fp32-lr1e-6 corpus/minilm-fp32-lr5e-6-wd corpus/minilm-bf16-lr3e-6 --workers 2 --chart out/bench.png
+	$(PY) -m relay.cli bench $(CORPORA:%=corpus/minilm-%) --workers 2 --chart out/bench.png
 
 bench-fanout: venv
 	$(PY) scripts/bench_fanout.py

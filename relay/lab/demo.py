@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 import relay
-from codec.lab.baselines import BASELINES
+from codec.lab import fireworks
 from codec.tensors import same_bits
 from relay import checkpoint, lab, traffic
 from relay.lab import corpus as mc
@@ -337,7 +337,9 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         prev: dict[str, torch.Tensor] | None = None
         checks = failures = 0
         publish_s: list[float] = []
-        baseline_sizes: dict[str, dict[int, int]] = {k: {} for k in BASELINES}
+        # the real Fireworks ARCv2 / ARCv3 where installed (default race, as Fireworks ships it)
+        anchors, _, not_run = fireworks.select(every_candidate=False)
+        baseline_sizes: dict[str, dict[int, int]] = {k: {} for k in anchors}
         problems: list[str] = []
         for step in range(steps + 1):
             if step:
@@ -370,7 +372,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
                     failures += 1
                     problems.append(f"step {step}: {h.dest.name} holds weights that differ from the trainer's")
             if step and step % baseline_every == 0 and prev is not None:  # prev: set at every step after 0
-                for name, b in BASELINES.items():
+                for name, b in anchors.items():
                     baseline_sizes[name][step] = len(b.encode(prev, state))
             worst = max((h.reached.get(step, float("inf")) for h in hosts), default=0.0)
             log(f"step {step:3d}: published in {publish_s[-1]:.2f}s, every region bit-exact after {worst:.2f}s")
@@ -424,7 +426,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
     snapshot_bytes = final.snapshots[0].bytes
     # A host pulling from the origin: the first snapshot and its record, then each step's delta and record.
     naive_delta_bytes = snapshot_bytes + sum(s.record.size + s.delta_bytes for s in final.steps)
-    sampled = sorted(baseline_sizes[next(iter(BASELINES))])
+    sampled = sorted(baseline_sizes[next(iter(anchors))])
     summary: dict[str, Any] = {
         "model": trainer.name, "parameters": params, "regime": trainer.regime, "full_bytes": full_bytes,
         "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1,
@@ -432,7 +434,8 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         "relay_mode": "copy snapshots" if copy_snapshots else "regional snapshots",
         "store": "file" if store else "s3 (moto on loopback)", "checks": checks, "check_failures": failures,
         "problems": problems, "delta_bytes": delta_sizes, "publish_seconds": publish_s,
-        "baselines": {k: {"label": BASELINES[k].label, "sizes": v} for k, v in baseline_sizes.items()},
+        "baselines": {k: {"label": anchors[k].label, "sizes": v} for k, v in baseline_sizes.items()},
+        "baselines_not_run": not_run,
         "baseline_steps": sampled, "crossed": crossed, "relay_status": relay_status,
         "fireworks": {r: fireworks_bytes(final, c["by_kind"]["manifests"]) for r, c in crossed.items()},
         "fireworks_every": FIREWORKS_EVERY,
@@ -488,6 +491,8 @@ def format_summary(s: dict) -> str:
             mean = statistics.fmean(b["sizes"].values())
             lines.append(f"    {b['label'][:38]:38}  {_fmt_bytes(mean):>12}    {s['full_bytes'] / mean:,.0f}"
                          f"   ({mean / ours:.2f}x deltarelay)")
+        for key, why in (s.get("baselines_not_run") or {}).items():
+            lines.append(f"    {key:38}  not run: {why}")
     per_region = [c["by_kind"]["total"] for c in s["crossed"].values()]
     total = sum(per_region)
     snaps = sum(c["by_kind"]["snapshots"] for c in s["crossed"].values())

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from codec.lab.baselines import BASELINES
+from codec.lab import fireworks
 from relay import cli
 from relay.lab.bench import CLOCKS, format_table, run_bench, save_chart
 from relay.lab.commands import BENCH_CLOCKS
 from relay.lab.corpus import make_corpus
 
 OURS = ("deltarelay-v1", "deltarelay-v2")
+ANCHORS, REFERENCE, NOT_RUN = fireworks.select()
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +37,19 @@ def test_every_method_is_reported_with_sane_numbers(results, corpus):
     meta = json.loads((corpus / "corpus.json").read_text())
     assert c["checkpoint_bytes"] == meta["checkpoint_bytes"]
     rows = {r["key"]: r for r in c["rows"]}
-    assert set(rows) == set(OURS) | set(BASELINES)
+    assert set(rows) == set(OURS) | set(ANCHORS)
+    assert c["reference"]["key"] == REFERENCE and c["not_run"] == NOT_RUN
     for r in rows.values():
         assert r["exact"] is True
         assert r["bytes"] > 0 and 0 < r["percent"] < 100
-        for k in ("encode_mbps", "decode_mbps"):
+        for k in ("encode_mbps", "decode_mbps", "encode_vs_zstd1", "decode_vs_zstd1", "encode_vs_arcv3",
+                  "decode_vs_arcv3"):
             assert math.isfinite(r[k]) and r[k] > 0
-    assert rows["arcv3"]["vs_arcv3"] == 1.0
+    ref = rows[REFERENCE]
+    assert ref["vs_arcv3"] == 1.0 and ref["encode_vs_arcv3"] == 1.0 and ref["decode_vs_arcv3"] == 1.0
+    # the speed ratios against ARCv3 go through the paired zstd-1 runs of both methods
+    for r in rows.values():
+        assert r["encode_vs_arcv3"] == pytest.approx(r["encode_vs_zstd1"] / ref["encode_vs_zstd1"])
     # every delta beats shipping the checkpoint; the formats cost what they say per change
     assert all(r["percent"] < rows["zstd1-full"]["percent"] / 5 for k, r in rows.items() if k != "zstd1-full")
     # 6 and 4 bytes per change plus the safetensors header (a few KB of names on this tiny model)
@@ -50,7 +57,7 @@ def test_every_method_is_reported_with_sane_numbers(results, corpus):
     assert 4.0 <= rows["trl-gap16"]["bytes_per_changed"] < rows["trl-sparse"]["bytes_per_changed"] - 1.9
     assert rows["pulse"]["bytes"] < rows["trl-gap16"]["bytes"] < rows["trl-sparse"]["bytes"]
     b = c["bound"]
-    assert b["vs_bound"] == 1.0 and 0 < b["percent"] < rows["arcv3"]["percent"]
+    assert b["vs_bound"] == 1.0 and 0 < b["percent"] < ref["percent"]
     assert b["bytes_per_changed"] * 8 == pytest.approx(b["mask_bits_per_changed"] + b["value_bits_per_changed"])
     for r in rows.values():
         assert r["vs_bound"] == pytest.approx(r["bytes"] / b["bytes"], rel=0.05)
@@ -79,19 +86,42 @@ def test_multicore_rows_compare_threads_on_one_clock(corpus):
     assert run_bench([corpus], repeat=1, pairs=1)["corpora"][0]["multicore"] is None
 
 
-def test_table_names_every_method_and_the_bound(results):
+def test_table_names_every_method_the_bound_and_the_reference(results):
     table = format_table(results)
-    labels = ["deltarelay v1", "deltarelay v2", "entropy bound", "speed vs zstd-1"]
-    labels += [b.label for b in BASELINES.values()]
+    labels = ["deltarelay v1", "deltarelay v2", "entropy bound", "speed vs zstd-1", "every thread pinned"]
+    labels += [b.label for b in ANCHORS.values()]
+    labels.append("real ARCv3 (fireworks-delta-compression" if REFERENCE == "arc_v3" else "ARCv3-style")
     for label in labels:
         assert label in table
+    for key in NOT_RUN:
+        assert f"not run: {NOT_RUN[key]}" in table
+
+
+def test_without_the_package_the_style_arcv3_is_the_reference_and_the_real_ones_are_listed(corpus, monkeypatch):
+    reason = "fireworks-delta-compression is not installed (pip install 'deltarelay[fireworks]')"
+    monkeypatch.setattr(fireworks, "unavailable", lambda: reason)
+    c = run_bench([corpus], repeat=1, pairs=1)["corpora"][0]
+    assert c["reference"]["key"] == "arcv3" and "ARCv3-style" in c["reference"]["name"]
+    assert c["not_run"] == {k: reason for k in fireworks.BASELINES}
+    assert not {r["key"] for r in c["rows"]} & set(fireworks.BASELINES)
+    table = format_table({"corpora": [c]})
+    assert "against ARCv3-style reimplementation" in table
+    assert all(f"{k:44} not run: {reason}" in table for k in fireworks.BASELINES)
+
+
+def test_one_core_pin_is_undone(corpus):
+    import os
+
+    before = os.sched_getaffinity(0)
+    c = run_bench([corpus], repeat=1, pairs=1)["corpora"][0]
+    assert c["pinned_cpu"] in before and os.sched_getaffinity(0) == before
 
 
 def test_cli_json(corpus, capsys):
     assert cli.main(["bench", str(corpus), "--json", "--repeat", "1", "--pairs", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["corpora"][0]["pairs"] == 1
-    assert {r["key"] for r in data["corpora"][0]["rows"]} == set(OURS) | set(BASELINES)
+    assert {r["key"] for r in data["corpora"][0]["rows"]} == set(OURS) | set(ANCHORS)
 
 
 def test_chart_is_a_png(results, tmp_path):

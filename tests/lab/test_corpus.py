@@ -98,3 +98,54 @@ def test_script_command_line_and_overwrite(tmp_path, capsys):
                     "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.glob("step_*")) == ["step_0000.safetensors", "step_0001.safetensors"]
     assert json.loads((out / "corpus.json").read_text())["steps"] == 1
+
+
+def _load(directory, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / f"step_{step:04d}.safetensors"))
+
+
+def _same_floats(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(_bits_t(a[k]), _bits_t(b[k])) for k in a if a[k].is_floating_point())
+
+
+def _rows_changed(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((_bits_t(a) != _bits_t(b)).any(1).sum())
+
+
+def test_stride_snapshots_every_kth_step_of_the_same_run(tmp_path):
+    # fp32-lr1e-6-4step's pair t -> t+1 is steps t*4 -> t*4+4 of the fp32-lr1e-6 run with the same seed
+    mc.make_corpus(tmp_path / "one", regime="fp32-lr1e-6", steps=4, warmup=1, tiny=True, seed=3)
+    mc.make_corpus(tmp_path / "four", regime="fp32-lr1e-6-4step", steps=1, warmup=1, tiny=True, seed=3)
+    one, four = _load(tmp_path / "one", 4), _load(tmp_path / "four", 1)
+    assert _same_floats(one, four)
+    meta = json.loads((tmp_path / "four" / "corpus.json").read_text())
+    assert meta["stride"] == 4 and meta["steps"] == 1
+    one_step = json.loads((tmp_path / "one" / "corpus.json").read_text())["pairs"][-1]["changed"]
+    assert meta["pairs"][0]["changed"] > one_step  # four steps move more elements than one
+
+
+def test_untied_head_with_a_sub_vocabulary_leaves_most_embedding_rows_unchanged(tmp_path):
+    mc.make_corpus(tmp_path, regime="fp32-lr1e-6-untied-subvocab", steps=2, warmup=1, tiny=True)
+    meta = json.loads((tmp_path / "corpus.json").read_text())
+    assert (meta["head"], meta["input_vocab"]) == ("untied", round(0.05 * 512))
+    a, b = _load(tmp_path, 0), _load(tmp_path, 2)
+    assert "lm_head.weight" in a and a["lm_head.weight"].shape == a["word_embeddings.weight"].shape
+    # only rows of input tokens move; the head's softmax gradient reaches rows of every token
+    assert 0 < _rows_changed(a["word_embeddings.weight"], b["word_embeddings.weight"]) <= meta["input_vocab"]
+    assert _rows_changed(a["lm_head.weight"], b["lm_head.weight"]) > meta["input_vocab"]
+
+
+def test_grpo_regime_records_its_optimiser_and_loss_and_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        mc.make_corpus(tmp_path / name, regime="fp32-lr1e-6-grpo-b95-wd", steps=1, warmup=1, tiny=True, seed=5)
+    meta = json.loads((tmp_path / "a" / "corpus.json").read_text())
+    assert (meta["loss"], meta["betas"], meta["weight_decay"]) == ("grpo", [0.9, 0.95], 0.1)
+    assert meta["pairs"][0]["changed"] > 0
+    a, b = _load(tmp_path / "a", 1), _load(tmp_path / "b", 1)
+    assert _same_floats(a, b)
+    model = mc.TinyPolicy()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="multiple of"):
+        mc.policy_gradient_step(model, opt, torch.Generator(), 512, 3, 8, loss="grpo")
+    with pytest.raises(ValueError, match="loss must be"):
+        mc.policy_gradient_step(model, opt, torch.Generator(), 512, 4, 8, loss="ppo")

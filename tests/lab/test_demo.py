@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from codec.lab import fireworks
 from relay import cli
 from relay.lab.demo import run_demo
 
@@ -23,6 +24,12 @@ def test_demo_on_s3_servers_checks_every_watcher_at_every_step(tmp_path):
         assert len(s["staleness"][region]) == 3
     assert sorted(s["delta_bytes"]) == [1, 2, 3] and all(0 < v < s["full_bytes"] for v in s["delta_bytes"].values())
     assert all(len(b["sizes"]) == 3 for b in s["baselines"].values())
+    reason = fireworks.unavailable()  # the real ARCv2 / ARCv3 rows where the package is installed, else why not
+    if reason is None:
+        assert {"arc_v2", "arc_v3"} <= set(s["baselines"]) and "arcv3" not in s["baselines"]
+        assert "ARCv2 real" in s["text"] and "ARCv3 real" in s["text"]
+    else:
+        assert s["baselines_not_run"] and f"not run: {reason}" in s["text"]
     text = s["text"]
     for needle in ("bit-exact checks: 8/8", "full checkpoint", "TRL sparse", "PULSESync", "ARCv3", "cross-region bytes",
                    "every host pulls full checkpoints", "every host pulls deltas", "staleness",
