@@ -312,22 +312,26 @@ def _warm_apply() -> None:
 
 
 def _warm_snapshot_decode() -> None:
-    """A snapshot object's decoder on every BF16 block kind, of both versions (its encoder runs
-    too: a snapshot of the tiny checkpoint, so that nothing embedded here can go stale)."""
+    """A snapshot object's decoder on every BF16 block kind, of every version (its encoder runs
+    too: a snapshot of the tiny checkpoint, so that nothing embedded here can go stale). The tiny
+    checkpoint's blocks are too small for kind 4 to pay, so version 3 is also written with
+    `pairs="always"`."""
     from .snapshot import VERSIONS, decode_snapshot, encode_snapshot
     named = list(checkpoint()[0].items())
-    named.append(("zeros", torch.zeros(64, dtype=torch.bfloat16)))  # kind 2 or 3 with a zstd residual plane
-    for version in VERSIONS:  # buckets keep objects of older versions
-        blob = b"".join(encode_snapshot(named, version=version))
+    named.append(("zeros", torch.zeros(64, dtype=torch.bfloat16)))  # kinds 2-4 with a zstd residual plane
+    for version, pairs in [(v, "auto") for v in VERSIONS] + [(VERSIONS[-1], "always")]:  # buckets keep old versions
+        blob = b"".join(encode_snapshot(named, version=version, pairs=pairs))
         for src in (blob, bytearray(blob)):
             for _ in decode_snapshot(src):
                 pass
 
 
 def _warm_snapshot_encode() -> None:
+    """Both of version 3's BF16 encoders: kind 3 (small blocks) and kind 4."""
     from .snapshot import encode_snapshot
-    for _ in encode_snapshot(checkpoint()[0].items()):
-        pass
+    for pairs in ("auto", "always"):
+        for _ in encode_snapshot(checkpoint()[0].items(), pairs=pairs):
+            pass
 
 
 register("encode", _warm_encode)

@@ -406,3 +406,266 @@ def decode_groups(table, words, residual, out, function, state):
         if xs[k] != L:
             return CORRUPT
     return OK
+
+
+# ---------------------------------------------------------------- kind 4: exponent pairs
+#
+# Kind 3's layout with one change: a symbol is the *pair* of exponents of elements 2p and 2p+1,
+# coded at precision 2**13 (SCALE_PAIRS). Half the symbols, so half the state updates, and a
+# slot's one uint64 carries both exponents already in their places in the two BF16 words (a
+# single 32-bit store), its bias and its frequency. Measured on all-MiniLM-L6-v2: 0.57-0.61 ns
+# per element for this kernel against kind 3's 1.4-1.8 (same machine, same blocks); the pair
+# table costs ~0.1% of the raw size over kind 3's (a 2**18-element block lists ~220 pairs).
+# Two pair symbols between pulls stay exact because L / 2**26 is an integer.
+
+SCALE_PAIRS = 13
+PAIR_SLOTS = 1 << SCALE_PAIRS
+MAX_PAIR_FREQ = PAIR_SLOTS - 1
+MAX_PAIR_SYMBOLS = 4096  # what the encoder lists at most (else kind 3); a decoder takes up to 2**13
+E_CODE = 9  # a pair code past 0xFFFF
+
+
+@nb.njit(cache=True, nogil=True)
+def pair_codes(elems, codes, residual):
+    """Each element's `sign << 7 | mantissa` into `residual`; each pair's code `e[2p] | e[2p+1] << 8`
+    into `codes` (ceil(n / 2) uint16; an odd block's last pair has 0 for its missing second).
+    Returns the residual bytes' histogram."""
+    n = elems.size
+    hr = np.zeros(256, np.int64)
+    for i in range(n):
+        b = elems[_U(i)]
+        r = ((b >> 8) & 0x80) | (b & 0x7F)
+        residual[_U(i)] = r
+        hr[r] += 1
+    for p in range(n // 2):
+        codes[_U(p)] = ((elems[_U(2 * p)] >> 7) & 0xFF) | (((elems[_U(2 * p + 1)] >> 7) & 0xFF) << 8)
+    if n & 1:
+        codes[_U(n // 2)] = (elems[_U(n - 1)] >> 7) & 0xFF
+    return hr
+
+
+@nb.njit(cache=True, nogil=True)
+def pair_histogram(codes, index):
+    """(the distinct pair codes of `codes`, increasing, and their counts); `index` (2**16 int64
+    scratch, left holding each listed code's position) maps codes to symbols for the encoder."""
+    counts = np.zeros(1 << 16, np.int64)
+    for p in range(codes.size):
+        counts[codes[_U(p)]] += 1
+    n = 0
+    for c in range(1 << 16):
+        n += counts[c] > 0
+    present = np.empty(n, np.int64)
+    out = np.empty(n, np.int64)
+    k = 0
+    for c in range(1 << 16):
+        if counts[c]:
+            present[k] = c
+            out[k] = counts[c]
+            index[c] = k
+            k += 1
+    return present, out
+
+
+@nb.njit(cache=True, nogil=True)
+def encode_pair_groups(codes, index, freq, cum, rcp, rsh):
+    """Kind 4: rANS-code the pair codes (`index` maps a code to its symbol) in groups of 16 pairs
+    (pair j of a group with state j % 8), from the last group to the first, as `encode_groups`
+    does with elements. Returns (words, n_words, states[8])."""
+    m = codes.size
+    words = np.empty(13 * m // 32 + 64, np.uint64)  # at most 13 bits per symbol
+    nw = 0
+    L = _U(rans.RANS_L)
+    one = ((L >> _U(SCALE_PAIRS)) << _U(32))
+    two = ((L >> _U(2 * SCALE_PAIRS)) << _U(32))
+    xs = np.full(STATES_V2, L, np.uint64)
+    full = m - m % GROUP
+    g = full
+    if g < m:
+        for k in range(STATES_V2 - 1, -1, -1):
+            a = g + k
+            if a >= m:
+                continue
+            x = xs[_U(k)]
+            sa = _U(index[codes[_U(a)]])
+            if a + STATES_V2 < m:
+                sb = _U(index[codes[_U(a + STATES_V2)]])
+                bound = two * _U(freq[sa]) * _U(freq[sb])
+            else:
+                sb = _U(0)
+                bound = one * _U(freq[sa])
+            x, nw = _emit(x, bound, words, nw)
+            if a + STATES_V2 < m:
+                x = _put_pair(x, sb, freq, cum, rcp, rsh)
+            xs[_U(k)] = _put_pair(x, sa, freq, cum, rcp, rsh)
+    while g > 0:
+        g -= GROUP
+        if nw + STATES_V2 > words.size:  # cannot happen with valid tables; a guard, not a path
+            return words, -1, xs
+        for k in range(STATES_V2 - 1, -1, -1):
+            sa = _U(index[codes[_U(g + k)]])
+            sb = _U(index[codes[_U(g + k + STATES_V2)]])
+            x, nw = _emit(xs[_U(k)], two * _U(freq[sa]) * _U(freq[sb]), words, nw)
+            x = _put_pair(x, sb, freq, cum, rcp, rsh)
+            xs[_U(k)] = _put_pair(x, sa, freq, cum, rcp, rsh)
+    return words, nw, xs
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _put_pair(x, s, freq, cum, rcp, rsh):
+    """`_put` at precision 2**13."""
+    f = _U(freq[s])
+    q = rans.umulhi(x, rcp[s]) >> _U(rsh[s] & 63)
+    q = x if f == _U(1) else q
+    return (q << _U(SCALE_PAIRS)) + (x - q * f) + _U(cum[s])
+
+
+@nb.njit(cache=True, nogil=True)
+def pair_block_head(body, codes, freq):
+    """A kind 4 block's header (after its kind byte): its pair codes and frequencies into `codes`
+    and `freq` (PAIR_SLOTS entries each). (error code, the value at fault, n_sym, n_words,
+    residual codec, offset of the stream). FORMAT.md's checks: 2 to 2**13 pairs, codes strictly
+    increasing (gaps) and below 2**16, frequencies 1 to 2**13 - 1 summing to 2**13, at least two
+    words per state and the stream inside the block."""
+    n_sym, at, err = _uvarint(body, 0, PAIR_SLOTS)
+    if err:
+        return err, np.int64(n_sym), 0, 0, 0, at
+    if n_sym < 2:
+        return E_N_SYM, np.int64(n_sym), 0, 0, 0, at
+    code = np.int64(-1)
+    total = np.int64(0)
+    for k in range(np.int64(n_sym)):
+        gap, at, err = _uvarint(body, at, 0xFFFF)
+        if err:
+            return err, np.int64(gap) if err == E_LIMIT else 0, 0, 0, 0, at
+        code += np.int64(gap) + 1
+        if code > 0xFFFF:
+            return E_CODE, code, 0, 0, 0, at
+        f, at, err = _uvarint(body, at, MAX_PAIR_FREQ)
+        if err:
+            return err, np.int64(f) if err == E_LIMIT else 0, 0, 0, 0, at
+        if f == 0:
+            return E_FREQ_0, code, 0, 0, 0, at
+        codes[k] = code
+        freq[k] = np.int64(f)
+        total += np.int64(f)
+    if total != PAIR_SLOTS:
+        return E_SUM, total, 0, 0, 0, at
+    nw, at, err = _uvarint(body, at, body.size)
+    if err:
+        return err, np.int64(nw) if err == E_LIMIT else 0, 0, 0, 0, at
+    n_words = np.int64(nw)
+    if at >= body.size:
+        return E_TRUNCATED, 0, 0, 0, 0, at
+    res_codec = np.int64(body[at])
+    at += 1
+    if n_words < 2 * STATES_V2 or at + 4 * n_words > body.size:
+        return E_WORDS, n_words, 0, 0, 0, at
+    return OK, 0, np.int64(n_sym), n_words, res_codec, at
+
+
+@nb.njit(cache=True, nogil=True)
+def pair_slot_table(codes, freq, n_sym, table):
+    """Fills `table` (PAIR_SLOTS uint64), kind 4's slot table: slot `cum[s] + j` of pair s holds
+    `(a << 7 | b << 23) | j << 32 | freq[s] << 48` for its exponents a (first) and b (second)."""
+    at = np.int64(0)
+    for s in range(n_sym):
+        c = _U(codes[s])
+        bits = ((c & _U(0xFF)) << _U(7)) | ((c >> _U(8)) << _U(23))
+        f = _U(freq[s])
+        for j in range(np.int64(f)):
+            table[at + j] = bits | (_U(j) << _U(32)) | (f << _U(48))
+        at += np.int64(f)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _pair(table, x, out, i):
+    """Decode one pair symbol from state x into out[2i] and out[2i + 1] (their exponent bits only);
+    the new state."""
+    e = table[x & _U(MAX_PAIR_FREQ)]
+    out[_U(2 * i)] = np.uint16(e & _U(0xFFFF))
+    out[_U(2 * i + 1)] = np.uint16((e >> _U(16)) & _U(0xFFFF))
+    return (e >> _U(48)) * (x >> _U(SCALE_PAIRS)) + ((e >> _U(32)) & _U(0xFFFF))
+
+
+@nb.njit(cache=True, nogil=True)
+def decode_pair_groups(table, words, residual, out, function, state):
+    """The inverse of `encode_pair_groups` (kind 4) into `out` (uint16, residual.size elements);
+    `words` is the whole stream, its eight states last. OK only if the states are in range (else
+    BAD_STATES), every word was consumed, all eight states ended at exactly 2**31 and an odd
+    block's last pair has 0 for its missing second exponent (else CORRUPT). The digest is fed
+    as `decode_block` feeds it."""
+    n = out.size
+    m = (n + 1) // 2
+    xs = _initial_states(words, STATES_V2)
+    if xs.size == 0:
+        return BAD_STATES
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
+    pos = np.int64(words.size - 2 * STATES_V2) - 1
+    p = 0
+    full = (n // 2) - (n // 2) % GROUP  # whole groups of whole pairs
+    while p < full:  # a group pulls at most 8 words: no bounds checks while 8 are left
+        start = p
+        stop = min(p + CHUNK // 2, full)
+        while p < stop and pos >= STATES_V2 - 1:
+            x0 = _pair(table, x0, out, p)
+            x1 = _pair(table, x1, out, p + 1)
+            x2 = _pair(table, x2, out, p + 2)
+            x3 = _pair(table, x3, out, p + 3)
+            x4 = _pair(table, x4, out, p + 4)
+            x5 = _pair(table, x5, out, p + 5)
+            x6 = _pair(table, x6, out, p + 6)
+            x7 = _pair(table, x7, out, p + 7)
+            x0 = _pair(table, x0, out, p + 8)
+            x1 = _pair(table, x1, out, p + 9)
+            x2 = _pair(table, x2, out, p + 10)
+            x3 = _pair(table, x3, out, p + 11)
+            x4 = _pair(table, x4, out, p + 12)
+            x5 = _pair(table, x5, out, p + 13)
+            x6 = _pair(table, x6, out, p + 14)
+            x7 = _pair(table, x7, out, p + 15)
+            x0, pos = _pull(x0, words, pos)
+            x1, pos = _pull(x1, words, pos)
+            x2, pos = _pull(x2, words, pos)
+            x3, pos = _pull(x3, words, pos)
+            x4, pos = _pull(x4, words, pos)
+            x5, pos = _pull(x5, words, pos)
+            x6, pos = _pull(x6, words, pos)
+            x7, pos = _pull(x7, words, pos)
+            p += GROUP
+        _merge(residual, out, 2 * start, 2 * p)
+        if function:
+            hash_update(function, state, out, 2 * start, 2 * p)
+        if p < stop:
+            break
+    xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
+    L = _U(rans.RANS_L)
+    tail = 2 * p
+    while p < m:  # the last few words, the short last group and an odd block's half pair
+        g = min(GROUP, m - p)
+        for j in range(g):
+            k = j & (STATES_V2 - 1)
+            x = xs[k]
+            e = table[x & _U(MAX_PAIR_FREQ)]
+            xs[k] = (e >> _U(48)) * (x >> _U(SCALE_PAIRS)) + ((e >> _U(32)) & _U(0xFFFF))
+            q = 2 * (p + j)
+            out[_U(q)] = np.uint16(e & _U(0xFFFF))
+            if q + 1 < n:
+                out[_U(q + 1)] = np.uint16((e >> _U(16)) & _U(0xFFFF))
+            elif (e >> _U(16)) & _U(0xFFFF):
+                return CORRUPT
+        for k in range(STATES_V2):
+            if xs[k] < L:
+                if pos < 0:
+                    return CORRUPT
+                xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
+                pos -= 1
+        p += g
+    _merge(residual, out, tail, n)
+    if function:
+        hash_update(function, state, out, tail, n)
+    if pos != -1:
+        return CORRUPT
+    for k in range(STATES_V2):
+        if xs[k] != L:
+            return CORRUPT
+    return OK

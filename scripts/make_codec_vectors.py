@@ -321,11 +321,33 @@ def snapshot_v2(rng):
     }
 
 
-# (name, builder, seed, bf16_block_elems, snapshot format version)
+def snapshot_v3(rng):
+    """Version 3: BF16 blocks of kind 4, exponent pairs, written with `pairs="always"` (ours takes
+    kind 4 only where it pays, in blocks of ~2**16 elements and up: a vector that size would weigh
+    too much): weights over three blocks of 1025 elements, odd, so each ends on a half pair, the
+    last one 1017 long, so its last group of 16 pairs is short (13 pairs, the last a half);
+    1024 elements in one block: whole groups only; zeros: one pair code, so a spare code, and a
+    zstd-coded residual plane; random exponents over 12 values (a table of ~140 pairs, codes far
+    apart: two-byte gaps); kind 0 for random bits and specials; an F32 tensor (kind 1) beside
+    them."""
+    spread = (rng.integers(0x70, 0x7C, 1025) << 7 | rng.integers(0, 0x80, 1025)).astype(np.uint16)
+    return {
+        "weights": weights(rng, (3067,)),
+        "pairs": weights(rng, (64, 16)),
+        "zeros": torch.zeros(3000, dtype=torch.bfloat16),
+        "spread": torch.from_numpy(spread.view(np.int16)).view(torch.bfloat16),
+        "noise": random_bits(torch.bfloat16, (300,), rng),
+        "specials": bf16(SPECIALS, (len(SPECIALS),)),
+        "f32.zeros": torch.zeros(512, dtype=torch.float32),
+    }
+
+
+# (name, builder, seed, bf16_block_elems, snapshot format version, pairs)
 SNAPSHOT_VECTORS = [
-    ("snapshot-bf16", snapshot_bf16, 707, 1024, 1),
-    ("snapshot-dtypes", snapshot_dtypes, 808, 1 << 18, 1),
-    ("snapshot-v2", snapshot_v2, 909, 1024, 2),
+    ("snapshot-bf16", snapshot_bf16, 707, 1024, 1, "auto"),
+    ("snapshot-dtypes", snapshot_dtypes, 808, 1 << 18, 1, "auto"),
+    ("snapshot-v2", snapshot_v2, 909, 1024, 2, "auto"),
+    ("snapshot-v3", snapshot_v3, 1010, 1025, 3, "always"),
 ]
 
 
@@ -335,15 +357,16 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
     if existing and not overwrite:
         raise SystemExit(f"{out}: vectors {', '.join(existing)} exist; pass --overwrite to replace them")
     rows = []
-    for name, build, seed, block, version in SNAPSHOT_VECTORS:
+    for name, build, seed, block, version, pairs in SNAPSHOT_VECTORS:
         d = out / name
         if d.exists():
             shutil.rmtree(d)
         d.mkdir(parents=True)
         save_file(build(np.random.default_rng(seed)), str(d / "tensors.safetensors"))
         t = load_file(str(d / "tensors.safetensors"))
-        blob = b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block, version=version))
-        if blob != b"".join(codec.encode_snapshot(t.items(), bf16_block_elems=block, version=version)):
+        kw = {"bf16_block_elems": block, "version": version} | ({"pairs": pairs} if pairs != "auto" else {})
+        blob = b"".join(codec.encode_snapshot(t.items(), **kw))
+        if blob != b"".join(codec.encode_snapshot(t.items(), **kw)):
             raise SystemExit(f"{name}: encoding is not deterministic")
         got = dict(codec.decode_snapshot(blob))
         if list(got) != list(t) or any(bits(got[k]) != bits(t[k]) for k in t):
@@ -352,8 +375,9 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
         kinds = snapshot_kinds(blob)
         rows.append({"name": name, "about": " ".join(build.__doc__.split()), "seed": seed,
                      "call": f'codec.encode_snapshot(load_file("tensors.safetensors").items(), '
-                             f'bf16_block_elems={block}, version={version})',
-                     "snapshot_version": version, "bytes": len(blob),
+                             f'bf16_block_elems={block}, version={version}'
+                             + (f', pairs="{pairs}")' if pairs != "auto" else ")"),
+                     "snapshot_version": version, "pairs": pairs, "bytes": len(blob),
                      "tensors": {e.name: {"dtype": e.dtype, "shape": list(e.shape), "block_kinds": kinds[e.name]}
                                  for e in codec.read_snapshot_index(blob)},
                      "sha256": {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
@@ -363,8 +387,8 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
 
 
 def snapshot_kinds(blob: bytes) -> dict[str, list]:
-    """Per tensor, each block's kind (2 and 3 with their residual codec as "2+zstd", "3+zstd"), read
-    from the object."""
+    """Per tensor, each block's kind (2, 3 and 4 with their residual codec as "2+zstd", "3+zstd",
+    "4+zstd"), read from the object."""
     from codec import snapshot, wire
 
     out = {}
@@ -382,10 +406,10 @@ def snapshot_kinds(blob: bytes) -> dict[str, list]:
         for size in sizes:
             block = blob[at:at + size]
             kind = block[0]
-            if kind in (snapshot.KIND_BF16, snapshot.KIND_BF16_GROUPS):
+            if kind in (snapshot.KIND_BF16, snapshot.KIND_BF16_GROUPS, snapshot.KIND_BF16_PAIRS):
                 br = wire.Reader(block[1:], "block")
                 for _ in range(br.uvarint()):
-                    br.u8()
+                    br.u8() if kind != snapshot.KIND_BF16_PAIRS else br.uvarint()  # a symbol, or a code's gap
                     br.uvarint()
                 br.uvarint()
                 kind = f"{kind}+zstd" if br.u8() == snapshot.RESIDUAL_ZSTD else kind

@@ -463,15 +463,18 @@ def test_snapshot_vector_decodes_bit_for_bit_and_reencodes(name):
         {k: [v["dtype"], v["shape"]] for k, v in SNAPSHOTS[name]["tensors"].items()}
     call = SNAPSHOTS[name]["call"]
     block = int(call.split("bf16_block_elems=", 1)[1].split(",", 1)[0])
-    version = int(call.split("version=", 1)[1].rstrip(")"))
+    version = int(call.split("version=", 1)[1].split(",", 1)[0].rstrip(")"))
+    pairs = SNAPSHOTS[name].get("pairs", "auto")
+    assert (f'pairs="{pairs}"' in call) == (pairs != "auto")
     assert version == SNAPSHOTS[name]["snapshot_version"] == int.from_bytes(blob[4:6], "little")
-    assert b"".join(codec.encode_snapshot(tensors.items(), bf16_block_elems=block, version=version)) == blob
+    assert b"".join(codec.encode_snapshot(tensors.items(), bf16_block_elems=block, version=version,
+                                          pairs=pairs)) == blob
 
 
 def test_snapshot_vectors_cover_every_block_kind():
     kinds = {str(k) for v in SNAPSHOTS.values() for t in v["tensors"].values() for k in t["block_kinds"]}
-    assert kinds == {"0", "1", "2", "2+zstd", "3", "3+zstd"}
-    assert {v["snapshot_version"] for v in SNAPSHOTS.values()} == {1, 2}  # every version still decodes
+    assert kinds == {"0", "1", "2", "2+zstd", "3", "3+zstd", "4", "4+zstd"}
+    assert {v["snapshot_version"] for v in SNAPSHOTS.values()} == {1, 2, 3}  # every version still decodes
     assert any(len(t["block_kinds"]) > 1 for v in SNAPSHOTS.values() for t in v["tensors"].values())
 
 
@@ -495,6 +498,7 @@ def test_snapshot_vector_with_a_flipped_byte_is_refused_or_harmless(name):
             assert _same_as(got, tensors if only is None else {pick: tensors[pick]}), (i, only)
             harmless += only is None
         data[i] ^= 0x5A
-    # snapshot-bf16's and snapshot-v2's three one-exponent blocks: spare symbol, frame descriptor;
-    # snapshot-v2's F32 zstd block: its frame descriptor
-    assert harmless <= 7
+    # snapshot-bf16's, -v2's and -v3's three one-exponent (one-pair) blocks: spare symbol (spare
+    # code's gap), frame descriptor; their F32 zstd block and -v3's zstd residual of "spread":
+    # its frame descriptor
+    assert harmless <= 8

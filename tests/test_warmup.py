@@ -169,7 +169,8 @@ named = {"w": (torch.randn(700, 900, generator=g) * 0.02).to(torch.bfloat16), "z
 before = _warmup.kernel_signatures()
 blob = b"".join(codec.encode_snapshot(named.items()))
 old = b"".join(codec.encode_snapshot(named.items(), version=1))  # a version-1 object, as buckets keep
-for src in (blob, bytearray(blob), io.BytesIO(blob), old, bytearray(old), io.BytesIO(old)):
+mid = b"".join(codec.encode_snapshot(named.items(), version=2))
+for src in (blob, bytearray(blob), io.BytesIO(blob), old, bytearray(old), io.BytesIO(old), mid, io.BytesIO(mid)):
     list(codec.decode_snapshot(src))
 list(codec.decode_snapshot(io.BytesIO(blob), only={"w"}))
 after = _warmup.kernel_signatures()
@@ -187,6 +188,7 @@ def test_snapshot_warm_up_paths_leave_nothing_to_compile(tmp_path):
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["warm"] == ["block_head", "decode_block", "decode_groups", "encode_block", "encode_groups",
-                              "histograms", "slot_table"]
+    assert result["warm"] == ["block_head", "decode_block", "decode_groups", "decode_pair_groups", "encode_block",
+                              "encode_groups", "encode_pair_groups", "histograms", "pair_block_head", "pair_codes",
+                              "pair_histogram", "pair_slot_table", "slot_table"]
     assert result["later"] == {}
