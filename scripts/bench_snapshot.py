@@ -140,10 +140,12 @@ class Codec:
 
 def measure_all(codecs: list[Codec], raw_len: int, runs: int) -> dict[str, dict[str, Any]]:
     """Medians over `runs` rounds; each round runs every codec once, in turn, so that a burst of
-    noise on a shared machine lands on all of them rather than on one codec's block of runs.
-    Then each codec's warm decompression (`Codec.run_warm`), `runs` times."""
-    for _ in range(runs):
-        for c in codecs:
+    noise on a shared machine lands on all of them rather than on one codec's block of runs, and
+    each round starts one codec later, so that no codec always follows the same neighbour. Then
+    each codec's warm decompression (`Codec.run_warm`), `runs` times."""
+    for r in range(runs):
+        k = r % len(codecs)
+        for c in codecs[k:] + codecs[:k]:
             c.run_once()
     for c in codecs:
         c.run_warm(runs)
