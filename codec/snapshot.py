@@ -51,6 +51,7 @@ MAX_NDIM = 32
 MAX_NUMEL = 1 << 48
 ZSTD_LEVEL = 3
 PAIR_SLACK = 1.01  # kind 4 is taken while its estimated size is within 1% of kind 3's
+PAIR_MIN_ELEMS = 1 << 15  # and only in blocks this large: below, its table never pays (and costs a 2**16 scan)
 RESIDUAL_TRY_BITS = 7.5  # the residual plane is tried through zstd-1 below this order-0 entropy
 READ_CHUNK = 8 << 20
 
@@ -96,16 +97,16 @@ def _coded_bits(counts: np.ndarray, freq: np.ndarray, scale: int) -> float:
 
 def _bf16_block(blk: np.ndarray, version: int = VERSION, pairs: str = "auto") -> bytes:
     """One BF16 block: in version 3 kind 4, unless the block has more distinct exponent pairs than
-    MAX_PAIR_SYMBOLS, or (`pairs` "auto") kind 4 would come out over PAIR_SLACK times kind 3's
-    estimated size (small blocks, where the pair table outweighs the exponents: kind 4 decodes
-    ~2x faster, worth a percent); then kind 3, as in version 2; kind 2 in version 1; kind 0
-    wherever coding does not pay. `pairs` "always" (tests and vectors) takes kind 4 wherever
-    it can."""
+    MAX_PAIR_SYMBOLS, or (`pairs` "auto") it is under PAIR_MIN_ELEMS or kind 4's exponent stream
+    and table would come out over PAIR_SLACK times kind 3's estimate (small blocks, where the
+    pair table outweighs the exponents: kind 4 decodes ~2x faster, worth a percent); then kind
+    3, as in version 2; kind 2 in version 1; kind 0 wherever coding does not pay. `pairs`
+    "always" (tests and vectors) takes kind 4 wherever it can."""
     n = blk.size
     residual = np.empty(n, np.uint8)
     head = wire.Writer()
     stream = None
-    if version >= 3:
+    if version >= 3 and (pairs == "always" or n >= PAIR_MIN_ELEMS):
         codes = np.empty((n + 1) // 2, np.uint16)
         hr = snapshot_rans.pair_codes(blk, codes, residual)
         index = np.empty(1 << 16, np.int64)
@@ -126,7 +127,8 @@ def _bf16_block(blk: np.ndarray, version: int = VERSION, pairs: str = "auto") ->
                 he = he.astype(np.int64)
                 he[0] -= n & 1  # an odd block's half pair
                 f3 = rans.normalize(he, snapshot_rans.SCALE, floor_all=False)
-                bits3 = _coded_bits(he, f3, snapshot_rans.SCALE) + 8 * (2 * np.count_nonzero(f3))
+                table3 = np.count_nonzero(f3) + _varint_bytes(f3[f3 > 0])  # (symbol, freq) bytes
+                bits3 = _coded_bits(he, f3, snapshot_rans.SCALE) + 8 * table3
                 bits4 = _coded_bits(counts, pf, snapshot_rans.SCALE_PAIRS) + 8 * _varint_bytes(table)
                 take = bool(bits4 <= PAIR_SLACK * bits3)
             if take:
@@ -252,6 +254,8 @@ def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *, bf16_block_ele
         raise ValueError(f"snapshot format version {version} is not one of {VERSIONS}")
     if pairs not in ("auto", "always"):
         raise ValueError(f"pairs must be 'auto' or 'always', not {pairs!r}")
+    if pairs == "always" and version < 3:
+        raise ValueError(f"pairs='always' asks for block kind 4, which version {version} does not have")
     yield PREFIX.pack(MAGIC, version, 0)
     offset = PREFIX.size
     entries: list[SnapshotEntry] = []

@@ -8,7 +8,8 @@ exponent 6.924 of 7 bits. So a block codes its exponents with one static order-0
 `sign << 7 | mantissa` as a plain byte plane, which a decoder copies at memory speed.
 
 Coder: the codec's rANS conventions (`rans.py`: 64-bit state in [2**31, 2**63), 32-bit words
-read from the end) with precision 2**12. Two layouts (docs/FORMAT.md, block kinds 2 and 3):
+read from the end) with precision 2**12. Two layouts (docs/FORMAT.md, block kinds 2 and 3), and
+kind 4, kind 3's layout over pairs of exponents (its own section below):
 
 - kind 2 (snapshot v1): four interleaved states, a renormalisation check after every symbol.
 - kind 3 (snapshot v2): eight states over groups of 16 elements (element j of a group uses
@@ -413,9 +414,11 @@ def decode_groups(table, words, residual, out, function, state):
 # Kind 3's layout with one change: a symbol is the *pair* of exponents of elements 2p and 2p+1,
 # coded at precision 2**13 (SCALE_PAIRS). Half the symbols, so half the state updates, and a
 # slot's one uint64 carries both exponents already in their places in the two BF16 words (a
-# single 32-bit store), its bias and its frequency. Measured on all-MiniLM-L6-v2: 0.57-0.61 ns
-# per element for this kernel against kind 3's 1.4-1.8 (same machine, same blocks); the pair
-# table costs ~0.1% of the raw size over kind 3's (a 2**18-element block lists ~220 pairs).
+# pair of 16-bit stores), its bias and its frequency. Measured on all-MiniLM-L6-v2 (2**18-element
+# blocks, sign and mantissa merged, the digest fed): 0.66-0.8 ns per element for this kernel
+# against kind 3's 1.4-1.8 on the same blocks; the pair table costs ~0.1% of the raw size over
+# kind 3's (a 2**18-element block lists ~220 pairs). (A table of 2**13 uint16 slot -> symbol
+# plus one uint64 per symbol fits in L1 but measured 10% slower: one more dependent load.)
 # Two pair symbols between pulls stay exact because L / 2**26 is an integer.
 
 SCALE_PAIRS = 13

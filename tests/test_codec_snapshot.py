@@ -510,6 +510,8 @@ def test_the_encoder_takes_kind_4_where_it_pays_and_where_it_can():
         assert_bit_exact(dict(codec.decode_snapshot(blob)), {"b": bits, "w": whole, "s": small})
     with pytest.raises(ValueError, match="pairs"):
         list(codec.encode_snapshot({"w": small}.items(), pairs="never"))
+    with pytest.raises(ValueError, match="version 2 does not have"):
+        list(codec.encode_snapshot({"w": small}.items(), version=2, pairs="always"))
 
 
 def test_index_that_lies_is_refused(small):
