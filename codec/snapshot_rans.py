@@ -213,13 +213,14 @@ def encode_block(elems, freq, cum, rcp, rsh, residual):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _put(x, s, freq, cum, rcp, rsh):
-    """The rANS encode step of symbol s (no renormalisation): ((x // f) << 12) + x % f + cum, with
-    selects rather than branches (a mispredicted branch per symbol made the encoder 3x slower)."""
+def _put(x, s, freq, cum, rcp, rsh, scale):
+    """The rANS encode step of symbol s at precision 2**scale (no renormalisation):
+    ((x // f) << scale) + x % f + cum, with selects rather than branches (a mispredicted branch
+    per symbol made the encoder 3x slower)."""
     f = _U(freq[s])
     q = rans.umulhi(x, rcp[s]) >> _U(rsh[s] & 63)  # rsh is -1 for f == 1, where q = x
     q = x if f == _U(1) else q
-    return (q << _U(SCALE)) + (x - q * f) + _U(cum[s])
+    return (q << _U(scale)) + (x - q * f) + _U(cum[s])
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
@@ -231,27 +232,24 @@ def _emit(x, bound, words, nw):
     return ((x >> _U(32)) if c else x), nw + c
 
 
-@nb.njit(cache=True, nogil=True)
-def encode_groups(elems, freq, cum, rcp, rsh, residual):
-    """Kind 3: rANS-code the exponents of `elems` in groups of 16 (element j of a group with state
-    j % 8), from the last group to the first, and write each element's `sign << 7 | mantissa`
-    into `residual`. Returns (words, n_words, states[8]).
+@nb.njit(inline="always", cache=True, nogil=True)
+def _encode_groups_of(syms, freq, cum, rcp, rsh, scale):
+    """Kinds 3 and 4's layout: rANS-code the symbols `syms` (indices into freq, cum, rcp, rsh) at
+    precision 2**scale in groups of 16 (symbol j of a group with state j % 8), from the last
+    group to the first. Returns (words, n_words, states[8]).
 
     A state codes its (one or two) symbols of a group, a then b in decoding order, after one
-    renormalisation: it emits a word if x >= ((L >> 12c) << 32) * (product of the c symbols'
+    renormalisation: it emits a word if x >= ((L >> scale * c) << 32) * (product of the c symbols'
     frequencies). With c = 2 that is exact, as with c = 1: a state of [L, 2**32 L) decodes both
-    symbols into [L fa fb / 2**24, ...), an interval whose bound is an integer (L = 2**31), so
-    the decoder pulls a word exactly when the encoder emitted one."""
-    n = elems.size
-    words = np.empty(3 * n // 8 + 64, np.uint64)  # at most 12 bits per symbol
+    symbols into [L fa fb / 2**(2 scale), ...), an interval whose bound is an integer (L = 2**31,
+    scale 12 or 13), so the decoder pulls a word exactly when the encoder emitted one."""
+    n = syms.size
+    words = np.empty(scale * n // 32 + 64, np.uint64)  # at most `scale` bits per symbol
     nw = 0
     L = _U(rans.RANS_L)
-    one = ((L >> _U(SCALE)) << _U(32))  # emit bounds per unit of frequency (product)
-    two = ((L >> _U(2 * SCALE)) << _U(32))
+    one = ((L >> _U(scale)) << _U(32))  # emit bounds per unit of frequency (product)
+    two = ((L >> _U(2 * scale)) << _U(32))
     xs = np.full(STATES_V2, L, np.uint64)
-    for i in range(n):
-        b = elems[_U(i)]
-        residual[_U(i)] = ((b >> 8) & 0x80) | (b & 0x7F)
     full = n - n % GROUP
     g = full
     if g < n:  # the short last group: a state holds 0, 1 or 2 of its symbols
@@ -260,28 +258,67 @@ def encode_groups(elems, freq, cum, rcp, rsh, residual):
             if a >= n:
                 continue
             x = xs[_U(k)]
-            sa = _U((elems[_U(a)] >> 7) & 0xFF)
+            sa = _U(syms[_U(a)])
             if a + STATES_V2 < n:
-                sb = _U((elems[_U(a + STATES_V2)] >> 7) & 0xFF)
+                sb = _U(syms[_U(a + STATES_V2)])
                 bound = two * _U(freq[sa]) * _U(freq[sb])
             else:
                 sb = _U(0)
                 bound = one * _U(freq[sa])
             x, nw = _emit(x, bound, words, nw)
             if a + STATES_V2 < n:
-                x = _put(x, sb, freq, cum, rcp, rsh)
-            xs[_U(k)] = _put(x, sa, freq, cum, rcp, rsh)
+                x = _put(x, sb, freq, cum, rcp, rsh, scale)
+            xs[_U(k)] = _put(x, sa, freq, cum, rcp, rsh, scale)
     while g > 0:
         g -= GROUP
         if nw + STATES_V2 > words.size:  # cannot happen with valid tables; a guard, not a path
             return words, -1, xs
         for k in range(STATES_V2 - 1, -1, -1):
-            sa = _U((elems[_U(g + k)] >> 7) & 0xFF)
-            sb = _U((elems[_U(g + k + STATES_V2)] >> 7) & 0xFF)
+            sa = _U(syms[_U(g + k)])
+            sb = _U(syms[_U(g + k + STATES_V2)])
             x, nw = _emit(xs[_U(k)], two * _U(freq[sa]) * _U(freq[sb]), words, nw)
-            x = _put(x, sb, freq, cum, rcp, rsh)
-            xs[_U(k)] = _put(x, sa, freq, cum, rcp, rsh)
+            x = _put(x, sb, freq, cum, rcp, rsh, scale)
+            xs[_U(k)] = _put(x, sa, freq, cum, rcp, rsh, scale)
     return words, nw, xs
+
+
+@nb.njit(cache=True, nogil=True)
+def encode_groups(elems, freq, cum, rcp, rsh, residual):
+    """Kind 3: rANS-code the exponents of `elems` in groups of 16 elements (`_encode_groups_of`,
+    precision 2**12) and write each element's `sign << 7 | mantissa` into `residual`.
+    Returns (words, n_words, states[8])."""
+    n = elems.size
+    syms = np.empty(n, np.uint8)
+    for i in range(n):
+        b = elems[_U(i)]
+        residual[_U(i)] = ((b >> 8) & 0x80) | (b & 0x7F)
+        syms[_U(i)] = (b >> 7) & 0xFF
+    return _encode_groups_of(syms, freq, cum, rcp, rsh, SCALE)
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _pull_all(xs, words, pos):
+    """The checked renormalisation of all eight states (a decoder's tail): each below L pulls the
+    word at pos. The new pos, or -2 if a state found no word left."""
+    L = _U(rans.RANS_L)
+    for k in range(STATES_V2):
+        if xs[k] < L:
+            if pos < 0:
+                return np.int64(-2)
+            xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
+            pos -= 1
+    return pos
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _at_rest(xs, pos):
+    """The end checks of an eight-state stream: every word consumed, every state back at L."""
+    if pos != -1:
+        return False
+    for k in range(STATES_V2):
+        if xs[k] != _U(rans.RANS_L):
+            return False
+    return True
 
 
 @nb.njit(cache=True, nogil=True)
@@ -384,29 +421,20 @@ def decode_groups(table, words, residual, out, function, state):
         if i < stop:
             break
     xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
-    L = _U(rans.RANS_L)
     tail = i
     while i < n:  # the last few words (and a short last group), checked one by one
         m = min(GROUP, n - i)
         for j in range(m):
             k = j & (STATES_V2 - 1)
             xs[k] = _sym(table, xs[k], out, i + j)
-        for k in range(STATES_V2):
-            if xs[k] < L:
-                if pos < 0:
-                    return CORRUPT
-                xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
-                pos -= 1
+        pos = _pull_all(xs, words, pos)
+        if pos == -2:
+            return CORRUPT
         i += m
     _merge(residual, out, tail, n)
     if function:
         hash_update(function, state, out, tail, n)
-    if pos != -1:
-        return CORRUPT
-    for k in range(STATES_V2):
-        if xs[k] != L:
-            return CORRUPT
-    return OK
+    return OK if _at_rest(xs, pos) else CORRUPT
 
 
 # ---------------------------------------------------------------- kind 4: exponent pairs
@@ -472,54 +500,11 @@ def pair_histogram(codes, index):
 @nb.njit(cache=True, nogil=True)
 def encode_pair_groups(codes, index, freq, cum, rcp, rsh):
     """Kind 4: rANS-code the pair codes (`index` maps a code to its symbol) in groups of 16 pairs
-    (pair j of a group with state j % 8), from the last group to the first, as `encode_groups`
-    does with elements. Returns (words, n_words, states[8])."""
-    m = codes.size
-    words = np.empty(13 * m // 32 + 64, np.uint64)  # at most 13 bits per symbol
-    nw = 0
-    L = _U(rans.RANS_L)
-    one = ((L >> _U(SCALE_PAIRS)) << _U(32))
-    two = ((L >> _U(2 * SCALE_PAIRS)) << _U(32))
-    xs = np.full(STATES_V2, L, np.uint64)
-    full = m - m % GROUP
-    g = full
-    if g < m:
-        for k in range(STATES_V2 - 1, -1, -1):
-            a = g + k
-            if a >= m:
-                continue
-            x = xs[_U(k)]
-            sa = _U(index[codes[_U(a)]])
-            if a + STATES_V2 < m:
-                sb = _U(index[codes[_U(a + STATES_V2)]])
-                bound = two * _U(freq[sa]) * _U(freq[sb])
-            else:
-                sb = _U(0)
-                bound = one * _U(freq[sa])
-            x, nw = _emit(x, bound, words, nw)
-            if a + STATES_V2 < m:
-                x = _put_pair(x, sb, freq, cum, rcp, rsh)
-            xs[_U(k)] = _put_pair(x, sa, freq, cum, rcp, rsh)
-    while g > 0:
-        g -= GROUP
-        if nw + STATES_V2 > words.size:  # cannot happen with valid tables; a guard, not a path
-            return words, -1, xs
-        for k in range(STATES_V2 - 1, -1, -1):
-            sa = _U(index[codes[_U(g + k)]])
-            sb = _U(index[codes[_U(g + k + STATES_V2)]])
-            x, nw = _emit(xs[_U(k)], two * _U(freq[sa]) * _U(freq[sb]), words, nw)
-            x = _put_pair(x, sb, freq, cum, rcp, rsh)
-            xs[_U(k)] = _put_pair(x, sa, freq, cum, rcp, rsh)
-    return words, nw, xs
-
-
-@nb.njit(inline="always", cache=True, nogil=True)
-def _put_pair(x, s, freq, cum, rcp, rsh):
-    """`_put` at precision 2**13."""
-    f = _U(freq[s])
-    q = rans.umulhi(x, rcp[s]) >> _U(rsh[s] & 63)
-    q = x if f == _U(1) else q
-    return (q << _U(SCALE_PAIRS)) + (x - q * f) + _U(cum[s])
+    (`_encode_groups_of`, precision 2**13). Returns (words, n_words, states[8])."""
+    syms = np.empty(codes.size, np.int64)
+    for p in range(codes.size):
+        syms[_U(p)] = index[codes[_U(p)]]
+    return _encode_groups_of(syms, freq, cum, rcp, rsh, SCALE_PAIRS)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -641,7 +626,6 @@ def decode_pair_groups(table, words, residual, out, function, state):
         if p < stop:
             break
     xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7] = x0, x1, x2, x3, x4, x5, x6, x7
-    L = _U(rans.RANS_L)
     tail = 2 * p
     while p < m:  # the last few words, the short last group and an odd block's half pair
         g = min(GROUP, m - p)
@@ -656,19 +640,11 @@ def decode_pair_groups(table, words, residual, out, function, state):
                 out[_U(q + 1)] = np.uint16((e >> _U(16)) & _U(0xFFFF))
             elif (e >> _U(16)) & _U(0xFFFF):
                 return CORRUPT
-        for k in range(STATES_V2):
-            if xs[k] < L:
-                if pos < 0:
-                    return CORRUPT
-                xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
-                pos -= 1
+        pos = _pull_all(xs, words, pos)
+        if pos == -2:
+            return CORRUPT
         p += g
     _merge(residual, out, tail, n)
     if function:
         hash_update(function, state, out, tail, n)
-    if pos != -1:
-        return CORRUPT
-    for k in range(STATES_V2):
-        if xs[k] != L:
-            return CORRUPT
-    return OK
+    return OK if _at_rest(xs, pos) else CORRUPT
