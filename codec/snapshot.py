@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, BinaryIO
 
@@ -27,6 +27,8 @@ import xxhash
 
 from . import compressors, hashing, rans, snapshot_rans, tensors, wire
 from .errors import DeltaError
+from .snapshot_rans import (KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS, KIND_RAW, KIND_ZSTD, RESIDUAL_RAW,
+                            RESIDUAL_ZSTD)
 
 MAGIC = b"DRSN"
 VERSION = 3  # what the encoder writes; v2 adds block kind 3 (BF16 exponents, 8 states), v3 kind 4 (pairs)
@@ -35,8 +37,6 @@ PREFIX = struct.Struct("<4sHH")  # magic, version, flags
 TRAILER = struct.Struct("<QII8s8s")  # index offset, index length, reserved, index checksum, magic
 TAIL_MAGIC = b"DRSNTAIL"
 TAG_RECORD, TAG_INDEX = 1, 2
-KIND_RAW, KIND_ZSTD, KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS = 0, 1, 2, 3, 4
-RESIDUAL_RAW, RESIDUAL_ZSTD = 0, 1
 BF16_KINDS = {1: (KIND_BF16,), 2: (KIND_BF16, KIND_BF16_GROUPS),
               3: (KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS)}  # the BF16 block kinds of each version
 
@@ -341,15 +341,41 @@ class _Source:
         self.pos += n
         return memoryview(data)
 
-    def read_blocks(self, sizes: list[int], tensor: str) -> list[memoryview]:
-        """A record's blocks. From a file, into one buffer reused from record to record (valid
-        until the next call): a new bytes object per block cost fresh pages each time. A buffer
-        grows only as far as the file can back it (its size, or the bytes that arrived), so a
-        length the file cannot back allocates no more than it holds."""
-        readinto = getattr(self._f, "readinto", None)
-        if self._f is None or readinto is None:
-            return [self.read(size, f"block {i}", tensor) for i, size in enumerate(sizes)]
+    def read_blocks(self, sizes: list[int], tensor: str) -> np.ndarray:
+        """A record's blocks, back to back, as one read-only uint8 array. From memory, a view; from
+        a file, one buffer reused from record to record (valid until the next call): a new bytes
+        object per block cost fresh pages each time. A buffer grows only as far as the file can
+        back it (its size, or the bytes that arrived), so a length the file cannot back allocates
+        no more than it holds."""
         total = sum(sizes)
+        if self._mv is not None:
+            if self.pos + total > len(self._mv):
+                raise self._truncated(sizes, len(self._mv) - self.pos, tensor)
+            out = np.frombuffer(self._mv, np.uint8, total, self.pos)
+            self.pos += total
+        else:
+            readinto = getattr(self._f, "readinto", None)
+            if readinto is not None and self._readinto(readinto, sizes, total, tensor):
+                out = self._buf[:total]
+                self.pos += total
+            else:  # block by block (read moves pos)
+                out = np.frombuffer(b"".join([self.read(size, f"block {i}", tensor)
+                                              for i, size in enumerate(sizes)]), np.uint8)
+        if out.flags.writeable:  # one array type for the kernel, whatever the source
+            out = out.view()
+            out.flags.writeable = False
+        return out
+
+    def _truncated(self, sizes: list[int], got: int, tensor: str) -> SnapshotError:
+        ends = np.cumsum(sizes)
+        i = int(np.searchsorted(ends, got, side="right"))
+        start = int(ends[i]) - sizes[i]
+        return self.error(f"truncated block {i}: needs {sizes[i]} bytes at offset {self.pos + start}, "
+                          f"{got - start} left", tensor)
+
+    def _readinto(self, readinto: Callable[[memoryview], int | None], sizes: list[int], total: int,
+                  tensor: str) -> bool:
+        """Reads `total` bytes into self._buf; False if the reader's readinto does not work."""
         if self._buf.size < total and self.seekable() and self.size() - self.pos >= total:
             self._buf = np.empty(total, np.uint8)  # the file holds them: no growing (and copying) as they come
         got = 0
@@ -363,21 +389,11 @@ class _Source:
             except (NotImplementedError, io.UnsupportedOperation):  # a reader without readinto
                 if got:
                     raise
-                return [self.read(size, f"block {i}", tensor) for i, size in enumerate(sizes)]
+                return False
             if not n:
-                ends = np.cumsum(sizes)
-                i = int(np.searchsorted(ends, got, side="right"))
-                start = int(ends[i]) - sizes[i]
-                raise self.error(f"truncated block {i}: needs {sizes[i]} bytes at offset {self.pos + start}, "
-                                 f"{got - start} left", tensor)
+                raise self._truncated(sizes, got, tensor)
             got += n
-        self.pos += total
-        mv = self._buf.data
-        out, at = [], 0
-        for size in sizes:
-            out.append(mv[at:at + size])
-            at += size
-        return out
+        return True
 
     def skip(self, n: int, what: str, tensor: str | None = None) -> None:
         if self.seekable():
@@ -532,123 +548,105 @@ _PAIR_HEAD_ERRORS = {  # kind 4's words where its table differs; the rest as abo
 }
 
 
-class _Scratch:
-    """What decoding a BF16 block needs besides its bytes, made once per record: the frequency
-    and slot tables a kernel fills, and the tensor's running digest, which the kernels feed
-    chunk by chunk while the chunk is in L1 (Python feeds it where no kernel can: `digest`)."""
+class _Tables:
+    """The scratch tables the BF16 kernels fill, made once per object read (not per record):
+    kinds 2 and 3's frequencies and slots, kind 4's codes, frequencies and slots."""
 
-    def __init__(self, dt: tensors.DType, shape: tuple[int, ...]) -> None:
+    def __init__(self) -> None:
         self.freq = np.zeros(256, np.int64)
         self.table = np.empty(1 << snapshot_rans.SCALE, np.uint32)
-        self.pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # kind 4's, made on first use
-        self.running = hashing.running(dt.name, shape)
-        self.fallback = hashing.digester(dt.name, shape) if self.running is None else None
-        self.function = np.uintp(self.running.function if self.running is not None else 0)
-        self.state = np.uintp(self.running.state if self.running is not None else 0)
-
-    def feed(self, part: np.ndarray) -> None:
-        """The digest of a part no kernel fed (stored and zstd blocks, all of a fallback's)."""
-        if self.running is not None:
-            self.running.update(part)
-        else:
-            assert self.fallback is not None
-            hashing.feed(self.fallback, part)
-
-    def digest(self) -> bytes:
-        if self.running is not None:
-            return self.running.digest()
-        assert self.fallback is not None
-        return self.fallback.digest()
+        slots = snapshot_rans.PAIR_SLOTS
+        self.codes = np.empty(slots, np.int64)
+        self.pfreq = np.empty(slots, np.int64)
+        self.ptable = np.empty(slots, np.uint64)
 
 
-def _decode_bf16(block: memoryview, out: np.ndarray, kind: int, scratch: _Scratch) -> None:
-    """A kind 2, 3 or 4 block (after its kind byte) into `out`, fed to the digest. The header is
-    parsed by a kernel (`block_head`, `pair_block_head`), so Python runs a fixed handful of steps
-    per block whatever its table (a Python loop over ~40 table entries cost ~20% of the decode)."""
-    n = out.size
-    body = np.frombuffer(block, np.uint8)
-    if kind == KIND_BF16_PAIRS:
-        if scratch.pairs is None:
-            slots = snapshot_rans.PAIR_SLOTS
-            scratch.pairs = (np.empty(slots, np.int64), np.empty(slots, np.int64), np.empty(slots, np.uint64))
-        codes, freq, table = scratch.pairs
-        err, value, n_sym, n_words, res_codec, at = snapshot_rans.pair_block_head(body, codes, freq)
-        errors = _PAIR_HEAD_ERRORS
+_NO_RESIDUAL = np.frombuffer(b"", np.uint8)  # read-only, as a decompressed residual plane is
+_NO_ELEMS = np.empty(0, np.uint16)  # `out` for a dtype no BF16 kind is defined for
+_KIND_MASKS = {v: sum(1 << k for k in kinds) for v, kinds in BF16_KINDS.items()}
+
+
+def _fault(src: _Source, head: _Head, buf: np.ndarray, block: int, code: int, value: int, at: int) -> str:
+    """decode_record's FAULT in words."""
+    R = snapshot_rans
+    if code == R.F_EMPTY:
+        return f"block {block} is empty"
+    start = block * head.block_elems
+    n = min(start + head.block_elems, head.numel) - start
+    kind = int(buf[at])
+    if code == R.F_STORED:
+        return f"block {block}: {value} stored bytes for {n * head.dt.itemsize}"
+    if code == R.F_KIND:
+        defined = (f"in a version {src.version} object" if kind in (KIND_BF16_GROUPS, KIND_BF16_PAIRS)
+                   and head.dt is tensors.BF16 else f"for {head.dt.name}")
+        return f"block {block}: kind {kind} is not defined {defined}"
+    if code == R.F_RESIDUAL_SIZE:
+        reason = f"residual plane of {value} bytes for {n} elements"
+    elif code == R.F_RESIDUAL_CODEC:
+        reason = f"unknown residual codec {value}"
+    elif code == R.F_BAD_STATES:
+        reason = "rANS final states out of range"
+    elif code == R.F_CORRUPT:
+        reason = "rANS stream does not decode to its block (corrupt)"
     else:
-        states = snapshot_rans.STATES_V2 if kind == KIND_BF16_GROUPS else snapshot_rans.STATES
-        err, value, n_words, res_codec, at = snapshot_rans.block_head(body, states, scratch.freq)
-        errors = _HEAD_ERRORS
-    if err:
-        raise DeltaError((errors.get(err) or _HEAD_ERRORS[err])(int(value)))
-    words = np.frombuffer(block, "<u4", n_words, at)
-    rest = block[at + 4 * n_words:]
-    if res_codec == RESIDUAL_RAW:
-        if len(rest) != n:
-            raise DeltaError(f"residual plane of {len(rest)} bytes for {n} elements")
-        residual = np.frombuffer(rest, np.uint8)
-    elif res_codec == RESIDUAL_ZSTD:
-        residual = np.frombuffer(compressors.decompress(compressors.ZSTD, rest, n, "residual plane"), np.uint8)
-    else:
-        raise DeltaError(f"unknown residual codec {res_codec}")
-    if kind == KIND_BF16_PAIRS:
-        snapshot_rans.pair_slot_table(codes, freq, n_sym, table)
-        status = snapshot_rans.decode_pair_groups(table, words, residual, out, scratch.function, scratch.state)
-    else:
-        snapshot_rans.slot_table(scratch.freq, scratch.table)
-        decode = snapshot_rans.decode_groups if kind == KIND_BF16_GROUPS else snapshot_rans.decode_block
-        status = decode(scratch.table, words, residual, out, scratch.function, scratch.state)
-    if status == snapshot_rans.BAD_STATES:
-        raise DeltaError("rANS final states out of range")
-    if status != snapshot_rans.OK:
-        raise DeltaError("rANS stream does not decode to its block (corrupt)")
-    if scratch.running is None:
-        scratch.feed(out)
+        words = (_PAIR_HEAD_ERRORS if kind == KIND_BF16_PAIRS else {}).get(code) or _HEAD_ERRORS[code]
+        reason = words(value)
+    return f"block {block}: {reason}"
 
 
-def _decode_record(src: _Source, head: _Head) -> torch.Tensor:
+def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
     """Reads a record's blocks (all of them before any allocation: the output is justified by bytes
-    actually present) and returns its verified tensor."""
-    blocks = src.read_blocks(head.sizes, head.name)
+    actually present) and returns its verified tensor. One kernel call decodes the blocks
+    (`snapshot_rans.decode_record`); Python steps in only for zstd, and to word a fault."""
+    buf = src.read_blocks(head.sizes, head.name)
     dt = head.dt
-    epi = tensors.elements_per_item(dt)
     try:
-        out = np.empty(head.numel * epi, tensors.element_dtype(dt))
+        out = np.empty(head.numel * tensors.elements_per_item(dt), tensors.element_dtype(dt))
     except MemoryError:
         raise src.error(f"no memory for {head.numel} elements", head.name) from None
     raw = out.view(np.uint8)
     isz = dt.itemsize
-    scratch = _Scratch(dt, head.shape)
-    bf16_kinds = BF16_KINDS[src.version]
-    try:
-        for i, block in enumerate(blocks):
-            start = i * head.block_elems
-            stop = min(start + head.block_elems, head.numel)
-            if not len(block):
-                raise DeltaError(f"block {i} is empty")
-            kind = block[0]
-            body = block[1:]
-            nbytes = (stop - start) * isz
-            if kind == KIND_RAW:
-                if len(body) != nbytes:
-                    raise DeltaError(f"block {i}: {len(body)} stored bytes for {nbytes}")
-                raw[start * isz:stop * isz] = np.frombuffer(body, np.uint8)
-            elif kind == KIND_ZSTD:
-                raw[start * isz:stop * isz] = np.frombuffer(
-                    compressors.decompress(compressors.ZSTD, body, nbytes, f"block {i}"), np.uint8)
-            elif kind in bf16_kinds and dt is tensors.BF16:
-                try:
-                    _decode_bf16(body, out[start:stop], kind, scratch)
-                except DeltaError as exc:
-                    raise DeltaError(f"block {i}: {exc.reason}") from None
+    bf16 = dt is tensors.BF16
+    running = hashing.running(dt.name, head.shape)
+    function = np.uintp(running.function if running is not None else 0)
+    state = np.uintp(running.state if running is not None else 0)
+    sizes = np.array(head.sizes, np.int64)
+    R = snapshot_rans
+    first, residual = 0, _NO_RESIDUAL
+    while True:
+        outcome, block, code, value, at = R.decode_record(
+            buf, sizes, first, residual, head.block_elems, isz, _KIND_MASKS[src.version] if bf16 else 0,
+            raw, out if bf16 else _NO_ELEMS, tables.freq, tables.table, tables.codes, tables.pfreq, tables.ptable,
+            function, state)
+        if outcome == R.DONE:
+            break
+        if outcome == R.FAULT:
+            raise src.error(_fault(src, head, buf, block, code, value, at), head.name)
+        start = block * head.block_elems
+        stop = min(start + head.block_elems, head.numel)
+        end = at + head.sizes[block]
+        try:
+            if outcome == R.NEED_ZSTD:
+                part = raw[start * isz:stop * isz]
+                part[:] = np.frombuffer(compressors.decompress(compressors.ZSTD, buf[at + 1:end].data, part.size,
+                                                               f"block {block}"), np.uint8)
+                if running is not None:
+                    running.update(part)  # in order: the kernel fed the blocks before it
+                first, residual = block + 1, _NO_RESIDUAL
+            elif first == block and residual.size:  # NEED_RESIDUAL for the plane it was given
+                raise DeltaError(f"block {block}: residual plane refused")
             else:
-                defined = (f"in a version {src.version} object" if kind in (KIND_BF16_GROUPS, KIND_BF16_PAIRS)
-                           and dt is tensors.BF16 else f"for {dt.name}")
-                raise DeltaError(f"block {i}: kind {kind} is not defined {defined}")
-            if kind in (KIND_RAW, KIND_ZSTD):
-                scratch.feed(raw[start * isz:stop * isz])  # the block is still in cache
-    except DeltaError as exc:
-        raise src.error(exc.reason, head.name) from None
-    if scratch.digest() != head.digest:
+                first = block
+                residual = np.frombuffer(compressors.decompress(compressors.ZSTD, buf[value:end].data, stop - start,
+                                                                "residual plane"), np.uint8)
+        except DeltaError as exc:
+            reason = exc.reason if exc.reason.startswith("block ") else f"block {block}: {exc.reason}"
+            raise src.error(reason, head.name) from None
+    if running is not None:
+        digest = running.digest()
+    else:  # no kernel could hash: the whole tensor from Python
+        digest = hashing.digest_elements(dt.name, head.shape, out)
+    if digest != head.digest:
         raise src.error("decoded bytes do not match the tensor's digest (corrupt or forged record)", head.name)
     return tensors.tensor_from_elements(out, dt, head.shape, copy=False)
 
@@ -736,6 +734,7 @@ def decode_snapshot(src: object, only: set[str] | None = None, *,
     try:
         if only is not None and s.seekable():
             entries = _read_index(s)
+            tables = _Tables()
             known = {e.name for e in entries}
             missing = sorted(set(only) - known)
             if missing:
@@ -750,7 +749,7 @@ def decode_snapshot(src: object, only: set[str] | None = None, *,
                 head = _record_head(s)
                 if not _matches(head, e):
                     raise s.error("record head disagrees with the index", e.name)
-                yield head.name, _decode_record(s, head)
+                yield head.name, _decode_record(s, head, tables)
             return
         yield from _walk(s, only)
     finally:
@@ -760,6 +759,7 @@ def decode_snapshot(src: object, only: set[str] | None = None, *,
 def _walk(s: _Source, only: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Front to back, records then index and trailer, which must agree with what was read."""
     _prefix(s)
+    tables = _Tables()
     seen: list[tuple[_Head, int]] = []
     names: set[str] = set()
     while True:
@@ -775,7 +775,7 @@ def _walk(s: _Source, only: set[str] | None) -> Iterator[tuple[str, torch.Tensor
         names.add(head.name)
         seen.append((head, at))
         if only is None or head.name in only:
-            yield head.name, _decode_record(s, head)
+            yield head.name, _decode_record(s, head, tables)
         else:
             for i, size in enumerate(head.sizes):
                 s.skip(size, f"block {i}", head.name)

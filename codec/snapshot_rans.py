@@ -44,6 +44,10 @@ CHUNK = 1 << 12  # elements decoded before their sign and mantissa are merged (L
 MAX_FREQ = (1 << SCALE) - 1
 _U = np.uint64
 
+# block kinds and residual codecs (FORMAT.md)
+KIND_RAW, KIND_ZSTD, KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS = 0, 1, 2, 3, 4
+RESIDUAL_RAW, RESIDUAL_ZSTD = 0, 1
+
 # block_head's error codes (snapshot.py words them), and the decoders' OK, BAD_STATES, CORRUPT
 OK, E_TRUNCATED, E_VARINT, E_LIMIT, E_N_SYM, E_ORDER, E_FREQ_0, E_SUM, E_WORDS = range(9)
 BAD_STATES, CORRUPT = 1, 2
@@ -145,13 +149,13 @@ def block_head(body, states, freq):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _initial_states(words, states):
+def _initial_states(body, w0, n_words, states):
     """The final encoder states, from the last 2 * states words (low, high); None-like (an empty
     array) if any lies outside [L, 2**63)."""
     xs = np.empty(states, np.uint64)
-    base = words.size - 2 * states
+    base = n_words - 2 * states
     for k in range(states):
-        x = _U(words[base + 2 * k]) | (_U(words[base + 2 * k + 1]) << _U(32))
+        x = _word(body, w0, base + 2 * k) | (_word(body, w0, base + 2 * k + 1) << _U(32))
         if x < _U(rans.RANS_L) or x >> _U(63):
             return xs[:0]
         xs[k] = x
@@ -176,10 +180,20 @@ def _sym(table, x, out, i):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _pull(x, words, pos):
-    """The renormalisation: x pulls words[pos] if it fell below L (words[pos] is read either way:
+def _word(body, w0, k):
+    """Word k of a stream that starts at body[w0]: the little-endian uint32 at body[w0 + 4k], at
+    any alignment (a uint32 view of a block's bytes would not always be aligned; LLVM makes the
+    four byte loads one)."""
+    a = _U(w0) + _U(4) * _U(k)
+    return (_U(body[a]) | (_U(body[a + _U(1)]) << _U(8)) | (_U(body[a + _U(2)]) << _U(16))
+            | (_U(body[a + _U(3)]) << _U(24)))
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _pull(x, body, w0, pos):
+    """The renormalisation: x pulls word `pos` if it fell below L (the word is read either way:
     the caller guarantees pos >= 0). (new x, new pos)."""
-    w = _U(words[_U(pos)])
+    w = _word(body, w0, pos)
     c = x < _U(rans.RANS_L)
     return ((x << _U(32)) | w) if c else x, pos - c
 
@@ -297,7 +311,7 @@ def encode_groups(elems, freq, cum, rcp, rsh, residual):
 
 
 @nb.njit(inline="always", cache=True, nogil=True)
-def _pull_all(xs, words, pos):
+def _pull_all(xs, body, w0, pos):
     """The checked renormalisation of all eight states (a decoder's tail): each below L pulls the
     word at pos. The new pos, or -2 if a state found no word left."""
     L = _U(rans.RANS_L)
@@ -305,7 +319,7 @@ def _pull_all(xs, words, pos):
         if xs[k] < L:
             if pos < 0:
                 return np.int64(-2)
-            xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
+            xs[k] = (xs[k] << _U(32)) | _word(body, w0, pos)
             pos -= 1
     return pos
 
@@ -322,18 +336,18 @@ def _at_rest(xs, pos):
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_block(table, words, residual, out, function, state):
-    """The inverse of `encode_block` (kind 2) into `out` (uint16, residual.size elements); `words`
-    is the whole stream, its four states last. OK only if the states are in range (else
+def decode_block(table, body, w0, n_words, residual, out, function, state):
+    """The inverse of `encode_block` (kind 2) into `out` (uint16, residual.size elements); the
+    stream is the `n_words` words at body[w0] (`_word`), its four states last. OK only if the states are in range (else
     BAD_STATES), every word was consumed and all four states ended at exactly 2**31 (else CORRUPT).
     Each finished chunk of `out` is fed, while in L1, to the running digest (`hashing.Running`'s
     `function` and `state`; `function` 0: none); a block that is refused has fed part of its own."""
     n = out.size
-    xs = _initial_states(words, STATES)
+    xs = _initial_states(body, w0, n_words, STATES)
     if xs.size == 0:
         return BAD_STATES
     x0, x1, x2, x3 = xs[0], xs[1], xs[2], xs[3]
-    pos = np.int64(words.size - 2 * STATES) - 1
+    pos = np.int64(n_words - 2 * STATES) - 1
     i = 0
     n4 = n - (n & 3)
     while i < n4:  # while a group of four cannot run out of words: no bounds checks
@@ -341,13 +355,13 @@ def decode_block(table, words, residual, out, function, state):
         stop = min(i + CHUNK, n4)
         while i < stop and pos >= 3:
             x0 = _sym(table, x0, out, i)
-            x0, pos = _pull(x0, words, pos)
+            x0, pos = _pull(x0, body, w0, pos)
             x1 = _sym(table, x1, out, i + 1)
-            x1, pos = _pull(x1, words, pos)
+            x1, pos = _pull(x1, body, w0, pos)
             x2 = _sym(table, x2, out, i + 2)
-            x2, pos = _pull(x2, words, pos)
+            x2, pos = _pull(x2, body, w0, pos)
             x3 = _sym(table, x3, out, i + 3)
-            x3, pos = _pull(x3, words, pos)
+            x3, pos = _pull(x3, body, w0, pos)
             i += 4
         _merge(residual, out, start, i)
         if function:
@@ -363,7 +377,7 @@ def decode_block(table, words, residual, out, function, state):
         if xs[k] < L:
             if pos < 0:
                 return CORRUPT
-            xs[k] = (xs[k] << _U(32)) | _U(words[_U(pos)])
+            xs[k] = (xs[k] << _U(32)) | _word(body, w0, pos)
             pos -= 1
         i += 1
     _merge(residual, out, tail, n)
@@ -373,17 +387,17 @@ def decode_block(table, words, residual, out, function, state):
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_groups(table, words, residual, out, function, state):
-    """The inverse of `encode_groups` (kind 3) into `out` (uint16, residual.size elements); `words`
-    is the whole stream, its eight states last. OK only if the states are in range (else
+def decode_groups(table, body, w0, n_words, residual, out, function, state):
+    """The inverse of `encode_groups` (kind 3) into `out` (uint16, residual.size elements); the
+    stream is the `n_words` words at body[w0], its eight states last. OK only if the states are in range (else
     BAD_STATES), every word was consumed and all eight states ended at exactly 2**31 (else CORRUPT).
     The digest is fed as `decode_block` feeds it."""
     n = out.size
-    xs = _initial_states(words, STATES_V2)
+    xs = _initial_states(body, w0, n_words, STATES_V2)
     if xs.size == 0:
         return BAD_STATES
     x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
-    pos = np.int64(words.size - 2 * STATES_V2) - 1
+    pos = np.int64(n_words - 2 * STATES_V2) - 1
     i = 0
     full = n - n % GROUP
     while i < full:  # while a group cannot run out of words (it pulls at most 8): no bounds checks
@@ -406,14 +420,14 @@ def decode_groups(table, words, residual, out, function, state):
             x5 = _sym(table, x5, out, i + 13)
             x6 = _sym(table, x6, out, i + 14)
             x7 = _sym(table, x7, out, i + 15)
-            x0, pos = _pull(x0, words, pos)
-            x1, pos = _pull(x1, words, pos)
-            x2, pos = _pull(x2, words, pos)
-            x3, pos = _pull(x3, words, pos)
-            x4, pos = _pull(x4, words, pos)
-            x5, pos = _pull(x5, words, pos)
-            x6, pos = _pull(x6, words, pos)
-            x7, pos = _pull(x7, words, pos)
+            x0, pos = _pull(x0, body, w0, pos)
+            x1, pos = _pull(x1, body, w0, pos)
+            x2, pos = _pull(x2, body, w0, pos)
+            x3, pos = _pull(x3, body, w0, pos)
+            x4, pos = _pull(x4, body, w0, pos)
+            x5, pos = _pull(x5, body, w0, pos)
+            x6, pos = _pull(x6, body, w0, pos)
+            x7, pos = _pull(x7, body, w0, pos)
             i += GROUP
         _merge(residual, out, start, i)
         if function:
@@ -427,7 +441,7 @@ def decode_groups(table, words, residual, out, function, state):
         for j in range(m):
             k = j & (STATES_V2 - 1)
             xs[k] = _sym(table, xs[k], out, i + j)
-        pos = _pull_all(xs, words, pos)
+        pos = _pull_all(xs, body, w0, pos)
         if pos == -2:
             return CORRUPT
         i += m
@@ -576,19 +590,19 @@ def _pair(table, x, out, i):
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_pair_groups(table, words, residual, out, function, state):
+def decode_pair_groups(table, body, w0, n_words, residual, out, function, state):
     """The inverse of `encode_pair_groups` (kind 4) into `out` (uint16, residual.size elements);
-    `words` is the whole stream, its eight states last. OK only if the states are in range (else
+    the stream is the `n_words` words at body[w0], its eight states last. OK only if the states are in range (else
     BAD_STATES), every word was consumed, all eight states ended at exactly 2**31 and an odd
     block's last pair has 0 for its missing second exponent (else CORRUPT). The digest is fed
     as `decode_block` feeds it."""
     n = out.size
     m = (n + 1) // 2
-    xs = _initial_states(words, STATES_V2)
+    xs = _initial_states(body, w0, n_words, STATES_V2)
     if xs.size == 0:
         return BAD_STATES
     x0, x1, x2, x3, x4, x5, x6, x7 = xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7]
-    pos = np.int64(words.size - 2 * STATES_V2) - 1
+    pos = np.int64(n_words - 2 * STATES_V2) - 1
     p = 0
     full = (n // 2) - (n // 2) % GROUP  # whole groups of whole pairs
     while p < full:  # a group pulls at most 8 words: no bounds checks while 8 are left
@@ -611,14 +625,14 @@ def decode_pair_groups(table, words, residual, out, function, state):
             x5 = _pair(table, x5, out, p + 13)
             x6 = _pair(table, x6, out, p + 14)
             x7 = _pair(table, x7, out, p + 15)
-            x0, pos = _pull(x0, words, pos)
-            x1, pos = _pull(x1, words, pos)
-            x2, pos = _pull(x2, words, pos)
-            x3, pos = _pull(x3, words, pos)
-            x4, pos = _pull(x4, words, pos)
-            x5, pos = _pull(x5, words, pos)
-            x6, pos = _pull(x6, words, pos)
-            x7, pos = _pull(x7, words, pos)
+            x0, pos = _pull(x0, body, w0, pos)
+            x1, pos = _pull(x1, body, w0, pos)
+            x2, pos = _pull(x2, body, w0, pos)
+            x3, pos = _pull(x3, body, w0, pos)
+            x4, pos = _pull(x4, body, w0, pos)
+            x5, pos = _pull(x5, body, w0, pos)
+            x6, pos = _pull(x6, body, w0, pos)
+            x7, pos = _pull(x7, body, w0, pos)
             p += GROUP
         _merge(residual, out, 2 * start, 2 * p)
         if function:
@@ -640,7 +654,7 @@ def decode_pair_groups(table, words, residual, out, function, state):
                 out[_U(q + 1)] = np.uint16((e >> _U(16)) & _U(0xFFFF))
             elif (e >> _U(16)) & _U(0xFFFF):
                 return CORRUPT
-        pos = _pull_all(xs, words, pos)
+        pos = _pull_all(xs, body, w0, pos)
         if pos == -2:
             return CORRUPT
         p += g
@@ -648,3 +662,96 @@ def decode_pair_groups(table, words, residual, out, function, state):
     if function:
         hash_update(function, state, out, tail, n)
     return OK if _at_rest(xs, pos) else CORRUPT
+
+
+# ---------------------------------------------------------------- a record's blocks in one call
+#
+# Python's glue around each block (slicing, header and table calls, checks) cost ~15 us a block
+# and ~20 us a record, ~25% of decoding all-MiniLM-L6-v2: one kernel call now runs a record's
+# blocks, and returns to Python only for what needs zstd.
+
+DONE, NEED_ZSTD, NEED_RESIDUAL, FAULT = 0, 1, 2, 3  # decode_record's outcomes
+# a fault's codes besides block_head's and pair_block_head's (snapshot.py words them all)
+F_EMPTY, F_STORED, F_KIND, F_RESIDUAL_SIZE, F_RESIDUAL_CODEC, F_BAD_STATES, F_CORRUPT = range(20, 27)
+
+
+@nb.njit(cache=True, nogil=True)
+def _bf16_block(kind, body, n_sym, w0, n_words, residual, out, freq, table, ptable, function, state):
+    """A kind 2, 3 or 4 block whose header `block_head` or `pair_block_head` parsed (its table in
+    `freq`, or kind 4's in `ptable`'s scratch): the decoder's status."""
+    if kind == KIND_BF16_PAIRS:
+        return decode_pair_groups(ptable, body, w0, n_words, residual, out, function, state)
+    slot_table(freq, table)
+    if kind == KIND_BF16_GROUPS:
+        return decode_groups(table, body, w0, n_words, residual, out, function, state)
+    return decode_block(table, body, w0, n_words, residual, out, function, state)
+
+
+@nb.njit(cache=True, nogil=True)
+def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw, out,
+                  freq, table, codes, pfreq, ptable, function, state):
+    """A record's blocks from block `first` on (their bytes back to back in `buf`, block i of
+    `sizes[i]` bytes, `block_elems` elements of `itemsize` bytes each but the last) into `raw`,
+    the tensor's bytes; BF16 kinds (those set in the bit mask `kinds`: the object's version and
+    the tensor's dtype allow them) into `out`, the same memory as uint16. Stored blocks are fed
+    to the digest here, the BF16 decoders feed theirs. Stops at a block that needs Python's
+    zstd: a zstd block (NEED_ZSTD), or a BF16 block whose residual plane is zstd-coded
+    (NEED_RESIDUAL, `value` the plane's offset in buf: called again from that block, with the
+    plane decompressed as `residual`, it decodes on), and at the first fault (FAULT: `code`, one
+    of block_head's or an F_ code, and `value`). (outcome, block, code, value, the block's offset
+    in buf). `freq`, `table`, `codes`, `pfreq` and `ptable` are the caller's scratch."""
+    at = np.int64(0)
+    for i in range(first):
+        at += np.int64(sizes[i])
+    numel = np.int64(raw.size // itemsize)
+    zero = np.int64(0)
+    for i in range(first, sizes.size):
+        size = np.int64(sizes[i])
+        start = np.int64(i) * block_elems
+        stop = min(start + block_elems, numel)
+        if size == 0:
+            return FAULT, i, F_EMPTY, zero, at
+        kind = np.int64(buf[at])
+        body = buf[at + 1:at + size]
+        if kind == KIND_RAW:
+            lo, hi = start * itemsize, stop * itemsize
+            if size - 1 != hi - lo:
+                return FAULT, i, F_STORED, size - 1, at
+            raw[lo:hi] = body
+            if function:
+                hash_update(function, state, raw, lo, hi)
+        elif kind == KIND_ZSTD:
+            return NEED_ZSTD, i, 0, zero, at
+        elif kind <= KIND_BF16_PAIRS and (kinds >> kind) & 1:
+            n_sym = np.int64(0)
+            if kind == KIND_BF16_PAIRS:
+                err, value, n_sym, n_words, res_codec, w0 = pair_block_head(body, codes, pfreq)
+                if not err:
+                    pair_slot_table(codes, pfreq, n_sym, ptable)
+            else:
+                err, value, n_words, res_codec, w0 = block_head(
+                    body, STATES_V2 if kind == KIND_BF16_GROUPS else STATES, freq)
+            if err:
+                return FAULT, i, err, np.int64(value), at
+            r0 = w0 + 4 * n_words
+            o = out[start:stop]
+            if res_codec == RESIDUAL_RAW:
+                if body.size - r0 != stop - start:
+                    return FAULT, i, F_RESIDUAL_SIZE, np.int64(body.size - r0), at
+                status = _bf16_block(kind, body, n_sym, w0, n_words, body[r0:], o, freq, table, ptable,
+                                     function, state)
+            elif res_codec == RESIDUAL_ZSTD:
+                if i != first or residual.size != stop - start:
+                    return NEED_RESIDUAL, i, 0, at + 1 + r0, at
+                status = _bf16_block(kind, body, n_sym, w0, n_words, residual, o, freq, table, ptable,
+                                     function, state)
+            else:
+                return FAULT, i, F_RESIDUAL_CODEC, np.int64(res_codec), at
+            if status == BAD_STATES:
+                return FAULT, i, F_BAD_STATES, zero, at
+            if status != OK:
+                return FAULT, i, F_CORRUPT, zero, at
+        else:
+            return FAULT, i, F_KIND, kind, at
+        at += size
+    return DONE, sizes.size, 0, zero, at
