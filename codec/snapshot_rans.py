@@ -25,7 +25,9 @@ a symbol costs one load, a multiply and an add, and `e >> 5` is the exponent alr
 place in the BF16 word (the bits below and above are masked off when sign and mantissa merge
 in). Pulls are branch-free (a select), and all arithmetic is on uint64 so that numba emits no
 negative-index wraparound code. Block headers are parsed here too (`block_head`): a Python
-loop over ~40 table entries per block cost ~20% of the decode.
+loop over ~40 table entries per block cost ~20% of the decode. A reader calls one kernel per
+tensor (`decode_record`, at the end), which runs all of its blocks and comes back to Python
+only for zstd; stream words are read from the block's bytes at any alignment (`_word`).
 """
 
 from __future__ import annotations
