@@ -638,10 +638,9 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
             else:
                 first = block
                 residual = np.frombuffer(compressors.decompress(compressors.ZSTD, buf[value:end].data, stop - start,
-                                                                "residual plane"), np.uint8)
+                                                                f"block {block}: residual plane"), np.uint8)
         except DeltaError as exc:
-            reason = exc.reason if exc.reason.startswith("block ") else f"block {block}: {exc.reason}"
-            raise src.error(reason, head.name) from None
+            raise src.error(exc.reason, head.name) from None
     if running is not None:
         digest = running.digest()
     else:  # no kernel could hash: the whole tensor from Python

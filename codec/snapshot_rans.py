@@ -678,12 +678,12 @@ F_EMPTY, F_STORED, F_KIND, F_RESIDUAL_SIZE, F_RESIDUAL_CODEC, F_BAD_STATES, F_CO
 
 
 @nb.njit(cache=True, nogil=True)
-def _bf16_block(kind, body, n_sym, w0, n_words, residual, out, freq, table, ptable, function, state):
-    """A kind 2, 3 or 4 block whose header `block_head` or `pair_block_head` parsed (its table in
-    `freq`, or kind 4's in `ptable`'s scratch): the decoder's status."""
+def _bf16_block(kind, body, w0, n_words, residual, out, table, ptable, function, state):
+    """A kind 2, 3 or 4 block whose header is parsed and slot table built (`table` for kinds 2
+    and 3, `ptable` for kind 4) through its decoder: the decoder's status. (A function of its own
+    so that both residual planes, the block's bytes and a decompressed one, can reach it.)"""
     if kind == KIND_BF16_PAIRS:
         return decode_pair_groups(ptable, body, w0, n_words, residual, out, function, state)
-    slot_table(freq, table)
     if kind == KIND_BF16_GROUPS:
         return decode_groups(table, body, w0, n_words, residual, out, function, state)
     return decode_block(table, body, w0, n_words, residual, out, function, state)
@@ -725,7 +725,6 @@ def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw
         elif kind == KIND_ZSTD:
             return NEED_ZSTD, i, 0, zero, at
         elif kind <= KIND_BF16_PAIRS and (kinds >> kind) & 1:
-            n_sym = np.int64(0)
             if kind == KIND_BF16_PAIRS:
                 err, value, n_sym, n_words, res_codec, w0 = pair_block_head(body, codes, pfreq)
                 if not err:
@@ -733,6 +732,8 @@ def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw
             else:
                 err, value, n_words, res_codec, w0 = block_head(
                     body, STATES_V2 if kind == KIND_BF16_GROUPS else STATES, freq)
+                if not err:
+                    slot_table(freq, table)
             if err:
                 return FAULT, i, err, np.int64(value), at
             r0 = w0 + 4 * n_words
@@ -740,13 +741,11 @@ def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw
             if res_codec == RESIDUAL_RAW:
                 if body.size - r0 != stop - start:
                     return FAULT, i, F_RESIDUAL_SIZE, np.int64(body.size - r0), at
-                status = _bf16_block(kind, body, n_sym, w0, n_words, body[r0:], o, freq, table, ptable,
-                                     function, state)
+                status = _bf16_block(kind, body, w0, n_words, body[r0:], o, table, ptable, function, state)
             elif res_codec == RESIDUAL_ZSTD:
                 if i != first or residual.size != stop - start:
                     return NEED_RESIDUAL, i, 0, at + 1 + r0, at
-                status = _bf16_block(kind, body, n_sym, w0, n_words, residual, o, freq, table, ptable,
-                                     function, state)
+                status = _bf16_block(kind, body, w0, n_words, residual, o, table, ptable, function, state)
             else:
                 return FAULT, i, F_RESIDUAL_CODEC, np.int64(res_codec), at
             if status == BAD_STATES:
