@@ -341,13 +341,12 @@ class _Source:
         self.pos += n
         return memoryview(data)
 
-    def read_blocks(self, sizes: list[int], tensor: str) -> np.ndarray:
+    def read_blocks(self, sizes: np.ndarray, total: int, tensor: str) -> np.ndarray:
         """A record's blocks, back to back, as one read-only uint8 array. From memory, a view; from
         a file, one buffer reused from record to record (valid until the next call): a new bytes
         object per block cost fresh pages each time. A buffer grows only as far as the file can
         back it (its size, or the bytes that arrived), so a length the file cannot back allocates
-        no more than it holds."""
-        total = sum(sizes)
+        no more than it holds. `total`: the sum of `sizes`."""
         if self._mv is not None:
             if self.pos + total > len(self._mv):
                 raise self._truncated(sizes, len(self._mv) - self.pos, tensor)
@@ -366,14 +365,14 @@ class _Source:
             out.flags.writeable = False
         return out
 
-    def _truncated(self, sizes: list[int], got: int, tensor: str) -> SnapshotError:
+    def _truncated(self, sizes: np.ndarray, got: int, tensor: str) -> SnapshotError:
         ends = np.cumsum(sizes)
         i = int(np.searchsorted(ends, got, side="right"))
         start = int(ends[i]) - sizes[i]
         return self.error(f"truncated block {i}: needs {sizes[i]} bytes at offset {self.pos + start}, "
                           f"{got - start} left", tensor)
 
-    def _readinto(self, readinto: Callable[[memoryview], int | None], sizes: list[int], total: int,
+    def _readinto(self, readinto: Callable[[memoryview], int | None], sizes: np.ndarray, total: int,
                   tensor: str) -> bool:
         """Reads `total` bytes into self._buf; False if the reader's readinto does not work."""
         if self._buf.size < total and self.seekable() and self.size() - self.pos >= total:
@@ -482,20 +481,23 @@ class _Head:
     dt: tensors.DType
     shape: tuple[int, ...]
     block_elems: int
-    sizes: list[int]
+    sizes: np.ndarray  # int64, each block's bytes
     digest: bytes
     length: int  # of the tag, length field and head
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    numel: int
+    blocks_bytes: int  # the sum of sizes
 
 
-def _record_head(src: _Source) -> _Head:
-    """A record's head (after its tag byte): parsed, checksummed and its block layout checked."""
+_NO_ROWS, _NO_DIMS = np.zeros((0, snapshot_rans.INDEX_ROW), np.int64), np.zeros(0, np.int64)  # index_entries counting
+_ITEMSIZES = np.zeros(256, np.int64)  # record_head's dtype table: item size by wire code (0: unknown)
+for _dt in tensors.DTYPES:
+    _ITEMSIZES[_dt.code] = _dt.itemsize
+
+
+def _record_head(src: _Source, tables: _Tables) -> _Head:
+    """A record's head (after its tag byte): parsed, checksummed and its block layout checked.
+    A kernel parses it (`snapshot_rans.record_head`: ~25 us of Python a record, most of what
+    Python spent on a small tensor); what the kernel refuses, `_parse_head` refuses in words."""
     (head_len,) = struct.unpack("<I", src.read(4, "record head length"))
     if head_len > MAX_HEAD or head_len < 8:
         raise src.error(f"record head of {head_len} bytes (must be 8 to {MAX_HEAD})")
@@ -503,6 +505,31 @@ def _record_head(src: _Source) -> _Head:
     fields, check = raw[:-8], raw[-8:]
     if xxhash.xxh3_64_digest(fields) != bytes(check):
         raise src.error(f"record head at offset {src.pos - head_len - 5} fails its checksum")
+    a = np.frombuffer(fields, np.uint8)
+    ints = tables.head_ints(a.size)
+    R = snapshot_rans
+    if R.record_head(a, _ITEMSIZES, MAX_BLOCK_BYTES, ints):
+        at, n, code, ndim, block_elems, n_blocks, digest_at, total = ints[:8].tolist()
+        try:
+            name = bytes(fields[at:at + n]).decode("utf-8", "strict")
+        except UnicodeDecodeError:
+            pass  # _parse_head words it
+        else:
+            shape = tuple(ints[R.HEAD_SHAPE:R.HEAD_SHAPE + ndim].tolist())
+            numel = 1
+            for d in shape:
+                numel *= d
+            sizes = ints[R.HEAD_SIZES:R.HEAD_SIZES + n_blocks].copy()
+            return _Head(name, tensors.BY_CODE[code], shape, block_elems, sizes, bytes(fields[digest_at:]),
+                         5 + head_len, numel, total)
+    _parse_head(src, fields, 5 + head_len)
+    raise src.error("record head refused by the kernel parser but not by the reference (a reader bug)")
+
+
+def _parse_head(src: _Source, fields: memoryview, length: int) -> _Head:
+    """The reference parser of a record head's fields (`length`: the record's tag, length field
+    and head): what `snapshot_rans.record_head` must agree with, and, where it refuses, the
+    words for why."""
     r = wire.Reader(fields, "record head")
     try:
         name = _name(r)
@@ -514,15 +541,21 @@ def _record_head(src: _Source) -> _Head:
         block_elems = r.uvarint(MAX_BLOCK_BYTES)
         if block_elems < 1 or block_elems * dt.itemsize > MAX_BLOCK_BYTES:
             raise DeltaError(f"block of {block_elems} elements of {dt.name} (at most {MAX_BLOCK_BYTES} bytes)")
-        head = _Head(name, dt, shape, block_elems, [], b"", 5 + head_len)
+        numel = 1
+        for d in shape:
+            numel *= d
+        head = _Head(name, dt, shape, block_elems, np.zeros(0, np.int64), b"", length, numel, 0)
         n_blocks = r.uvarint(r.remaining)
         expected = -(-head.numel // block_elems)
         if n_blocks != expected:
             raise DeltaError(f"{n_blocks} blocks for {head.numel} elements in blocks of {block_elems} "
                              f"(must be {expected})")
+        sizes = []
         for i in range(n_blocks):
             elems = min(block_elems, head.numel - i * block_elems)
-            head.sizes.append(r.uvarint(1 + elems * dt.itemsize))
+            sizes.append(r.uvarint(1 + elems * dt.itemsize))
+        head.sizes = np.array(sizes, np.int64)
+        head.blocks_bytes = sum(sizes)
         head.digest = r.raw(hashing.DIGEST_SIZE)
         r.expect_end()
     except DeltaError as exc:
@@ -559,9 +592,36 @@ class _Tables:
         self.codes = np.empty(slots, np.int64)
         self.pfreq = np.empty(slots, np.int64)
         self.ptable = np.empty(slots, np.uint64)
+        # one XXH3 state for the object's digests, which the kernel resets per tensor (and, where
+        # hashing.KERNEL_DIGESTS, finishes and checks): no state made and freed from Python per tensor
+        native = self._native = hashing.NATIVE
+        self._scratch = hashing.Scratch(native) if native is not None else None
+        self.functions = native.functions() if native is not None else np.zeros(0, np.uintp)
+        self.state = self._scratch.states[0] if self._scratch is not None else np.uintp(0)
+        self.finish = hashing.KERNEL_DIGESTS and native is not None
+        self._ints = np.empty(0, np.int64)
+
+    def head_ints(self, n: int) -> np.ndarray:
+        """record_head's output for a head of `n` field bytes (grown as heads need)."""
+        if self._ints.size < snapshot_rans.HEAD_SIZES + n:
+            self._ints = np.empty(snapshot_rans.HEAD_SIZES + max(n, 1024), np.int64)
+        return self._ints
+
+    def feed(self, part: np.ndarray) -> None:
+        """Feeds the digest in progress what Python decompressed (the kernel feeds the rest)."""
+        assert self._native is not None
+        self._native.update(int(self.state), part.ctypes.data, part.nbytes)
+
+    def digest(self) -> bytes:
+        """The digest in progress, finished from Python (where kernels cannot finish one)."""
+        assert self._native is not None
+        h = self._native.digest(int(self.state))
+        return h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big")
 
 
 _NO_RESIDUAL = np.frombuffer(b"", np.uint8)  # read-only, as a decompressed residual plane is
+_NO_BYTES = np.empty(0, np.uint8)
+_DIGEST_MISMATCH = "decoded bytes do not match the tensor's digest (corrupt or forged record)"
 _NO_ELEMS = np.empty(0, np.uint16)  # `out` for a dtype no BF16 kind is defined for
 _KIND_MASKS = {v: sum(1 << k for k in kinds) for v, kinds in BF16_KINDS.items()}
 
@@ -598,7 +658,7 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
     """Reads a record's blocks (all of them before any allocation: the output is justified by bytes
     actually present) and returns its verified tensor. One kernel call decodes the blocks
     (`snapshot_rans.decode_record`); Python steps in only for zstd, and to word a fault."""
-    buf = src.read_blocks(head.sizes, head.name)
+    buf = src.read_blocks(head.sizes, head.blocks_bytes, head.name)
     dt = head.dt
     try:
         out = np.empty(head.numel * tensors.elements_per_item(dt), tensors.element_dtype(dt))
@@ -607,31 +667,33 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
     raw = out.view(np.uint8)
     isz = dt.itemsize
     bf16 = dt is tensors.BF16
-    running = hashing.running(dt.name, head.shape)
-    function = np.uintp(running.function if running is not None else 0)
-    state = np.uintp(running.state if running is not None else 0)
-    sizes = np.array(head.sizes, np.int64)
+    native = tables.functions.size != 0
+    header = np.frombuffer(hashing.header_bytes(dt.name, head.shape), np.uint8) if native else _NO_BYTES
+    expected = np.frombuffer(head.digest, np.uint8) if tables.finish else _NO_BYTES
+    sizes = head.sizes
     R = snapshot_rans
     first, residual = 0, _NO_RESIDUAL
     while True:
         outcome, block, code, value, at = R.decode_record(
             buf, sizes, first, residual, head.block_elems, isz, _KIND_MASKS[src.version] if bf16 else 0,
             raw, out if bf16 else _NO_ELEMS, tables.freq, tables.table, tables.codes, tables.pfreq, tables.ptable,
-            function, state)
+            tables.functions, tables.state, header, expected)
         if outcome == R.DONE:
             break
         if outcome == R.FAULT:
+            if code == R.F_DIGEST:
+                raise src.error(_DIGEST_MISMATCH, head.name)
             raise src.error(_fault(src, head, buf, block, code, value, at), head.name)
         start = block * head.block_elems
         stop = min(start + head.block_elems, head.numel)
-        end = at + head.sizes[block]
+        end = at + int(sizes[block])
         try:
             if outcome == R.NEED_ZSTD:
                 part = raw[start * isz:stop * isz]
                 part[:] = np.frombuffer(compressors.decompress(compressors.ZSTD, buf[at + 1:end].data, part.size,
                                                                f"block {block}"), np.uint8)
-                if running is not None:
-                    running.update(part)  # in order: the kernel fed the blocks before it
+                if native:  # in order: the kernel fed the blocks before it
+                    tables.feed(part)
                 first, residual = block + 1, _NO_RESIDUAL
             elif first == block and residual.size:  # NEED_RESIDUAL for the plane it was given
                 raise DeltaError(f"block {block}: residual plane refused")
@@ -641,12 +703,10 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
                                                                 f"block {block}: residual plane"), np.uint8)
         except DeltaError as exc:
             raise src.error(exc.reason, head.name) from None
-    if running is not None:
-        digest = running.digest()
-    else:  # no kernel could hash: the whole tensor from Python
-        digest = hashing.digest_elements(dt.name, head.shape, out)
-    if digest != head.digest:
-        raise src.error("decoded bytes do not match the tensor's digest (corrupt or forged record)", head.name)
+    if not tables.finish:  # the kernel fed the digest, or (no C API) nothing did
+        digest = tables.digest() if native else hashing.digest_elements(dt.name, head.shape, out)
+        if digest != head.digest:
+            raise src.error(_DIGEST_MISMATCH, head.name)
     return tensors.tensor_from_elements(out, dt, head.shape, copy=False)
 
 
@@ -676,6 +736,41 @@ def _read_index(src: _Source) -> list[SnapshotEntry]:
 
 
 def _parse_index(src: _Source, body: memoryview, index_offset: int) -> list[SnapshotEntry]:
+    """The index's entries. A kernel parses and checks the body (`snapshot_rans.index_entries`:
+    Python's parse cost ~10 us an entry, a tenth of a small tensor's decode); names are decoded
+    and checked for repeats here; anything refused is refused again, in words, by `_parse_index_words`."""
+    a = np.frombuffer(body, np.uint8)
+    R = snapshot_rans
+    ok, n, n_dims = R.index_entries(a, _ITEMSIZES, MAX_TENSORS, PREFIX.size, index_offset, _NO_ROWS, _NO_DIMS)
+    if ok:
+        rows = np.empty((n, R.INDEX_ROW), np.int64)
+        dims = np.empty(n_dims, np.int64)
+        R.index_entries(a, _ITEMSIZES, MAX_TENSORS, PREFIX.size, index_offset, rows, dims)
+        entries: list[SnapshotEntry] = []
+        names: set[str] = set()
+        d = 0
+        by_code = tensors.BY_CODE
+        flat = dims.tolist()
+        try:
+            for at, k, code, ndim, offset, length, digest_at in rows.tolist():
+                name = bytes(body[at:at + k]).decode("utf-8", "strict")
+                if name in names:
+                    break
+                names.add(name)
+                entries.append(SnapshotEntry(name, by_code[code].name, tuple(flat[d:d + ndim]),
+                                             bytes(body[digest_at:digest_at + hashing.DIGEST_SIZE]), offset, length))
+                d += ndim
+            else:
+                return entries
+        except UnicodeDecodeError:
+            pass
+    _parse_index_words(src, body, index_offset)
+    raise src.error("index refused by the kernel parser but not by the reference (a reader bug)")
+
+
+def _parse_index_words(src: _Source, body: memoryview, index_offset: int) -> list[SnapshotEntry]:
+    """The reference parser of the index: what `snapshot_rans.index_entries` must agree with,
+    and, where the fast path refuses, the words for why."""
     r = wire.Reader(body, "index")
     entries: list[SnapshotEntry] = []
     names: set[str] = set()
@@ -717,7 +812,7 @@ def read_snapshot_index(src: object, *, where: str = "snapshot") -> list[Snapsho
 
 
 def _matches(head: _Head, e: SnapshotEntry) -> bool:
-    return (head.name, head.dt.name, head.shape, head.digest, head.length + sum(head.sizes)) == \
+    return (head.name, head.dt.name, head.shape, head.digest, head.length + head.blocks_bytes) == \
         (e.name, e.dtype, e.shape, e.digest, e.length)
 
 
@@ -745,7 +840,7 @@ def decode_snapshot(src: object, only: set[str] | None = None, *,
                 s.seek(e.offset)
                 if s.read(1, "record tag", e.name)[0] != TAG_RECORD:
                     raise s.error("index points at no record", e.name)
-                head = _record_head(s)
+                head = _record_head(s, tables)
                 if not _matches(head, e):
                     raise s.error("record head disagrees with the index", e.name)
                 yield head.name, _decode_record(s, head, tables)
@@ -768,7 +863,7 @@ def _walk(s: _Source, only: set[str] | None) -> Iterator[tuple[str, torch.Tensor
             break
         if tag != TAG_RECORD:
             raise s.error(f"unknown section tag {tag} at offset {at}")
-        head = _record_head(s)
+        head = _record_head(s, tables)
         if head.name in names:
             raise s.error("tensor appears twice", head.name)
         names.add(head.name)
@@ -776,7 +871,7 @@ def _walk(s: _Source, only: set[str] | None) -> Iterator[tuple[str, torch.Tensor
         if only is None or head.name in only:
             yield head.name, _decode_record(s, head, tables)
         else:
-            for i, size in enumerate(head.sizes):
+            for i, size in enumerate(head.sizes.tolist()):
                 s.skip(size, f"block {i}", head.name)
     index_at = s.pos - 1
     (length,) = struct.unpack("<I", s.read(4, "index length"))

@@ -36,7 +36,7 @@ import numba as nb
 import numpy as np
 
 from . import rans
-from .hashing import hash_update
+from .hashing import hash_digest, hash_reset, hash_update
 
 SCALE = 12
 STATES = 4  # kind 2
@@ -103,6 +103,133 @@ def _uvarint(body, at, limit):
     if value > _U(limit):
         return value, at, E_LIMIT
     return value, at, OK
+
+
+HEAD_SHAPE, HEAD_SIZES = 8, 8 + 32  # where record_head puts the shape and the block sizes in `ints`
+MAX_NDIM, MAX_NUMEL, DIGEST_BYTES = 32, 1 << 48, 16  # snapshot.py's limits
+
+
+@nb.njit(cache=True, nogil=True)
+def record_head(fields, itemsizes, max_block_bytes, ints):
+    """A record head's fields (its checksum already checked), parsed and checked as
+    `snapshot._record_head` does, into `ints` (int64, at least HEAD_SIZES + fields.size long):
+    name offset and length, dtype code, ndim, block elements, block count, digest offset, the
+    blocks' bytes in all, then the shape at HEAD_SHAPE and the block sizes at HEAD_SIZES.
+    `itemsizes` maps a dtype code to its item size (0: unknown). True if they hold; False for
+    anything the Python parser refuses, which then words the refusal (it is the reference: a
+    test holds the two to the same verdicts)."""
+    n, at, err = _uvarint(fields, 0, 1 << 16)
+    if err or at + np.int64(n) > fields.size:
+        return False
+    ints[0], ints[1] = at, np.int64(n)
+    at += np.int64(n)
+    if at >= fields.size:
+        return False
+    code = np.int64(fields[at])
+    at += 1
+    if code >= itemsizes.size or itemsizes[code] == 0:
+        return False
+    isz = np.int64(itemsizes[code])
+    ndim, at, err = _uvarint(fields, at, MAX_NDIM)
+    if err:
+        return False
+    numel = np.int64(1)
+    for k in range(np.int64(ndim)):
+        d, at, err = _uvarint(fields, at, MAX_NUMEL)
+        if err:
+            return False
+        dim = np.int64(d)
+        ints[HEAD_SHAPE + k] = dim
+        if dim != 0 and numel > MAX_NUMEL // dim:
+            return False
+        numel *= dim
+    be, at, err = _uvarint(fields, at, max_block_bytes)
+    if err:
+        return False
+    block_elems = np.int64(be)
+    if block_elems < 1 or block_elems * isz > max_block_bytes:
+        return False
+    nb_, at, err = _uvarint(fields, at, fields.size - at)
+    if err:
+        return False
+    n_blocks = np.int64(nb_)
+    if n_blocks != (numel + block_elems - 1) // block_elems:
+        return False
+    total = np.int64(0)
+    for i in range(n_blocks):
+        elems = min(block_elems, numel - i * block_elems)
+        size, at, err = _uvarint(fields, at, 1 + elems * isz)
+        if err:
+            return False
+        ints[HEAD_SIZES + i] = np.int64(size)
+        total += np.int64(size)
+    if at + DIGEST_BYTES != fields.size:
+        return False
+    ints[2], ints[3], ints[4], ints[5], ints[6], ints[7] = code, np.int64(ndim), block_elems, n_blocks, at, total
+    return True
+
+
+INDEX_ROW = 7  # index_entries' columns: name offset and length, dtype code, ndim, offset, length, digest offset
+
+
+@nb.njit(cache=True, nogil=True)
+def index_entries(body, itemsizes, max_tensors, first_offset, index_offset, rows, dims):
+    """The index body parsed and checked as `snapshot._parse_index` does, but for the names'
+    UTF-8 and their uniqueness: (True, entries, dims in all) if it holds, else (False, 0, 0).
+    With `rows` empty it only counts; then with `rows` (entries x INDEX_ROW int64) and `dims`
+    (int64, every entry's shape back to back) of those sizes it fills them. Records must follow
+    one another from `first_offset` and end at `index_offset`."""
+    fill = rows.size > 0
+    n, at, err = _uvarint(body, 0, min(max_tensors, body.size))
+    if err:
+        return False, 0, 0
+    expect = np.int64(first_offset)
+    total_dims = np.int64(0)
+    for e in range(np.int64(n)):
+        k, at, err = _uvarint(body, at, 1 << 16)
+        if err or at + np.int64(k) > body.size:
+            return False, 0, 0
+        name_at = at
+        at += np.int64(k)
+        if at >= body.size:
+            return False, 0, 0
+        code = np.int64(body[at])
+        at += 1
+        if code >= itemsizes.size or itemsizes[code] == 0:
+            return False, 0, 0
+        ndim, at, err = _uvarint(body, at, MAX_NDIM)
+        if err:
+            return False, 0, 0
+        numel = np.int64(1)
+        for j in range(np.int64(ndim)):
+            d, at, err = _uvarint(body, at, MAX_NUMEL)
+            if err:
+                return False, 0, 0
+            dim = np.int64(d)
+            if fill:
+                dims[total_dims + j] = dim
+            if dim != 0 and numel > MAX_NUMEL // dim:
+                return False, 0, 0
+            numel *= dim
+        offset, at, err = _uvarint(body, at, (1 << 63) - 1)
+        if err:
+            return False, 0, 0
+        length, at, err = _uvarint(body, at, (1 << 63) - 1)
+        if err:
+            return False, 0, 0
+        if np.int64(offset) != expect or np.int64(length) < 5 or np.int64(length) > index_offset:
+            return False, 0, 0
+        expect += np.int64(length)
+        if at + DIGEST_BYTES > body.size:
+            return False, 0, 0
+        if fill:
+            rows[e, 0], rows[e, 1], rows[e, 2], rows[e, 3] = name_at, np.int64(k), code, np.int64(ndim)
+            rows[e, 4], rows[e, 5], rows[e, 6] = np.int64(offset), np.int64(length), at
+        at += DIGEST_BYTES
+        total_dims += np.int64(ndim)
+    if at != body.size or expect != index_offset:
+        return False, 0, 0
+    return True, np.int64(n), total_dims
 
 
 @nb.njit(cache=True, nogil=True)
@@ -674,7 +801,7 @@ def decode_pair_groups(table, body, w0, n_words, residual, out, function, state)
 
 DONE, NEED_ZSTD, NEED_RESIDUAL, FAULT = 0, 1, 2, 3  # decode_record's outcomes
 # a fault's codes besides block_head's and pair_block_head's (snapshot.py words them all)
-F_EMPTY, F_STORED, F_KIND, F_RESIDUAL_SIZE, F_RESIDUAL_CODEC, F_BAD_STATES, F_CORRUPT = range(20, 27)
+F_EMPTY, F_STORED, F_KIND, F_RESIDUAL_SIZE, F_RESIDUAL_CODEC, F_BAD_STATES, F_CORRUPT, F_DIGEST = range(20, 28)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -691,7 +818,7 @@ def _bf16_block(kind, body, w0, n_words, residual, out, table, ptable, function,
 
 @nb.njit(cache=True, nogil=True)
 def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw, out,
-                  freq, table, codes, pfreq, ptable, function, state):
+                  freq, table, codes, pfreq, ptable, functions, state, header, expected):
     """A record's blocks from block `first` on (their bytes back to back in `buf`, block i of
     `sizes[i]` bytes, `block_elems` elements of `itemsize` bytes each but the last) into `raw`,
     the tensor's bytes; BF16 kinds (those set in the bit mask `kinds`: the object's version and
@@ -701,7 +828,17 @@ def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw
     (NEED_RESIDUAL, `value` the plane's offset in buf: called again from that block, with the
     plane decompressed as `residual`, it decodes on), and at the first fault (FAULT: `code`, one
     of block_head's or an F_ code, and `value`). (outcome, block, code, value, the block's offset
-    in buf). `freq`, `table`, `codes`, `pfreq` and `ptable` are the caller's scratch."""
+    in buf). `freq`, `table`, `codes`, `pfreq` and `ptable` are the caller's scratch.
+
+    The digest: with `functions` (`hashing.NATIVE.functions()`; empty, nothing is hashed here)
+    the XXH3 `state` is reset and fed the tensor's `header` when `first` is 0, then every block
+    in order (a caller feeds what it decompresses itself before calling again); with `expected`
+    too (16 bytes, the record's digest; only where `hashing.KERNEL_DIGESTS`) the kernel finishes
+    it and a mismatch is a FAULT with F_DIGEST. Python then makes no call per tensor for it."""
+    function = functions[1] if functions.size else np.uintp(0)
+    if function and first == 0:
+        hash_reset(functions[0], state)
+        hash_update(function, state, header, 0, header.size)
     at = np.int64(0)
     for i in range(first):
         at += np.int64(sizes[i])
@@ -755,4 +892,12 @@ def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw
         else:
             return FAULT, i, F_KIND, kind, at
         at += size
+    if function and expected.size:
+        lo, hi = hash_digest(functions[2], state)
+        want_hi, want_lo = _U(0), _U(0)
+        for k in range(8):
+            want_hi = (want_hi << _U(8)) | _U(expected[k])
+            want_lo = (want_lo << _U(8)) | _U(expected[8 + k])
+        if hi != want_hi or lo != want_lo:
+            return FAULT, sizes.size, F_DIGEST, zero, at
     return DONE, sizes.size, 0, zero, at

@@ -80,15 +80,17 @@ def test_every_dtype_round_trips_from_every_source(tmp_path):
         assert_bit_exact(got, {k: v.contiguous() for k, v in tensors.items()})
 
 
-def test_decoding_without_kernel_digests_verifies_the_same(monkeypatch):
+@pytest.mark.parametrize("missing", ["NATIVE", "KERNEL_DIGESTS"])
+def test_decoding_without_kernel_digests_verifies_the_same(monkeypatch, missing):
     """Where the xxhash wheel exports no C API (hashing.NATIVE None), no kernel feeds a digest:
-    the reader hashes each tensor from Python instead. Every block kind, zstd blocks and a
+    the reader hashes each tensor from Python instead; where kernels may feed one but not finish
+    it (hashing.KERNEL_DIGESTS False), Python finishes it. Every block kind, zstd blocks and a
     zstd-coded residual plane decode the same, and damage is still caught."""
     tensors = every_dtype(np.random.default_rng(5))
     tensors["bf16-pairs"] = random_bf16_weights((3 * 1024 + 5,), np.random.default_rng(6))
     blobs = [b"".join(codec.encode_snapshot(tensors.items(), version=v, bf16_block_elems=1024,
                                             **({"pairs": "always"} if v == 3 else {}))) for v in (1, 2, 3)]
-    monkeypatch.setattr(hashing, "NATIVE", None)
+    monkeypatch.setattr(hashing, missing, None if missing == "NATIVE" else False)
     for blob in blobs:
         assert_bit_exact(dict(codec.decode_snapshot(blob)), {k: v.contiguous() for k, v in tensors.items()})
         bad = bytearray(blob)
@@ -284,6 +286,109 @@ PREFIX_V3 = struct.pack("<4sHH", b"DRSN", 3, 0)
 def test_lying_heads_are_refused(head, reason):
     err = refused(PREFIX + head + bytes(64), reason)
     assert err.tensor == "x"
+
+
+def _head_fields(head: bytes) -> memoryview:
+    return memoryview(head)[5:-8]  # past the tag and length; before the checksum
+
+
+def test_kernel_head_parser_agrees_with_the_reference():
+    """`snapshot_rans.record_head` (the fast path) accepts exactly the heads the Python reference
+    parser accepts, with the same fields: every head of a real object, the forged ones above, and
+    thousands of damaged ones (bytes changed, cut, extended, checksum made valid again)."""
+    tensors = every_dtype(np.random.default_rng(9))
+    tensors["multi"] = random_bf16_weights((3 * 1024 + 5,), np.random.default_rng(10))
+    blob = b"".join(codec.encode_snapshot(tensors.items(), bf16_block_elems=1024))
+    heads = []
+    at = snapshot.PREFIX.size
+    while blob[at] == snapshot.TAG_RECORD:
+        (n,) = struct.unpack_from("<I", blob, at + 1)
+        fields = blob[at + 5:at + 5 + n - 8]
+        heads.append(fields)
+        head = snapshot._parse_head(snapshot._Source(b"", "t"), memoryview(fields), 5 + n)
+        at += 5 + n + int(head.sizes.sum())
+    assert len(heads) == len(tensors)
+    heads += [bytes(_head_fields(h)) for h in (
+        forged_head("x", 99, (4,), 4, [9]), forged_head("x", 7, (1 << 30, 1 << 30), 1 << 18, []),
+        forged_head("x", 7, (1 << 40,), 1 << 18, [1]), forged_head("x", 8, (4,), 1 << 21, [17]),
+        forged_head("x", 7, (4,), 4, [10]), forged_head("x", 7, (4,), 0, []), forged_head("x", 7, (), 4, [3]),
+        forged_head("x", 7, (0, 5), 4, []), forged_head("x", 7, (1 << 24, 1 << 24), 1 << 21, []))]
+    heads.append(bytes(_head_fields(forged_head("xy", 7, (1,), 1, [3]))).replace(b"xy", b"\xff\xfe", 1))
+    rng = np.random.default_rng(11)
+    cases = list(heads)
+    for fields in heads:
+        for _ in range(300):
+            b = bytearray(fields)
+            op = rng.integers(4)
+            if op == 0 or not b:
+                b += bytes(rng.integers(0, 256, rng.integers(1, 4), dtype=np.uint8))
+            elif op == 1:
+                del b[rng.integers(len(b)):]
+            else:
+                for _ in range(rng.integers(1, 3)):
+                    b[rng.integers(len(b))] = int(rng.integers(256)) if op == 2 else b[rng.integers(len(b))] ^ 0x80
+            cases.append(bytes(b))
+    tables = snapshot._Tables()
+    accepted = 0
+    for fields in cases:
+        a = np.frombuffer(fields, np.uint8)
+        fast = snapshot_rans.record_head(a, snapshot._ITEMSIZES, snapshot.MAX_BLOCK_BYTES, tables.head_ints(a.size))
+        try:
+            ref = snapshot._parse_head(snapshot._Source(b"", "t"), memoryview(fields), 5 + len(fields) + 8)
+        except codec.SnapshotError:
+            ref = None
+        if ref is None:
+            if fast:  # the kernel may pass a name that is not UTF-8: the reader then asks the reference
+                at, n = tables.head_ints(a.size)[:2]
+                with pytest.raises(UnicodeDecodeError):
+                    fields[at:at + n].decode("utf-8", "strict")
+            continue
+        assert fast, fields
+        accepted += 1
+        src = snapshot._Source(struct.pack("<I", len(fields) + 8) + fields + xxhash.xxh3_64_digest(fields), "t")
+        got = snapshot._record_head(src, tables)
+        assert (got.name, got.dt, got.shape, got.block_elems, got.sizes.tolist(), got.digest, got.length) == \
+            (ref.name, ref.dt, ref.shape, ref.block_elems, ref.sizes.tolist(), ref.digest, ref.length)
+    assert accepted > len(heads)  # some damage leaves a valid head: those must agree field by field
+
+
+def _outcome(parse, *args):
+    try:
+        return parse(*args)
+    except codec.SnapshotError as exc:
+        return str(exc)
+
+
+def test_kernel_index_parser_agrees_with_the_reference():
+    """`snapshot._parse_index` (its kernel, `snapshot_rans.index_entries`, then names) returns
+    what the Python reference returns, or refuses with the reference's words, for a real index
+    and thousands of damaged ones (including repeated and non-UTF-8 names)."""
+    tensors = every_dtype(np.random.default_rng(12))
+    tensors["a"] = torch.zeros(0, dtype=torch.bfloat16)
+    tensors["é"] = torch.ones((2, 0, 3), dtype=torch.float32)
+    blob = b"".join(codec.encode_snapshot(tensors.items()))
+    offset, length = struct.unpack_from("<QI", blob, len(blob) - snapshot.TRAILER.size)
+    body = blob[offset + 5:offset + 5 + length]
+    rng = np.random.default_rng(13)
+    cases = [body, body.replace(b"\x01a", b"\x01b", 1), body.replace("é".encode(), b"\xff\xfe", 1)]
+    for _ in range(3000):
+        b = bytearray(body)
+        op = rng.integers(4)
+        if op == 0:
+            b += bytes(rng.integers(0, 256, rng.integers(1, 4), dtype=np.uint8))
+        elif op == 1:
+            del b[rng.integers(len(b)):]
+        else:
+            for _ in range(rng.integers(1, 3)):
+                b[rng.integers(len(b))] = int(rng.integers(256)) if op == 2 else b[rng.integers(len(b))] ^ 0x80
+        cases.append(bytes(b))
+    accepted = 0
+    for case in cases:
+        src = snapshot._Source(b"", "t")
+        ref = _outcome(snapshot._parse_index_words, src, memoryview(case), offset)
+        assert _outcome(snapshot._parse_index, src, memoryview(case), offset) == ref
+        accepted += isinstance(ref, list)
+    assert accepted > 1  # damage that leaves a valid index (a digest byte, say) must agree entry by entry
 
 
 def test_head_claiming_a_huge_tensor_allocates_nothing_big():

@@ -190,5 +190,6 @@ def test_snapshot_warm_up_paths_leave_nothing_to_compile(tmp_path):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["warm"] == ["_bf16_block", "block_head", "decode_block", "decode_groups", "decode_pair_groups",
                               "decode_record", "encode_block", "encode_groups", "encode_pair_groups", "histograms",
-                              "pair_block_head", "pair_codes", "pair_histogram", "pair_slot_table", "slot_table"]
+                              "index_entries", "pair_block_head", "pair_codes", "pair_histogram", "pair_slot_table",
+                              "record_head", "slot_table"]
     assert result["later"] == {}
