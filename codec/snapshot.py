@@ -15,7 +15,9 @@ tensor carries the codec's xxh3-128 tensor digest (`hashing`), checked before it
 from __future__ import annotations
 
 import io
+import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -54,6 +56,8 @@ PAIR_SLACK = 1.01  # kind 4 is taken while its estimated size is within 1% of ki
 PAIR_MIN_ELEMS = 1 << 15  # and only in blocks this large: below, its table never pays (and costs a 2**16 scan)
 RESIDUAL_TRY_BITS = 7.5  # the residual plane is tried through zstd-1 below this order-0 entropy
 READ_CHUNK = 8 << 20
+MAP_AT_LEAST = 1 << 18  # a record's blocks of this many bytes or more are mapped from a file, not read
+_MAP_FLAGS = (mmap.MAP_SHARED | mmap.MAP_POPULATE) if hasattr(mmap, "MAP_POPULATE") else None
 
 
 class SnapshotError(DeltaError):
@@ -352,6 +356,8 @@ class _Source:
                 raise self._truncated(sizes, len(self._mv) - self.pos, tensor)
             out = np.frombuffer(self._mv, np.uint8, total, self.pos)
             self.pos += total
+        elif total >= MAP_AT_LEAST and (mapped := self._map(total)) is not None:
+            out = mapped
         else:
             readinto = getattr(self._f, "readinto", None)
             if readinto is not None and self._readinto(readinto, sizes, total, tensor):
@@ -363,6 +369,29 @@ class _Source:
         if out.flags.writeable:  # one array type for the kernel, whatever the source
             out = out.view()
             out.flags.writeable = False
+        return out
+
+    def _map(self, total: int) -> np.ndarray | None:
+        """The next `total` bytes of a regular file, mapped read-only and populated in one call
+        (MAP_POPULATE), or None where that cannot be done (no such flag, no file descriptor, not
+        a regular file, bytes past its end, a file not where this source thinks: the caller
+        reads). Measured on all-MiniLM-L6-v2's spool file, from the page cache: read() into a
+        buffer ran at 1.4 GB/s, a mapping read through at 6.9; but pages faulted in one by one
+        while the kernel decodes cost as much as read() did, so the mapping is populated at once
+        (decoding the file: 61 -> 45 ms, from memory 40). Valid while the array lives."""
+        if _MAP_FLAGS is None or self._f is None:
+            return None
+        try:
+            fd = self._f.fileno()
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or self.pos + total > st.st_size or self._f.tell() != self.pos:
+                return None
+            base = self.pos - self.pos % mmap.ALLOCATIONGRANULARITY
+            m = mmap.mmap(fd, self.pos + total - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return None
+        out = np.frombuffer(m, np.uint8, total, self.pos - base)  # holds the mapping until dropped
+        self.seek(self.pos + total)
         return out
 
     def _truncated(self, sizes: np.ndarray, got: int, tensor: str) -> SnapshotError:

@@ -8,7 +8,9 @@ tensor where there is one), never anything else and never wrong tensors; encode 
 from __future__ import annotations
 
 import io
+import os
 import struct
+import threading
 import tracemalloc
 
 import numpy as np
@@ -97,6 +99,50 @@ def test_decoding_without_kernel_digests_verifies_the_same(monkeypatch, missing)
         bad[len(blob) // 2] ^= 0x01
         with pytest.raises(codec.SnapshotError):
             dict(codec.decode_snapshot(bytes(bad)))
+
+
+def test_large_records_are_mapped_from_files_and_read_otherwise(tmp_path, monkeypatch):
+    """A file's records of MAP_AT_LEAST bytes or more are mapped (one populated read-only
+    mapping each), smaller ones read; a file that is not where the reader expects it (the object
+    embedded after other bytes), a pipe and a platform without MAP_POPULATE fall back to reads.
+    Every way decodes the same tensors."""
+    rng = np.random.default_rng(14)
+    tensors = {"big": random_bf16_weights((snapshot.BF16_BLOCK_ELEMS + 7,), rng),
+               "small": random_tensor(torch.float32, (9,), rng)}
+    blob = encoded(tensors)
+    path = tmp_path / "s.drsn"
+    path.write_bytes(blob)
+    maps = []
+    real = snapshot._Source._map
+
+    def counting(self, total):
+        out = real(self, total)
+        maps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(snapshot._Source, "_map", counting)
+    assert_bit_exact(dict(codec.decode_snapshot(path)), tensors)
+    assert maps == [True]  # the big record mapped; the small one under MAP_AT_LEAST read
+    with open(path, "rb") as f:
+        assert_bit_exact(dict(codec.decode_snapshot(f, only={"big"})), {"big": tensors["big"]})
+    assert maps == [True, True]
+    embedded = tmp_path / "embedded"
+    embedded.write_bytes(b"x" * 5 + blob)
+    with open(embedded, "rb") as f:
+        f.read(5)
+        assert_bit_exact(dict(codec.decode_snapshot(f)), tensors)
+    assert maps[2:] == [False]
+    r, w = os.pipe()
+    with os.fdopen(w, "wb") as wf:
+        writer = threading.Thread(target=lambda: (wf.write(blob), wf.close()))
+        writer.start()
+        with os.fdopen(r, "rb") as rf:
+            assert_bit_exact(dict(codec.decode_snapshot(rf)), tensors)
+        writer.join()
+    assert maps[3:] == [False]
+    monkeypatch.setattr(snapshot, "_MAP_FLAGS", None)
+    assert_bit_exact(dict(codec.decode_snapshot(path)), tensors)
+    assert maps[4:] == [False]
 
 
 def test_large_bf16_tensor_spans_blocks_and_compresses():
