@@ -56,7 +56,7 @@ PAIR_SLACK = 1.01  # kind 4 is taken while its estimated size is within 1% of ki
 PAIR_MIN_ELEMS = 1 << 15  # and only in blocks this large: below, its table never pays (and costs a 2**16 scan)
 RESIDUAL_TRY_BITS = 7.5  # the residual plane is tried through zstd-1 below this order-0 entropy
 READ_CHUNK = 8 << 20
-MAP_AT_LEAST = 1 << 18  # a record's blocks of this many bytes or more are mapped from a file, not read
+MAP_AT_LEAST = 1 << 16  # a record's blocks of this many bytes or more are mapped from a file, not read
 _MAP_FLAGS = (mmap.MAP_SHARED | mmap.MAP_POPULATE) if hasattr(mmap, "MAP_POPULATE") else None
 
 
@@ -378,7 +378,9 @@ class _Source:
         reads). Measured on all-MiniLM-L6-v2's spool file, from the page cache: read() into a
         buffer ran at 1.4 GB/s, a mapping read through at 6.9; but pages faulted in one by one
         while the kernel decodes cost as much as read() did, so the mapping is populated at once
-        (decoding the file: 61 -> 45 ms, from memory 40). Valid while the array lives."""
+        (decoding the file: 61 -> 45 ms, from memory 40). Valid while the array lives. (A file
+        that another process truncates while it is mapped would raise SIGBUS here: the relay maps
+        only its own spool and staging files; pass a pipe or BytesIO to read without mapping.)"""
         if _MAP_FLAGS is None or self._f is None:
             return None
         try:
