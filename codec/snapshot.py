@@ -48,9 +48,7 @@ MAX_BLOCK_BYTES = 1 << 22  # block_elems * itemsize
 MAX_HEAD = 1 << 24
 MAX_INDEX = 1 << 28
 MAX_TENSORS = 1 << 20
-MAX_NAME = 1 << 16
-MAX_NDIM = 32
-MAX_NUMEL = 1 << 48
+MAX_NAME, MAX_NDIM, MAX_NUMEL = snapshot_rans.MAX_NAME, snapshot_rans.MAX_NDIM, snapshot_rans.MAX_NUMEL  # one source
 ZSTD_LEVEL = 3
 PAIR_SLACK = 1.01  # kind 4 is taken while its estimated size is within 1% of kind 3's
 PAIR_MIN_ELEMS = 1 << 15  # and only in blocks this large: below, its table never pays (and costs a 2**16 scan)
@@ -298,8 +296,9 @@ def write_snapshot(named: Iterable[tuple[str, torch.Tensor]], f: IO[bytes]) -> t
 class _Source:
     """Exact reads from bytes, a path or a binary file object, each refused if short."""
 
-    def __init__(self, src: object, where: str) -> None:
+    def __init__(self, src: object, where: str, map_files: bool = False) -> None:
         self.where = where
+        self.map_files = map_files  # see _map
         self._own: BinaryIO | None = None
         self._mv: memoryview | None = None
         self._f: IO[bytes] | None = None
@@ -356,7 +355,7 @@ class _Source:
                 raise self._truncated(sizes, len(self._mv) - self.pos, tensor)
             out = np.frombuffer(self._mv, np.uint8, total, self.pos)
             self.pos += total
-        elif total >= MAP_AT_LEAST and (mapped := self._map(total)) is not None:
+        elif self.map_files and total >= MAP_AT_LEAST and (mapped := self._map(total)) is not None:
             out = mapped
         else:
             readinto = getattr(self._f, "readinto", None)
@@ -375,18 +374,22 @@ class _Source:
         """The next `total` bytes of a regular file, mapped read-only and populated in one call
         (MAP_POPULATE), or None where that cannot be done (no such flag, no file descriptor, not
         a regular file, bytes past its end, a file not where this source thinks: the caller
-        reads). Measured on all-MiniLM-L6-v2's spool file, from the page cache: read() into a
+        reads; only an io.FileIO, or a buffered reader over one, maps). Measured on
+        all-MiniLM-L6-v2's spool file, from the page cache: read() into a
         buffer ran at 1.4 GB/s, a mapping read through at 6.9; but pages faulted in one by one
         while the kernel decodes cost as much as read() did, so the mapping is populated at once
-        (decoding the file: 61 -> 45 ms, from memory 40). Valid while the array lives. (A file
-        that another process truncates while it is mapped would raise SIGBUS here: the relay maps
-        only its own spool and staging files; pass a pipe or BytesIO to read without mapping.)"""
-        if _MAP_FLAGS is None or self._f is None:
+        (decoding the file: 61 -> 45 ms, from memory 40). Valid while the array lives. Only with
+        `map_files`: a file that another process truncates while it is mapped kills this one
+        (SIGBUS), where a read would have raised, so only callers that own the file (the relay's
+        spool files) ask for it."""
+        f = self._f
+        raw = f.raw if isinstance(f, (io.BufferedReader, io.BufferedRandom)) else f
+        if f is None or _MAP_FLAGS is None or not isinstance(raw, io.FileIO):  # gzip's fileno is not its bytes
             return None
         try:
-            fd = self._f.fileno()
+            fd = raw.fileno()
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or self.pos + total > st.st_size or self._f.tell() != self.pos:
+            if not stat.S_ISREG(st.st_mode) or self.pos + total > st.st_size or f.tell() != self.pos:
                 return None
             base = self.pos - self.pos % mmap.ALLOCATIONGRANULARITY
             m = mmap.mmap(fd, self.pos + total - base, flags=_MAP_FLAGS, prot=mmap.PROT_READ, offset=base)
@@ -770,13 +773,15 @@ def _parse_index(src: _Source, body: memoryview, index_offset: int) -> list[Snap
     """The index's entries. A kernel parses and checks the body (`snapshot_rans.index_entries`:
     Python's parse cost ~10 us an entry, a tenth of a small tensor's decode); names are decoded
     and checked for repeats here; anything refused is refused again, in words, by `_parse_index_words`."""
+    body = memoryview(bytes(body))  # a copy: both passes must see the bytes the checksum saw
     a = np.frombuffer(body, np.uint8)
     R = snapshot_rans
     ok, n, n_dims = R.index_entries(a, _ITEMSIZES, MAX_TENSORS, PREFIX.size, index_offset, _NO_ROWS, _NO_DIMS)
     if ok:
         rows = np.empty((n, R.INDEX_ROW), np.int64)
         dims = np.empty(n_dims, np.int64)
-        R.index_entries(a, _ITEMSIZES, MAX_TENSORS, PREFIX.size, index_offset, rows, dims)
+        if R.index_entries(a, _ITEMSIZES, MAX_TENSORS, PREFIX.size, index_offset, rows, dims) != (True, n, n_dims):
+            raise src.error("index parsed differently twice (a reader bug)")
         entries: list[SnapshotEntry] = []
         names: set[str] = set()
         d = 0
@@ -847,15 +852,17 @@ def _matches(head: _Head, e: SnapshotEntry) -> bool:
         (e.name, e.dtype, e.shape, e.digest, e.length)
 
 
-def decode_snapshot(src: object, only: set[str] | None = None, *,
-                    where: str = "snapshot") -> Iterator[tuple[str, torch.Tensor]]:
+def decode_snapshot(src: object, only: set[str] | None = None, *, where: str = "snapshot",
+                    map_files: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for each tensor of the snapshot object in `src` (bytes, a path or a binary
     file; a pipe will do), in the object's order, each yielded only once its digest verifies;
     with `only`, just those names (a seekable source seeks past the rest). Raises SnapshotError,
     naming `where`, on anything truncated, corrupt or over a limit, also after the last tensor if
     the index disagrees with the records: a caller has the whole snapshot only once the iterator
-    is exhausted. Memory: one tensor and its compressed bytes."""
-    s = _Source(src, where)
+    is exhausted. Memory: one tensor and its compressed bytes. `map_files`: a regular file's large
+    records are mapped rather than read (faster where read() is slow; only for a file no other
+    process truncates, see `_Source._map`)."""
+    s = _Source(src, where, map_files)
     try:
         if only is not None and s.seekable():
             entries = _read_index(s)

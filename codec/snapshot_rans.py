@@ -36,7 +36,7 @@ import numba as nb
 import numpy as np
 
 from . import rans
-from .hashing import hash_digest, hash_reset, hash_update
+from .hashing import DIGEST_SIZE, hash_digest, hash_reset, hash_update
 
 SCALE = 12
 STATES = 4  # kind 2
@@ -105,8 +105,10 @@ def _uvarint(body, at, limit):
     return value, at, OK
 
 
-HEAD_SHAPE, HEAD_SIZES = 8, 8 + 32  # where record_head puts the shape and the block sizes in `ints`
-MAX_NDIM, MAX_NUMEL, DIGEST_BYTES = 32, 1 << 48, 16  # snapshot.py's limits
+HEAD_SHAPE = 8  # where record_head puts the shape in `ints` (HEAD_SIZES: the block sizes)
+MAX_NAME, MAX_NDIM, MAX_NUMEL = 1 << 16, 32, 1 << 48  # a snapshot's limits (snapshot.py takes them from here)
+DIGEST_BYTES = DIGEST_SIZE
+HEAD_SIZES = HEAD_SHAPE + MAX_NDIM
 
 
 @nb.njit(cache=True, nogil=True)
@@ -118,7 +120,7 @@ def record_head(fields, itemsizes, max_block_bytes, ints):
     `itemsizes` maps a dtype code to its item size (0: unknown). True if they hold; False for
     anything the Python parser refuses, which then words the refusal (it is the reference: a
     test holds the two to the same verdicts)."""
-    n, at, err = _uvarint(fields, 0, 1 << 16)
+    n, at, err = _uvarint(fields, 0, MAX_NAME)
     if err or at + np.int64(n) > fields.size:
         return False
     ints[0], ints[1] = at, np.int64(n)
@@ -186,7 +188,7 @@ def index_entries(body, itemsizes, max_tensors, first_offset, index_offset, rows
     expect = np.int64(first_offset)
     total_dims = np.int64(0)
     for e in range(np.int64(n)):
-        k, at, err = _uvarint(body, at, 1 << 16)
+        k, at, err = _uvarint(body, at, MAX_NAME)
         if err or at + np.int64(k) > body.size:
             return False, 0, 0
         name_at = at

@@ -542,7 +542,8 @@ def read_snapshot_file(path: str | os.PathLike, where: str | None = None, only: 
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         with os.fdopen(fd, "rb", buffering=0) as f:
-            return dict(codec.decode_snapshot(f, only=only, where=where)), {}
+            # our own spool and staging files: mapped (no other process truncates them under us)
+            return dict(codec.decode_snapshot(f, only=only, where=where, map_files=True)), {}
     except codec.SnapshotError as exc:
         raise SafetensorsError(f"compressed snapshot {exc}") from None
 

@@ -7,6 +7,7 @@ tensor where there is one), never anything else and never wrong tensors; encode 
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import struct
@@ -102,10 +103,11 @@ def test_decoding_without_kernel_digests_verifies_the_same(monkeypatch, missing)
 
 
 def test_large_records_are_mapped_from_files_and_read_otherwise(tmp_path, monkeypatch):
-    """A file's records of MAP_AT_LEAST bytes or more are mapped (one populated read-only
-    mapping each), smaller ones read; a file that is not where the reader expects it (the object
-    embedded after other bytes), a pipe and a platform without MAP_POPULATE fall back to reads.
-    Every way decodes the same tensors."""
+    """With `map_files`, a file's records of MAP_AT_LEAST bytes or more are mapped (one populated
+    read-only mapping each), smaller ones read; without it (the default: a file another process
+    truncates under a mapping would kill the reader), a file not where the reader expects it
+    (the object embedded after other bytes), a pipe, a wrapper whose fileno is not its bytes
+    (gzip) and a platform without MAP_POPULATE, everything is read. Every way decodes the same."""
     rng = np.random.default_rng(14)
     tensors = {"big": random_bf16_weights((snapshot.BF16_BLOCK_ELEMS + 7,), rng),
                "small": random_tensor(torch.float32, (9,), rng)}
@@ -122,27 +124,34 @@ def test_large_records_are_mapped_from_files_and_read_otherwise(tmp_path, monkey
 
     monkeypatch.setattr(snapshot._Source, "_map", counting)
     assert_bit_exact(dict(codec.decode_snapshot(path)), tensors)
+    assert maps == []  # not asked to map
+    assert_bit_exact(dict(codec.decode_snapshot(path, map_files=True)), tensors)
     assert maps == [True]  # the big record mapped; the small one under MAP_AT_LEAST read
     with open(path, "rb") as f:
-        assert_bit_exact(dict(codec.decode_snapshot(f, only={"big"})), {"big": tensors["big"]})
-    assert maps == [True, True]
+        assert_bit_exact(dict(codec.decode_snapshot(f, only={"big"}, map_files=True)), {"big": tensors["big"]})
+    with open(path, "rb", buffering=0) as f:
+        assert_bit_exact(dict(codec.decode_snapshot(f, map_files=True)), tensors)
+    assert maps == [True, True, True]
     embedded = tmp_path / "embedded"
     embedded.write_bytes(b"x" * 5 + blob)
     with open(embedded, "rb") as f:
         f.read(5)
-        assert_bit_exact(dict(codec.decode_snapshot(f)), tensors)
-    assert maps[2:] == [False]
+        assert_bit_exact(dict(codec.decode_snapshot(f, map_files=True)), tensors)
+    gz = tmp_path / "s.drsn.gz"
+    with gzip.open(gz, "wb") as g:
+        g.write(blob)
+    with gzip.open(gz, "rb") as g:
+        assert_bit_exact(dict(codec.decode_snapshot(g, map_files=True)), tensors)
     r, w = os.pipe()
     with os.fdopen(w, "wb") as wf:
         writer = threading.Thread(target=lambda: (wf.write(blob), wf.close()))
         writer.start()
         with os.fdopen(r, "rb") as rf:
-            assert_bit_exact(dict(codec.decode_snapshot(rf)), tensors)
+            assert_bit_exact(dict(codec.decode_snapshot(rf, map_files=True)), tensors)
         writer.join()
-    assert maps[3:] == [False]
     monkeypatch.setattr(snapshot, "_MAP_FLAGS", None)
-    assert_bit_exact(dict(codec.decode_snapshot(path)), tensors)
-    assert maps[4:] == [False]
+    assert_bit_exact(dict(codec.decode_snapshot(path, map_files=True)), tensors)
+    assert maps[3:] == [False] * 4
 
 
 def test_large_bf16_tensor_spans_blocks_and_compresses():
