@@ -30,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     summary = run_demo(store=args.store, steps=args.steps, regions=args.regions, watchers=args.watchers,
                        chart=args.chart, tiny=args.tiny, baseline_every=args.baseline_every, workdir=args.workdir,
                        json_path=args.json, copy_snapshots=args.copy_snapshots,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+                       snapshot_format=args.snapshot_format, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(summary["text"])
     return 0 if summary["ok"] else 1
 
@@ -51,6 +51,9 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--copy-snapshots", action="store_true",
                    help="relays copy every origin snapshot into the regions (the default: regional snapshots, "
                         "only one bootstrap snapshot crosses per region)")
+    p.add_argument("--snapshot-format", choices=("safetensors", "compressed"), default="compressed",
+                   help="the trainer's snapshot files (default: compressed, DRSN objects, so the bootstrap that "
+                        "crosses into each region is 0.66x the safetensors one)")
     p.set_defaults(func=_demo)
 
 

@@ -287,11 +287,13 @@ def fireworks_bytes(manifest: Any, manifests: int, every: int = FIREWORKS_EVERY)
 def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, watchers: int = 2,
              chart: str | os.PathLike | None = "out/demo.png", tiny: bool = False, baseline_every: int | None = None,
              workdir: str | os.PathLike | None = None, json_path: str | os.PathLike | None = None,
-             step_timeout: float = 180.0, copy_snapshots: bool = False, log: Callable[[str], None] = print) -> dict:
+             step_timeout: float = 180.0, copy_snapshots: bool = False, snapshot_format: str = "compressed",
+             log: Callable[[str], None] = print) -> dict:
     """Run the pipeline; returns the summary (`text`, `ok` and the numbers behind them).
 
     By default each region's relay runs in regional-snapshot mode (one origin snapshot crosses, to
-    bootstrap; the region builds the others); `copy_snapshots` copies every origin snapshot instead."""
+    bootstrap; the region builds the others); `copy_snapshots` copies every origin snapshot instead.
+    `snapshot_format`: the trainer's snapshot files (`Publisher(snapshot_format=...)`)."""
     Manifest, open_store = relay.Manifest, relay.open_store
     if not 1 <= regions <= len(REGION_NAMES):
         raise ValueError(f"--regions must be 1..{len(REGION_NAMES)}")
@@ -333,7 +335,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"a relay did not start: {_tail(work / 'logs' / f'relay-{sites[0].region}.log')}")
             time.sleep(0.05)
-        pub = relay.Publisher(origin.url, storage_options=origin.options)
+        pub = relay.Publisher(origin.url, storage_options=origin.options, snapshot_format=snapshot_format)
         prev: dict[str, torch.Tensor] | None = None
         checks = failures = 0
         publish_s: list[float] = []
@@ -432,6 +434,7 @@ def run_demo(*, store: str | None = None, steps: int = 30, regions: int = 3, wat
         "snapshot_bytes": snapshot_bytes, "naive_delta_bytes": naive_delta_bytes, "steps": steps + 1,
         "regions": names, "watchers_per_region": watchers,
         "relay_mode": "copy snapshots" if copy_snapshots else "regional snapshots",
+        "snapshot_format": snapshot_format,
         "store": "file" if store else "s3 (moto on loopback)", "checks": checks, "check_failures": failures,
         "problems": problems, "delta_bytes": delta_sizes, "publish_seconds": publish_s,
         "baselines": {k: {"label": anchors[k].label, "sizes": v} for k, v in baseline_sizes.items()},
@@ -472,7 +475,7 @@ def format_summary(s: dict) -> str:
         f" {s['steps']} steps published (0..{s['steps'] - 1}), regime {s['regime']}",
         f"stores: {s['store']}; origin + {len(s['regions'])} regions ({', '.join(s['regions'])}), one relay "
         f"({s.get('relay_mode', 'copy snapshots')}) and {s['watchers_per_region']} watcher processes per region; "
-        f"{s['seconds']:.0f}s in all",
+        f"{s['seconds']:.0f}s in all; the trainer's snapshots {s.get('snapshot_format', 'safetensors')}",
         f"bit-exact checks: {s['checks'] - s['check_failures']}/{s['checks']} (every watcher, every step)"
         + ("" if s["ok"] else "  FAILED"),
     ]
