@@ -89,6 +89,16 @@ class _Native:
             raise OSError(f"{path}: XXH3_128bits_update has no address")
         self.update_address: int = address
 
+    def feed(self, state: int, elems: np.ndarray) -> None:
+        """Feeds the XXH3 `state` `elems`' bytes, from Python."""
+        a = np.ascontiguousarray(elems)
+        self.update(state, a.ctypes.data, a.nbytes)
+
+    def digest_bytes(self, state: int) -> bytes:
+        """`state`'s 16-byte digest (big-endian high then low half, as xxhash's digest())."""
+        h = self.digest(state)
+        return h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big")
+
     def functions(self) -> np.ndarray:
         """(reset, update, digest) addresses for `hash_reset`, `hash_update` and `hash_digest`."""
         return np.array([ctypes.cast(f, ctypes.c_void_p).value for f in (self.reset, self.update, self.digest)],
@@ -135,13 +145,11 @@ class Running:
 
     def update(self, elems: np.ndarray) -> None:
         """Feeds `elems` from Python: the parts of a tensor that no kernel wrote."""
-        a = np.ascontiguousarray(elems)
-        self._native.update(self.state, a.ctypes.data, a.nbytes)
+        self._native.feed(self.state, elems)
 
     def digest(self) -> bytes:
         """The 16-byte digest (big-endian high then low half, as xxhash's digest())."""
-        h = self._native.digest(self.state)
-        return h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big")
+        return self._native.digest_bytes(self.state)
 
     def __del__(self) -> None:
         if getattr(self, "state", None):

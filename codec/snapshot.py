@@ -15,6 +15,7 @@ tensor carries the codec's xxh3-128 tensor digest (`hashing`), checked before it
 from __future__ import annotations
 
 import io
+import math
 import mmap
 import os
 import stat
@@ -346,7 +347,8 @@ class _Source:
 
     def read_blocks(self, sizes: np.ndarray, total: int, tensor: str) -> np.ndarray:
         """A record's blocks, back to back, as one read-only uint8 array. From memory, a view; from
-        a file, one buffer reused from record to record (valid until the next call): a new bytes
+        a file, with `map_files`, a mapping of a large record (`_map`), else one buffer reused
+        from record to record (valid until the next call): a new bytes
         object per block cost fresh pages each time. A buffer grows only as far as the file can
         back it (its size, or the bytes that arrived), so a length the file cannot back allocates
         no more than it holds. `total`: the sum of `sizes`."""
@@ -550,12 +552,9 @@ def _record_head(src: _Source, tables: _Tables) -> _Head:
             pass  # _parse_head words it
         else:
             shape = tuple(ints[R.HEAD_SHAPE:R.HEAD_SHAPE + ndim].tolist())
-            numel = 1
-            for d in shape:
-                numel *= d
             sizes = ints[R.HEAD_SIZES:R.HEAD_SIZES + n_blocks].copy()
             return _Head(name, tensors.BY_CODE[code], shape, block_elems, sizes, bytes(fields[digest_at:]),
-                         5 + head_len, numel, total)
+                         5 + head_len, math.prod(shape), total)
     _parse_head(src, fields, 5 + head_len)
     raise src.error("record head refused by the kernel parser but not by the reference (a reader bug)")
 
@@ -575,10 +574,7 @@ def _parse_head(src: _Source, fields: memoryview, length: int) -> _Head:
         block_elems = r.uvarint(MAX_BLOCK_BYTES)
         if block_elems < 1 or block_elems * dt.itemsize > MAX_BLOCK_BYTES:
             raise DeltaError(f"block of {block_elems} elements of {dt.name} (at most {MAX_BLOCK_BYTES} bytes)")
-        numel = 1
-        for d in shape:
-            numel *= d
-        head = _Head(name, dt, shape, block_elems, np.zeros(0, np.int64), b"", length, numel, 0)
+        head = _Head(name, dt, shape, block_elems, np.zeros(0, np.int64), b"", length, math.prod(shape), 0)
         n_blocks = r.uvarint(r.remaining)
         expected = -(-head.numel // block_elems)
         if n_blocks != expected:
@@ -644,13 +640,12 @@ class _Tables:
     def feed(self, part: np.ndarray) -> None:
         """Feeds the digest in progress what Python decompressed (the kernel feeds the rest)."""
         assert self._native is not None
-        self._native.update(int(self.state), part.ctypes.data, part.nbytes)
+        self._native.feed(int(self.state), part)
 
     def digest(self) -> bytes:
         """The digest in progress, finished from Python (where kernels cannot finish one)."""
         assert self._native is not None
-        h = self._native.digest(int(self.state))
-        return h.high64.to_bytes(8, "big") + h.low64.to_bytes(8, "big")
+        return self._native.digest_bytes(int(self.state))
 
 
 _NO_RESIDUAL = np.frombuffer(b"", np.uint8)  # read-only, as a decompressed residual plane is

@@ -107,8 +107,42 @@ def _uvarint(body, at, limit):
 
 HEAD_SHAPE = 8  # where record_head puts the shape in `ints` (HEAD_SIZES: the block sizes)
 MAX_NAME, MAX_NDIM, MAX_NUMEL = 1 << 16, 32, 1 << 48  # a snapshot's limits (snapshot.py takes them from here)
-DIGEST_BYTES = DIGEST_SIZE
 HEAD_SIZES = HEAD_SHAPE + MAX_NDIM
+
+
+@nb.njit(inline="always", cache=True, nogil=True)
+def _name_dtype_shape(buf, at, itemsizes, dims, dims_at, store):
+    """A name (length and bytes), a dtype code and a shape, as record heads and index entries
+    both begin, from buf[at]; the shape's dims go to dims[dims_at:] if `store`. (ok, name
+    offset, name length, dtype code, ndim, numel, next offset); not ok on a malformed varint,
+    a limit, bytes past the end, an unknown dtype or over MAX_NUMEL elements."""
+    zero = np.int64(0)
+    n, at, err = _uvarint(buf, at, MAX_NAME)
+    if err or at + np.int64(n) > buf.size:
+        return False, zero, zero, zero, zero, zero, at
+    name_at = at
+    at += np.int64(n)
+    if at >= buf.size:
+        return False, zero, zero, zero, zero, zero, at
+    code = np.int64(buf[at])
+    at += 1
+    if code >= itemsizes.size or itemsizes[code] == 0:
+        return False, zero, zero, zero, zero, zero, at
+    ndim, at, err = _uvarint(buf, at, MAX_NDIM)
+    if err:
+        return False, zero, zero, zero, zero, zero, at
+    numel = np.int64(1)
+    for k in range(np.int64(ndim)):
+        d, at, err = _uvarint(buf, at, MAX_NUMEL)
+        if err:
+            return False, zero, zero, zero, zero, zero, at
+        dim = np.int64(d)
+        if store:
+            dims[dims_at + k] = dim
+        if dim != 0 and numel > MAX_NUMEL // dim:
+            return False, zero, zero, zero, zero, zero, at
+        numel *= dim
+    return True, name_at, np.int64(n), code, np.int64(ndim), numel, at
 
 
 @nb.njit(cache=True, nogil=True)
@@ -120,31 +154,12 @@ def record_head(fields, itemsizes, max_block_bytes, ints):
     `itemsizes` maps a dtype code to its item size (0: unknown). True if they hold; False for
     anything the Python parser refuses, which then words the refusal (it is the reference: a
     test holds the two to the same verdicts)."""
-    n, at, err = _uvarint(fields, 0, MAX_NAME)
-    if err or at + np.int64(n) > fields.size:
+    ok, name_at, name_len, code, ndim, numel, at = _name_dtype_shape(fields, np.int64(0), itemsizes, ints,
+                                                                     HEAD_SHAPE, True)
+    if not ok:
         return False
-    ints[0], ints[1] = at, np.int64(n)
-    at += np.int64(n)
-    if at >= fields.size:
-        return False
-    code = np.int64(fields[at])
-    at += 1
-    if code >= itemsizes.size or itemsizes[code] == 0:
-        return False
+    ints[0], ints[1] = name_at, name_len
     isz = np.int64(itemsizes[code])
-    ndim, at, err = _uvarint(fields, at, MAX_NDIM)
-    if err:
-        return False
-    numel = np.int64(1)
-    for k in range(np.int64(ndim)):
-        d, at, err = _uvarint(fields, at, MAX_NUMEL)
-        if err:
-            return False
-        dim = np.int64(d)
-        ints[HEAD_SHAPE + k] = dim
-        if dim != 0 and numel > MAX_NUMEL // dim:
-            return False
-        numel *= dim
     be, at, err = _uvarint(fields, at, max_block_bytes)
     if err:
         return False
@@ -165,9 +180,9 @@ def record_head(fields, itemsizes, max_block_bytes, ints):
             return False
         ints[HEAD_SIZES + i] = np.int64(size)
         total += np.int64(size)
-    if at + DIGEST_BYTES != fields.size:
+    if at + DIGEST_SIZE != fields.size:
         return False
-    ints[2], ints[3], ints[4], ints[5], ints[6], ints[7] = code, np.int64(ndim), block_elems, n_blocks, at, total
+    ints[2], ints[3], ints[4], ints[5], ints[6], ints[7] = code, ndim, block_elems, n_blocks, at, total
     return True
 
 
@@ -188,31 +203,9 @@ def index_entries(body, itemsizes, max_tensors, first_offset, index_offset, rows
     expect = np.int64(first_offset)
     total_dims = np.int64(0)
     for e in range(np.int64(n)):
-        k, at, err = _uvarint(body, at, MAX_NAME)
-        if err or at + np.int64(k) > body.size:
+        ok, name_at, k, code, ndim, numel, at = _name_dtype_shape(body, at, itemsizes, dims, total_dims, fill)
+        if not ok:
             return False, 0, 0
-        name_at = at
-        at += np.int64(k)
-        if at >= body.size:
-            return False, 0, 0
-        code = np.int64(body[at])
-        at += 1
-        if code >= itemsizes.size or itemsizes[code] == 0:
-            return False, 0, 0
-        ndim, at, err = _uvarint(body, at, MAX_NDIM)
-        if err:
-            return False, 0, 0
-        numel = np.int64(1)
-        for j in range(np.int64(ndim)):
-            d, at, err = _uvarint(body, at, MAX_NUMEL)
-            if err:
-                return False, 0, 0
-            dim = np.int64(d)
-            if fill:
-                dims[total_dims + j] = dim
-            if dim != 0 and numel > MAX_NUMEL // dim:
-                return False, 0, 0
-            numel *= dim
         offset, at, err = _uvarint(body, at, (1 << 63) - 1)
         if err:
             return False, 0, 0
@@ -222,13 +215,13 @@ def index_entries(body, itemsizes, max_tensors, first_offset, index_offset, rows
         if np.int64(offset) != expect or np.int64(length) < 5 or np.int64(length) > index_offset:
             return False, 0, 0
         expect += np.int64(length)
-        if at + DIGEST_BYTES > body.size:
+        if at + DIGEST_SIZE > body.size:
             return False, 0, 0
         if fill:
-            rows[e, 0], rows[e, 1], rows[e, 2], rows[e, 3] = name_at, np.int64(k), code, np.int64(ndim)
+            rows[e, 0], rows[e, 1], rows[e, 2], rows[e, 3] = name_at, k, code, ndim
             rows[e, 4], rows[e, 5], rows[e, 6] = np.int64(offset), np.int64(length), at
-        at += DIGEST_BYTES
-        total_dims += np.int64(ndim)
+        at += DIGEST_SIZE
+        total_dims += ndim
     if at != body.size or expect != index_offset:
         return False, 0, 0
     return True, np.int64(n), total_dims

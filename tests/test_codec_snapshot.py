@@ -347,6 +347,21 @@ def _head_fields(head: bytes) -> memoryview:
     return memoryview(head)[5:-8]  # past the tag and length; before the checksum
 
 
+def _damaged(data: bytes, rng: np.random.Generator) -> bytes:
+    """`data` with a few random bytes appended, cut short, or one or two bytes changed (set at
+    random, or their top bit flipped)."""
+    b = bytearray(data)
+    op = rng.integers(4)
+    if op == 0 or not b:
+        b += bytes(rng.integers(0, 256, rng.integers(1, 4), dtype=np.uint8))
+    elif op == 1:
+        del b[rng.integers(len(b)):]
+    else:
+        for _ in range(rng.integers(1, 3)):
+            b[rng.integers(len(b))] = int(rng.integers(256)) if op == 2 else b[rng.integers(len(b))] ^ 0x80
+    return bytes(b)
+
+
 def test_kernel_head_parser_agrees_with_the_reference():
     """`snapshot_rans.record_head` (the fast path) accepts exactly the heads the Python reference
     parser accepts, with the same fields: every head of a real object, the forged ones above, and
@@ -372,17 +387,7 @@ def test_kernel_head_parser_agrees_with_the_reference():
     rng = np.random.default_rng(11)
     cases = list(heads)
     for fields in heads:
-        for _ in range(300):
-            b = bytearray(fields)
-            op = rng.integers(4)
-            if op == 0 or not b:
-                b += bytes(rng.integers(0, 256, rng.integers(1, 4), dtype=np.uint8))
-            elif op == 1:
-                del b[rng.integers(len(b)):]
-            else:
-                for _ in range(rng.integers(1, 3)):
-                    b[rng.integers(len(b))] = int(rng.integers(256)) if op == 2 else b[rng.integers(len(b))] ^ 0x80
-            cases.append(bytes(b))
+        cases += [_damaged(fields, rng) for _ in range(300)]
     tables = snapshot._Tables()
     accepted = 0
     for fields in cases:
@@ -426,17 +431,7 @@ def test_kernel_index_parser_agrees_with_the_reference():
     body = blob[offset + 5:offset + 5 + length]
     rng = np.random.default_rng(13)
     cases = [body, body.replace(b"\x01a", b"\x01b", 1), body.replace("é".encode(), b"\xff\xfe", 1)]
-    for _ in range(3000):
-        b = bytearray(body)
-        op = rng.integers(4)
-        if op == 0:
-            b += bytes(rng.integers(0, 256, rng.integers(1, 4), dtype=np.uint8))
-        elif op == 1:
-            del b[rng.integers(len(b)):]
-        else:
-            for _ in range(rng.integers(1, 3)):
-                b[rng.integers(len(b))] = int(rng.integers(256)) if op == 2 else b[rng.integers(len(b))] ^ 0x80
-        cases.append(bytes(b))
+    cases += [_damaged(body, rng) for _ in range(3000)]
     accepted = 0
     for case in cases:
         src = snapshot._Source(b"", "t")
