@@ -114,7 +114,8 @@ class _Batched:
     digest) them all, with no Python per tensor (`Method.analyse_batch`)."""
 
     def __init__(self, method: Method, names: list[str], base: Mapping[str, torch.Tensor],
-                 target: Mapping[str, torch.Tensor], scratch: object, known: Mapping[str, bytes]) -> None:
+                 target: Mapping[str, torch.Tensor], scratch: object, known: Mapping[str, bytes],
+                 version: int) -> None:
         self.method = method
         self.names = names
         self.dtypes = [tensors.dtype_of(target[name], name) for name in names]
@@ -122,7 +123,7 @@ class _Batched:
         self.sizes = np.array([target[name].numel() for name in names], np.int64)
         hash_base = [name not in known for name in names]
         self.batch: Batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], scratch,
-                                                 hash_base if not all(hash_base) else None)
+                                                 hash_base if not all(hash_base) else None, version)
         digests = self.batch.digest_pairs()
         if digests is None:  # kernels cannot hash here (hashing.KERNEL_DIGESTS): from Python, a second read
             digests = [(known.get(name) or digest_elements(dt.name, shape, tensors.element_view(base[name])),
@@ -328,7 +329,7 @@ def _encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]
             jobs: list[tuple[Method, list[str], object]], known: Mapping[str, bytes]) -> bytes:
     """`encode` of the batches `jobs` (method, names, lent scratch) and of the tensors outside them;
     `known`: base digests given by the caller."""
-    batches = _map(workers, lambda job: _Batched(job[0], job[1], base, target, job[2], known), jobs)
+    batches = _map(workers, lambda job: _Batched(job[0], job[1], base, target, job[2], known, plan.version), jobs)
     in_batches = {name for _, names, _ in jobs for name in names}
     rest = [name for name in target if name not in in_batches]
     pending = _map(workers, lambda name: _Pending(name, base[name], target[name], plan, known.get(name)), rest)

@@ -579,12 +579,14 @@ def test_v4_codes_values_with_column_votes():
 
 
 def test_vote_symbols_of_a_batch_are_those_of_each_tensor_alone():
-    """`Batch.vote_symbols` (one pass over the batch's tensors at their addresses) gives each
-    tensor the symbols its own analysis gives from its positions."""
+    """`Batch.vote_symbols` (made by the scan of a v4 batch, part by part) gives each tensor the
+    symbols its own analysis gives from its positions; a v3 batch's scan makes none."""
     base, target = _leaning_pair()
     names = list(target)
     method = conditional.METHOD
-    batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], None)
+    with pytest.raises(ValueError, match="without columns"):
+        method.analyse_batch([base[n] for n in names], [target[n] for n in names], None, version=3).vote_symbols()
+    batch = method.analyse_batch([base[n] for n in names], [target[n] for n in names], None, version=4)
     votes = batch.vote_symbols()
     for i, n in enumerate(names):
         alone = conditional.analyze(bits_of(base[n]).view(np.uint16), bits_of(target[n]).view(np.uint16),

@@ -263,8 +263,8 @@ def test_batched_analysis_matches_one_tensor_at_a_time():
     bs, ts = _changed_pairs(rng, [(1, 1.0), (63, 0.1), (64, 0.0), (0, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0),
                                   (4000, 0.03), (70000, 0.02)])
     for given in (None, [np.array([100 + i, 120], np.int64) for i in range(len(bs))]):
-        pairs, cls, ranks, first, thr, nthr, sizes, changes, digests = ec.analyze_many(bs, ts, given)
-        assert digests is None and first[0] == 0 and first[-1] == pairs.size
+        pairs, cls, ranks, votes, first, thr, nthr, sizes, changes, digests = ec.analyze_many(bs, ts, given)
+        assert digests is None and votes is None and first[0] == 0 and first[-1] == pairs.size
         for i, (b, t) in enumerate(zip(bs, ts)):
             want = ec.analyze(b, t, None if given is None else given[i])
             lo, hi = first[i], first[i + 1]
@@ -299,3 +299,49 @@ def test_scan_that_runs_out_of_buffer_fills_it_with_the_first_changes(cap):
     assert k == full_k == int(flip.sum())
     for got, want in zip(small, full):
         assert np.array_equal(got[:min(k, cap)], want[:min(k, cap)])
+
+
+@pytest.mark.parametrize("changed", [0.02, 1.0])
+def test_scan_makes_vote_symbols_as_positions_give_them(changed):
+    """With columns, the scan makes each change's vote symbol part by part (HASH_PART elements,
+    the column counters carried across parts and reset per tensor): exactly what the changes'
+    positions give (`vote_symbols_into`), also where the change buffers grow mid-scan (every
+    element changed: that part is scanned twice, its votes made once), for shapes whose rows
+    straddle parts, one column, and no change; the scan's other outputs are those of a scan
+    without columns."""
+    rng = np.random.default_rng(11)
+    sizes = [3 * ec.HASH_PART + 64 * 7 + 5, 384 * 97, 1, 0, 1000]
+    cols = np.array([3 * 383, 384, 1, 7, 1], np.int64)  # rows of 1149 do not divide a part
+    bs, ts = _changed_pairs(rng, [(n, changed) for n in sizes])
+    ts[1][::2] = bs[1][::2]  # a lean: in tensor 1 only the odd columns change
+    got = ec.analyze_many(bs, ts, cols=cols)
+    want = ec.analyze_many(bs, ts)
+    votes, first = got[3], got[4]
+    assert votes.size == got[0].size and want[3] is None
+    for g, w in zip(got[:3] + got[4:-1], want[:3] + want[4:-1]):
+        assert np.array_equal(g, w)
+    for i, (b, t) in enumerate(zip(bs, ts)):
+        pairs = got[0][first[i]:first[i + 1]]
+        expected = np.empty(pairs.size, np.uint32)
+        ec.vote_symbols_into(pairs, np.flatnonzero(b != t).astype(np.int64), int(cols[i]), expected)
+        assert np.array_equal(votes[first[i]:first[i + 1]], expected), i
+
+
+def test_scan_with_columns_checks_their_count():
+    b = np.zeros(64, np.uint16)
+    with pytest.raises(ValueError, match="cols has 2 entries for 1 tensors"):
+        ec.analyze_many([b], [b], cols=np.array([1, 2], np.int64))
+
+
+def test_part_votes_say_when_a_part_is_not_what_the_scan_stored():
+    """`_part_votes` looks at the blocks again: if they hold more or fewer changes than the scan
+    stored (a tensor written during the scan), it says so instead of writing past them."""
+    b = np.zeros(128, np.uint16)
+    t = b.copy()
+    t[[3, 70, 71]] = 1
+    pairs = (b.astype(np.uint32) << 16 | t)[[3, 70, 71]]
+    out = np.zeros(8, np.uint32)
+    for k1, ok in ((3, True), (2, False), (4, False)):
+        row0, same = ec._part_votes(b, t, 0, 128, 16, np.zeros(16, np.int8), 0, pairs, 0, k1, out)
+        assert same is ok, k1
+    assert not out[3:].any()

@@ -212,10 +212,11 @@ class Method(abc.ABC):
         return None
 
     def analyse_batch(self, bases: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], scratch: Any,
-                      hash_base: Sequence[bool] | None = None) -> Batch:
+                      hash_base: Sequence[bool] | None = None, version: int = 0) -> Batch:
         """`analyse` of many `batch_encodable` pairs in a few compiled calls. Where the batch digests
         (`Batch.digest_pairs`), it digests base i only if hash_base[i] (default: every base); the
-        caller fills in the base digests it skipped."""
+        caller fills in the base digests it skipped. `version`: the format the batch is for (what
+        its analysis must hold for that version's models)."""
         raise NotImplementedError(f"method {self.name!r} does not batch")
 
     def encode_batch(self, batch: Any, which: np.ndarray, model: Any) -> Sequence[tuple[bytes, list[Stream]] | None]:

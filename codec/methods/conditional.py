@@ -75,22 +75,23 @@ GAP_BITS = 48
 GAP_TOKENS = rans.token_count(GAP_BITS)
 VALUE_BITS = 17
 VALUE_TOKENS = rans.token_count(VALUE_BITS)
-VALUE_SYMBOL_BITS = 6  # a value symbol is key << 6 | token (`_value_symbols`)
+VALUE_SYMBOL_BITS = ec.VALUE_SYMBOL_BITS  # a value symbol is key << 6 | token (`_value_symbols`)
 if VALUE_TOKENS > 1 << VALUE_SYMBOL_BITS:
     raise ImportError("value tokens must fit the value symbols' 6 bits")
-# v4's value context (docs/FORMAT.md, "Column votes"): each column of a tensor keeps a saturating
-# counter of the directions of its changes so far, in [-VOTE_LIMIT, VOTE_LIMIT]; a change is coded
-# with the table of (key, |counter|), its step negated where the counter is negative. A vote symbol
-# is context << 6 | token | flipped << FLIP_BIT (`_vote_symbols_into`).
-VOTE_LIMIT = 4
-VOTE_LEVELS = VOTE_LIMIT + 1
+# v4's value context (docs/FORMAT.md, "Column votes"; the vote symbols are made by the encoder's
+# scan, `exponent_classes._part_votes`): a change is coded with the table of (key, |its column's
+# counter|), its step negated where the counter is negative.
+VOTE_LIMIT = ec.VOTE_LIMIT
+VOTE_LEVELS = ec.VOTE_LEVELS
 N_CONTEXTS = N_KEYS * VOTE_LEVELS
 CONTEXT_MASK = 0x7FF  # (symbol >> 6) & CONTEXT_MASK: the table row's context, v3 symbols' key alike
-FLIP_BIT = 17
+FLIP_BIT = ec.FLIP_BIT
+_column = ec._column
 if N_CONTEXTS > CONTEXT_MASK + 1 or (N_CONTEXTS << VALUE_SYMBOL_BITS) > 1 << FLIP_BIT:
     raise ImportError("vote contexts must fit the vote symbols' bits")
 MASK_SCALE = 15
 VALUE_SCALE = 12
+BUCKET_SHIFT = 4  # the decoder's value-slot buckets (`ValueModel.slots`): 2**4 slots each
 STATES = 2  # interleaved rANS states of a record, or FOUR_STATES where the payload's rule says
 FOUR_STATES = 4
 FOUR_STATES_FROM = 4096  # the rule this encoder writes in v3: records with this many changes or more
@@ -202,78 +203,6 @@ def vote_columns(shape: tuple[int, ...]) -> int:
     """The columns of a tensor for its column votes: its last dimension when it has two or more,
     else 1 (the whole tensor is one column)."""
     return max(int(shape[-1]), 1) if len(shape) >= 2 else 1
-
-
-@nb.njit(inline="always", cache=True)
-def _column(p, cols, row0):
-    """(column of position p, start of its row) given the start of the row of an earlier position
-    (or 0): positions rise, so a row start moves on by one row, or by a division for a jump."""
-    d = p - row0
-    if d >= cols:
-        row0 = row0 + cols if d < 2 * cols else p - p % cols
-    return p - row0, row0
-
-
-@nb.njit(inline="always", cache=True)
-def _vote_symbol(pair, v):
-    """A change's vote symbol given its column's counter v (see VOTE_LIMIT): its step zigzagged,
-    the low bit flipped where v < 0 (zigzag's low bit is the step's sign), tokenized, with the
-    context key * VOTE_LEVELS + |v|. Returns (symbol, counter after the change)."""
-    bv = np.int64(pair >> np.uint32(16))
-    z = ec._zigzag(bv, np.int64(pair & np.uint32(0xFFFF)))
-    neg = np.int64(v < 0)
-    u = z ^ neg
-    n = 63 - np.int64(leading_zeros(np.uint64(u | 1)))
-    tok = u if u < rans.DIRECT else (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
-                                     + ((u >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
-    ctx = ((bv >> KEY_SHIFT) & 0xFF) * VOTE_LEVELS + (v if v >= 0 else -v)
-    after = min(max(v + 1 - 2 * (z & 1), -VOTE_LIMIT), VOTE_LIMIT)  # z even: the step was up
-    return np.uint32((ctx << VALUE_SYMBOL_BITS) | tok | (neg << FLIP_BIT)), after
-
-
-@nb.njit(cache=True, nogil=True)
-def _vote_symbols_into(pairs, positions, cols, out):
-    """The vote symbols (`_vote_symbol`) of one tensor's changes, in tensor order, given their
-    positions and the tensor's columns (`vote_columns`), into out[:pairs.size]."""
-    votes = np.zeros(cols, np.int8)
-    row0 = np.int64(0)
-    for j in range(pairs.size):
-        col, row0 = _column(np.int64(positions[j]), cols, row0)
-        c = np.uint64(col)
-        out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
-        votes[c] = after
-
-
-@nb.njit(cache=True, nogil=True)
-def _vote_symbols_at(where, sizes, cols, first, pairs, out):
-    """`_vote_symbols_into` for every tensor of a batch (`analyze_at`'s layout: tensor i's base
-    and target at where[i], its changes pairs[first[i]:first[i + 1]]), the positions found by a
-    pass comparing base and target a block at a time. Returns False if a tensor's changes are
-    not those its pairs say (the caller then refuses to code)."""
-    for i in range(sizes.size):
-        n = sizes[i]
-        padded = -(-n // ec.BLOCK) * ec.BLOCK
-        bb = nb.carray(ec._u16_at(where[i, 0]), padded)
-        tb = nb.carray(ec._u16_at(where[i, 1]), padded)
-        votes = np.zeros(cols[i], np.int8)
-        row0 = np.int64(0)
-        j = first[i]
-        end = first[i + 1]
-        for o in range(0, padded, ec.BLOCK):
-            changed = ec._differ(bb, tb, o)
-            while changed != np.uint64(0):
-                p = o + np.int64(trailing_zeros(changed))
-                changed &= changed - np.uint64(1)
-                if j >= end or pairs[j] != (np.uint32(bb[p]) << np.uint32(16)) | np.uint32(tb[p]):
-                    return False
-                col, row0 = _column(p, cols[i], row0)
-                c = np.uint64(col)
-                out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
-                votes[c] = after
-                j += 1
-        if j != end:
-            return False
-    return True
 
 
 def _specialised(four: bool):
@@ -472,7 +401,9 @@ def _specialised(four: bool):
                 return x, o1, o2, o3, pos, 3
             row = _U(srow)
             slot = x & vmask
-            t = _U(vslot[row, _U(slot)])
+            t = _U(vslot[row, _U(slot >> BUCKET_SHIFT)])  # the bucket's first token, then the slot's
+            while vcum[row, t + _U(1)] <= slot:
+                t += _U(1)
             x = np.int64(vfreq[row, t]) * (x >> VALUE_SCALE) + slot - vcum[row, t]
             if x < L:
                 if pos < 0:
@@ -527,7 +458,9 @@ def _specialised(four: bool):
                 return x, o1, o2, o3, pos, 3
             row = _U(srow)
             slot = x & vmask
-            t = _U(vslot[row, _U(slot)])
+            t = _U(vslot[row, _U(slot >> BUCKET_SHIFT)])  # the bucket's first token, then the slot's
+            while vcum[row, t + _U(1)] <= slot:
+                t += _U(1)
             x = np.int64(vfreq[row, t]) * (x >> VALUE_SCALE) + slot - vcum[row, t]
             if x < L:
                 if pos < 0:
@@ -819,12 +752,13 @@ class Analysis:
         return self._symbols
 
     def vote_symbols(self) -> np.ndarray:
-        """Each change's v4 vote symbol (`_vote_symbols_into`), from its position (`index`)."""
+        """Each change's v4 vote symbol (`exponent_classes.vote_symbols_into`), from its position
+        (`index`)."""
         if self._votes is None:
             if self.index is None or self.index.size != self.pairs.size:
                 raise ValueError("vote symbols need the changes' positions (Analysis.index)")
             self._votes = np.empty(self.pairs.size, np.uint32)
-            _vote_symbols_into(self.pairs, self.index.astype(np.int64, copy=False), self.cols, self._votes)
+            ec.vote_symbols_into(self.pairs, self.index.astype(np.int64, copy=False), self.cols, self._votes)
         return self._votes
 
 
@@ -861,13 +795,8 @@ class Batch:
     digests: np.ndarray | None  # row i: (low, high) halves of the base's digest, then the target's
     buffers: ec.ScanBuffers | None = field(default=None, repr=False, compare=False)  # where the changes lie
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
-    # where the tensors lie (`analyze_at`'s addresses, the memory `keep` holds) and their columns:
-    # for v4's vote symbols, found by a second pass over them
-    where: np.ndarray | None = field(default=None, repr=False, compare=False)
-    sizes: np.ndarray | None = field(default=None, repr=False, compare=False)
-    cols: np.ndarray | None = field(default=None, repr=False, compare=False)
-    keep: list | None = field(default=None, repr=False, compare=False)
-    _votes: np.ndarray | None = field(default=None, repr=False, compare=False)
+    cols: np.ndarray | None = field(default=None, repr=False, compare=False)  # each tensor's, for votes
+    _votes: np.ndarray | None = field(default=None, repr=False, compare=False)  # made by the scan, with cols
 
     def __len__(self) -> int:
         return int(self.nthr.size)
@@ -890,15 +819,9 @@ class Batch:
         return self._symbols
 
     def vote_symbols(self) -> np.ndarray:
-        """Every change's v4 vote symbol (`_vote_symbols_at`), from one compiled pass over the
-        tensors, which must still lie where the batch was scanned."""
+        """Every change's v4 vote symbol, which the scan made (`analyze_at` with `cols`)."""
         if self._votes is None:
-            if self.where is None or self.sizes is None or self.cols is None:
-                raise ValueError("vote symbols need the batch's tensors (Batch.where)")
-            votes = np.empty(self.pairs.size, np.uint32)
-            if not _vote_symbols_at(self.where, self.sizes, self.cols, self.first, self.pairs, votes):
-                raise ValueError("the batch's tensors changed since they were scanned")
-            self._votes = votes
+            raise ValueError("this batch was scanned without columns: it has no vote symbols")
         return self._votes
 
     def digest_pairs(self) -> list[tuple[bytes, bytes]] | None:
@@ -920,18 +843,16 @@ class Batch:
 
 def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None = None,
                buffers: ec.ScanBuffers | None = None, cols: np.ndarray | None = None,
-               keep: list | None = None, hash_base: np.ndarray | None = None) -> Batch:
+               hash_base: np.ndarray | None = None) -> Batch:
     """`analyze` of many BF16 tensors given by address (`exponent_classes.analyze_at`); with
     `headers`, the scan also digests every target and every base whose `hash_base` flag is set
     (default: all; Batch.digests). With `buffers`, the batch's changes and value symbols lie in
-    them: valid until they are lent to another scan. With `cols` (each tensor's `vote_columns`)
-    and `keep` (what keeps the addresses valid), the batch can make vote symbols later
-    (`Batch.vote_symbols`)."""
-    pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests = ec.analyze_at(
-        where, sizes, headers=headers, buffers=buffers, hash_base=hash_base)
+    them: valid until they are lent to another scan. With `cols` (each tensor's `vote_columns`),
+    the scan also makes the changes' v4 vote symbols (`Batch.vote_symbols`)."""
+    pairs, classes, ranks, votes, first, thresholds, nthr, class_sizes, class_changes, digests = ec.analyze_at(
+        where, sizes, headers=headers, buffers=buffers, hash_base=hash_base, cols=cols)
     return Batch(pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests, buffers=buffers,
-                 where=None if cols is None else np.ascontiguousarray(where, np.uintp),
-                 sizes=np.asarray(sizes, np.int64), cols=cols, keep=keep)
+                 cols=cols, _votes=votes)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -1008,8 +929,13 @@ class ValueModel:
         n_keys = N_CONTEXTS if vote else N_KEYS
         self.freq = np.asarray(freq, np.int32)  # (rows, VALUE_TOKENS); int32 keeps tables in cache
         self.cum = rans.cumulative(freq)
-        self.slots = (rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0]
-                      else np.zeros((0, 1 << VALUE_SCALE), np.uint8))
+        # The decoder's slot lookup: per row, the token owning the first slot of each bucket of
+        # 2**BUCKET_SHIFT slots; the kernels step from it to the slot's own token over the
+        # cumulative counts (rarely more than one step: a row has a few dozen tokens at most).
+        # 256 bytes a row instead of 4096 keep v4's hundred-odd vote rows in L2.
+        slots = (rans.slot_table(self.freq, VALUE_SCALE) if freq.shape[0]
+                 else np.zeros((0, 1 << VALUE_SCALE), np.uint8))
+        self.slots = np.ascontiguousarray(slots[:, ::1 << BUCKET_SHIFT])
         self._reciprocals: tuple[np.ndarray, np.ndarray] | None = None  # the encoder's; built on demand
         self.row_of_key = np.full(n_keys, -1, np.int64)  # of a context, for vote models
         self.row_of_key[keys] = np.arange(keys.size)
@@ -1733,18 +1659,21 @@ class Conditional(Method):
         return ec.ScanBuffers()
 
     def analyse_batch(self, bases, targets, scratch: ec.ScanBuffers | None,
-                      hash_base: Sequence[bool] | None = None) -> Batch:
+                      hash_base: Sequence[bool] | None = None, version: int = 0) -> Batch:
         """One compiled scan of all the pairs (digesting them too where the kernels can; a base only
-        where `hash_base` says so)."""
+        where `hash_base` says so); for a format `version` with column votes, making the changes'
+        vote symbols too."""
         sizes = np.array([t.numel() for t in targets], np.int64)
-        keep: list = []
+        keep: list = []  # keeps the tensors' memory for the scan
         where = np.array([(elements_at(b, keep), elements_at(t, keep)) for b, t in zip(bases, targets)],
                          np.uintp).reshape(-1, 2)
         headers = [header_bytes(tensors.BF16.name, tuple(t.shape)) for t in targets] if hashing.KERNEL_DIGESTS else None
-        cols = np.array([vote_columns(tuple(t.shape)) for t in targets], np.int64)
-        # the batch keeps the tensors' memory: v4's vote symbols are found by a second pass over it
-        return analyze_at(where, sizes, headers, scratch, cols=cols, keep=keep,
-                          hash_base=None if hash_base is None else np.array(hash_base, np.uint8))
+        cols = (np.array([vote_columns(tuple(t.shape)) for t in targets], np.int64) if version in VOTE_VERSIONS
+                else None)
+        batch = analyze_at(where, sizes, headers, scratch, cols=cols,
+                           hash_base=None if hash_base is None else np.array(hash_base, np.uint8))
+        del keep
+        return batch
 
     def fit(self, version: int, batches: list[Batch], analyses: list[Analysis]) -> Tables | None:
         symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]
