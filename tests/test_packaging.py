@@ -78,7 +78,7 @@ def test_installed_wheel_runs_demo_and_bench_outside_the_checkout(tmp_path):
     # where the demo's trainer, relay and watcher processes find them instead of each compiling.
     _run([*pip, f"{wheel}[demo]"], tmp_path, 600)
     bench = _run([deltarelay, "bench", "--tiny", "--pairs", "1", "--repeat", "1"], elsewhere, 600)
-    assert re.search(r"^deltarelay v2 +\d+\.\d+% ", bench.stdout, re.M), bench.stdout
+    assert re.search(r"^deltarelay v3 +\d+\.\d+% ", bench.stdout, re.M), bench.stdout
     assert "entropy bound" in bench.stdout and "speed vs zstd-1" in bench.stdout
     demo = _run([deltarelay, "demo", "--tiny", "--steps", "2", "--regions", "1", "--watchers", "1",
                  "--chart", "out/demo.png"], elsewhere, 600)

@@ -1,7 +1,7 @@
 """`deltarelay bench`: our codec against the anchors' formats on consecutive checkpoints, in one run.
 
 For every consecutive pair of every corpus (relay.lab.corpus writes them) it encodes and
-decodes with deltarelay v1 and v2 and every anchor (codec.lab.fireworks.select: the real
+decodes with deltarelay v1, v3 (the default) and v4 and every anchor (codec.lab.fireworks.select: the real
 Fireworks ARCv2 / ARCv3 when `fireworks-delta-compression` is installed, and the
 reimplementations in codec.lab.baselines of the formats that have no package), checks every
 reconstruction bit for bit, and reports medians over pairs and repeats: payload size (percent
@@ -57,7 +57,8 @@ def _methods(slow: bool) -> tuple[list[tuple[str, str, Callable, Callable]], str
     key; the anchors that cannot run here, with the reason."""
     ours = [
         ("deltarelay-v1", "deltarelay v1", lambda b, t: codec.encode(b, t, format_version=1), codec.decode),
-        ("deltarelay-v2", "deltarelay v2", lambda b, t: codec.encode(b, t), codec.decode),
+        ("deltarelay-v3", "deltarelay v3", lambda b, t: codec.encode(b, t), codec.decode),  # the default
+        ("deltarelay-v4", "deltarelay v4", lambda b, t: codec.encode(b, t, format_version=4), codec.decode),
     ]
     chosen, reference, not_run = fireworks.select(slow)
     return ours + [(b.key, b.label, b.encode, b.decode) for b in chosen.values()], reference, not_run
@@ -179,7 +180,7 @@ class _OneCpu:
 
 
 def _multicore(base: Tensors, target: Tensors, workers: int, repeat: int) -> dict[int, tuple[list[float], list[float]]]:
-    """Wall-clock encode / decode seconds of v2 with one thread and with `workers` threads,
+    """Wall-clock encode / decode seconds of the default format with one thread and with `workers` threads,
     interleaved run by run so that both see the same machine (bit-exactness checked)."""
     times: dict[int, tuple[list[float], list[float]]] = {1: ([], []), workers: ([], [])}
     for _ in range(repeat):
@@ -188,7 +189,7 @@ def _multicore(base: Tensors, target: Tensors, workers: int, repeat: int) -> dic
             out, ds = _timed(lambda w=w, payload=payload: codec.decode(base, payload, workers=w),
                              clock=time.perf_counter)
             if not identical(out, target):
-                raise RuntimeError(f"deltarelay v2 with {w} workers is not bit-exact")
+                raise RuntimeError(f"deltarelay v3 with {w} workers is not bit-exact")
             enc.append(es)
             dec.append(ds)
     return times
@@ -391,7 +392,7 @@ def format_table(results: dict) -> str:
                      f"one core{pinned}: " + "; ".join(parts))
         m = c.get("multicore")
         if m:
-            lines.append(f"multi-core (wall clock): v2 with {m['workers']} workers encodes {m['encode_mbps']:.0f} MB/s "
+            lines.append(f"multi-core (wall clock): v3 with {m['workers']} workers encodes {m['encode_mbps']:.0f} MB/s "
                          f"({m['encode_vs_one_core']:.2f}x one thread, same clock), "
                          f"decodes {m['decode_mbps']:.0f} MB/s ({m['decode_vs_one_core']:.2f}x); "
                          f"zstd-1 compress {m['zstd1_compress_mbps_wall']:.0f} MB/s wall")

@@ -14,7 +14,7 @@ from relay.lab.bench import CLOCKS, format_table, run_bench, save_chart
 from relay.lab.commands import BENCH_CLOCKS
 from relay.lab.corpus import make_corpus
 
-OURS = ("deltarelay-v1", "deltarelay-v2")
+OURS = ("deltarelay-v1", "deltarelay-v3", "deltarelay-v4")
 ANCHORS, REFERENCE, NOT_RUN = fireworks.select()
 
 
@@ -88,7 +88,8 @@ def test_multicore_rows_compare_threads_on_one_clock(corpus):
 
 def test_table_names_every_method_the_bound_and_the_reference(results):
     table = format_table(results)
-    labels = ["deltarelay v1", "deltarelay v2", "entropy bound", "speed vs zstd-1", "every thread pinned"]
+    labels = ["deltarelay v1", "deltarelay v3", "deltarelay v4", "entropy bound", "speed vs zstd-1",
+              "every thread pinned"]
     labels += [b.label for b in ANCHORS.values()]
     labels.append("real ARCv3 (fireworks-delta-compression" if REFERENCE == "arc_v3" else "ARCv3-style")
     for label in labels:
