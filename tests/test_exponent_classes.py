@@ -291,7 +291,7 @@ def test_scan_that_runs_out_of_buffer_fills_it_with_the_first_changes(cap):
     def scan(capacity):
         pairs, cls, rank = ec._scan_buffers(capacity)
         ge, seen = ec._scan_state()
-        k = ec._scan_range(b, t, 0, 0, n, lanes, lut, ge, seen, 0, pairs, cls, rank)
+        k = ec._scan_range(b, t, 0, 0, n, lanes, lut, ge, seen, 0, pairs, cls, rank, np.empty(0, np.uint16))
         return k, pairs, cls, rank
 
     k, *small = scan(cap)
@@ -304,11 +304,11 @@ def test_scan_that_runs_out_of_buffer_fills_it_with_the_first_changes(cap):
 @pytest.mark.parametrize("changed", [0.02, 1.0])
 def test_scan_makes_vote_symbols_as_positions_give_them(changed):
     """With columns, the scan makes each change's vote symbol part by part (HASH_PART elements,
-    the column counters carried across parts and reset per tensor): exactly what the changes'
-    positions give (`vote_symbols_into`), also where the change buffers grow mid-scan (every
-    element changed: that part is scanned twice, its votes made once), for shapes whose rows
-    straddle parts, one column, and no change; the scan's other outputs are those of a scan
-    without columns."""
+    from the positions it records; the column counters carried across parts and reset per
+    tensor): exactly what the changes' positions give (`vote_symbols_into`), also where the
+    change buffers grow mid-scan (every element changed: that part is scanned twice, its votes
+    made once), for shapes whose rows straddle parts, one column, and no change; the scan's
+    other outputs are those of a scan without columns."""
     rng = np.random.default_rng(11)
     sizes = [3 * ec.HASH_PART + 64 * 7 + 5, 384 * 97, 1, 0, 1000]
     cols = np.array([3 * 383, 384, 1, 7, 1], np.int64)  # rows of 1149 do not divide a part
@@ -332,16 +332,3 @@ def test_scan_with_columns_checks_their_count():
     with pytest.raises(ValueError, match="cols has 2 entries for 1 tensors"):
         ec.analyze_many([b], [b], cols=np.array([1, 2], np.int64))
 
-
-def test_part_votes_say_when_a_part_is_not_what_the_scan_stored():
-    """`_part_votes` looks at the blocks again: if they hold more or fewer changes than the scan
-    stored (a tensor written during the scan), it says so instead of writing past them."""
-    b = np.zeros(128, np.uint16)
-    t = b.copy()
-    t[[3, 70, 71]] = 1
-    pairs = (b.astype(np.uint32) << 16 | t)[[3, 70, 71]]
-    out = np.zeros(8, np.uint32)
-    for k1, ok in ((3, True), (2, False), (4, False)):
-        row0, same = ec._part_votes(b, t, 0, 128, 16, np.zeros(16, np.int8), 0, pairs, 0, k1, out)
-        assert same is ok, k1
-    assert not out[3:].any()

@@ -15,7 +15,7 @@ order, ready for a rank (popcount below a bit) or a deposit (PDEP).
 - `analyze` (encoder): every change with its exponent, class, rank in its class and step.
 - `positions` (decoder): the inverse, from every class's changes as a bitmap over its elements.
 - Column votes (v4's value context, docs/FORMAT.md): each change's vote symbol, made by the
-  encoder's scan while each part of the tensors is in cache (`_part_votes`).
+  encoder's scan part by part from the positions it records (`_part_votes`).
 """
 
 from __future__ import annotations
@@ -493,26 +493,19 @@ def vote_symbols_into(pairs, positions, cols, out):
 
 
 @nb.njit(cache=True, nogil=True)
-def _part_votes(b, t, o0, o1, cols, votes, row0, pairs, k0, k1, out):
-    """The vote symbols of the changes of blocks [o0, o1) of b and t, which the scan just stored
-    as pairs[k0:k1], into out[k0:k1]: a second look at the blocks while they are in cache (a
-    pass over whole tensors afterwards read them from memory again: v4's encode 1.3x v3's).
-    `votes` (the columns' counters) and row0 (the current row's start) carry on across parts.
-    Returns (row0, whether the blocks' changes were exactly pairs[k0:k1])."""
-    j = k0
-    for o in range(o0, o1, BLOCK):
-        changed = _differ(b, t, o)
-        while changed != _U0:
-            p = o + np.int64(trailing_zeros(changed))
-            changed &= changed - _U1
-            if j >= k1:
-                return row0, False
-            col, row0 = _column(p, cols, row0)
-            c = np.uint64(col)
-            out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
-            votes[c] = after
-            j += 1
-    return row0, j == k1
+def _part_votes(o0, offs, cols, votes, row0, pairs, k0, k1, out):
+    """The vote symbols of the changes the scan just stored as pairs[k0:k1], at positions
+    o0 + offs[:k1 - k0] (`_scan_range` records them for a scan making votes), into out[k0:k1],
+    in the same pass over the tensors (a second pass re-reading them made v4's encode 1.3x
+    v3's time; finding the changes again in the cached part, 1.25x). `votes` (the columns'
+    counters) and row0 (the current row's start) carry on across parts. Returns row0."""
+    for j in range(k0, k1):
+        p = o0 + np.int64(offs[j - k0])
+        col, row0 = _column(p, cols, row0)
+        c = np.uint64(col)
+        out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
+        votes[c] = after
+    return row0
 
 
 # Spare entries after the change buffers' capacity (`_scan_buffers`): a block's first two
@@ -535,13 +528,15 @@ def _store_change(b, t, o, changed, lut, ge, seen, pairs, cls, rank, j):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_range(b, t, origin, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank):
+def _scan_range(b, t, origin, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank, offs):
     """Blocks [o0, o1) of b and t (whole blocks, `blocks`), of a tensor starting at `origin`:
     every change's (base, target) pair (base << 16 | target), class and rank in its class, stored
     from index k while the buffers last (`_scan_buffers`: their size less SCAN_SLACK). Returns
     the new count; beyond the buffers' capacity (whose every entry then holds a change), retry
     with larger ones. Resumable: ge (class masks, ge[0] all ones) and seen (elements at or above
-    each class's bound before the block) carry on to the next range.
+    each class's bound before the block) carry on to the next range. Where `offs` is not empty
+    (a scan making vote symbols), change k + i's position less o0 goes to offs[i] too: room
+    for every element of the range and SCAN_SLACK.
 
     Only what the coder needs, 13 bytes per change: positions, exponents and steps follow from
     these (storing them too cost ~30% more time, in stores and in the buffers' page faults). A
@@ -549,6 +544,8 @@ def _scan_range(b, t, origin, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank)
     a loop over each block's changes mispredicts its exit about once a block (measured: the
     scan 0.94x the time at 3% changed)."""
     cap = pairs.size - SCAN_SLACK
+    recording = offs.size > 0
+    k0 = np.uint64(k)
     for o in range(o0, o1, BLOCK):
         seen[0] = o - origin
         _block_masks(b, o, lanes, ge)
@@ -558,10 +555,14 @@ def _scan_range(b, t, origin, o0, o1, lanes, lut, ge, seen, k, pairs, cls, rank)
             j = np.uint64(k)
             for _ in range(SCAN_SLACK):
                 _store_change(b, t, o, changed, lut, ge, seen, pairs, cls, rank, j)
+                if recording:
+                    offs[j - k0] = np.uint64(o - o0) + min(np.uint64(trailing_zeros(changed)), _63)
                 changed &= changed - _U1
                 j += _U1
             while changed != _U0:
                 _store_change(b, t, o, changed, lut, ge, seen, pairs, cls, rank, j)
+                if recording:
+                    offs[j - k0] = np.uint64(o - o0) + np.uint64(trailing_zeros(changed))
                 changed &= changed - _U1
                 j += _U1
         else:  # the buffers run out in this block: store what fits (callers read up to cap)
@@ -654,12 +655,11 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
     rank (`_scan_buffers`), which grow if they run out. With `cols` not empty (tensor i's
     columns, cols[i]), each part's changes also get their vote symbols (`_part_votes`) in
     `votes`, a buffer like pairs. Returns (the buffers, grown or not, votes last; first change of
-    each tensor and the end, or -1 there if a part's changes were not the same twice (a tensor
-    written during the scan); thresholds (row i: thresholds[i, :nthr[i]]), nthr, class sizes,
+    each tensor and the end; thresholds (row i: thresholds[i, :nthr[i]]), nthr, class sizes,
     class changes, digests (row i: low and high halves of the base's, then of the target's))."""
     hashing = functions.size > 0
     voting = cols.size > 0
-    consistent = True
+    offs = np.empty(HASH_PART + SCAN_SLACK if voting else 0, np.uint16)  # a part's change positions
     m = sizes.size
     first = np.zeros(m + 1, np.int64)
     thr = np.zeros((m, MAX_CLASSES - 1), np.int64)
@@ -696,7 +696,7 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
             before = k
             for j in range(saved.size):
                 saved[j] = seen[j]
-            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
+            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank, offs)
             if k > pairs.size - SCAN_SLACK:
                 cap = max(2 * pairs.size, k) + SCAN_SLACK
                 pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
@@ -704,10 +704,9 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
                     votes = _grown(votes, before, cap)
                 for j in range(saved.size):
                     seen[j] = saved[j]
-                k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank)
+                k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank, offs)
             if voting:
-                row0, same = _part_votes(bb, tb, o, stop, cols[i], counters, row0, pairs, before, k, votes)
-                consistent = consistent and same
+                row0 = _part_votes(o, offs, cols[i], counters, row0, pairs, before, k, votes)
             if hashing and o < n:
                 if base_too:
                     hash_update(functions[1], states[0], bb, o, min(stop, n))
@@ -721,7 +720,7 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
         for c in range(tensor_sizes.size):  # loops, not row assignments (codec/_warmup.py says why)
             class_sizes[i, c] = tensor_sizes[c]
             class_changes[i, c] = tensor_changes[c]
-    first[m] = k if consistent else -1
+    first[m] = k
     return pairs, cls, rank, votes, first, thr, nthr, class_sizes, class_changes, digests
 
 
@@ -758,8 +757,7 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, thresholds: list[np.ndarray
     `buffers` if given, which then hold any grown ones); digests is None without headers.
     `hash_base` (one flag per tensor; default all set): where 0, the base is not digested (its
     digest halves are 0), for a caller that already knows it. With `cols` (each tensor's columns),
-    the changes' vote symbols too (`_part_votes`), returned after the ranks; else None there.
-    Raises ValueError if a tensor changed while it was scanned (the votes would not match)."""
+    the changes' vote symbols too (`_part_votes`), returned after the ranks; else None there."""
     sizes = np.asarray(sizes, np.int64)
     m = sizes.size
     given = np.zeros((m, MAX_CLASSES - 1), np.int64)
@@ -796,8 +794,6 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, thresholds: list[np.ndarray
         if cols is not None:
             buffers.votes = out[3]
     k = int(out[4][-1])
-    if k < 0:
-        raise ValueError("a tensor changed while it was scanned")
     return ((out[0][:k], out[1][:k], out[2][:k], out[3][:k] if cols is not None else None) + out[4:-1]
             + ((out[-1] if headers is not None else None),))
 
