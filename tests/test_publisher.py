@@ -405,9 +405,9 @@ def test_known_base_digests_give_the_same_payload_unhashed(monkeypatch):
     scanned = []
     real = api._Batched.__init__
 
-    def spy(self, method, names, base, target, scratch, known_):
+    def spy(self, method, names, base, target, scratch, known_, version):
         scanned.append(dict(known_))
-        real(self, method, names, base, target, scratch, known_)
+        real(self, method, names, base, target, scratch, known_, version)
 
     monkeypatch.setattr(api._Batched, "__init__", spy)
     for workers in (1, 2):
