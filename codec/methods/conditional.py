@@ -1670,10 +1670,8 @@ class Conditional(Method):
         headers = [header_bytes(tensors.BF16.name, tuple(t.shape)) for t in targets] if hashing.KERNEL_DIGESTS else None
         cols = (np.array([vote_columns(tuple(t.shape)) for t in targets], np.int64) if version in VOTE_VERSIONS
                 else None)
-        batch = analyze_at(where, sizes, headers, scratch, cols=cols,
-                           hash_base=None if hash_base is None else np.array(hash_base, np.uint8))
-        del keep
-        return batch
+        return analyze_at(where, sizes, headers, scratch, cols=cols,
+                          hash_base=None if hash_base is None else np.array(hash_base, np.uint8))
 
     def fit(self, version: int, batches: list[Batch], analyses: list[Analysis]) -> Tables | None:
         symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]

@@ -482,14 +482,8 @@ def _vote_symbol(pair, v):
 @nb.njit(cache=True, nogil=True)
 def vote_symbols_into(pairs, positions, cols, out):
     """The vote symbols (`_vote_symbol`) of one tensor's changes, in tensor order, given their
-    positions and the tensor's columns, into out[:pairs.size]."""
-    votes = np.zeros(cols, np.int8)
-    row0 = np.int64(0)
-    for j in range(pairs.size):
-        col, row0 = _column(np.int64(positions[j]), cols, row0)
-        c = np.uint64(col)
-        out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
-        votes[c] = after
+    positions and the tensor's columns, into out[:pairs.size]: `_part_votes` of one part."""
+    _part_votes(0, positions, cols, np.zeros(cols, np.int8), np.int64(0), pairs, 0, pairs.size, out)
 
 
 @nb.njit(cache=True, nogil=True)
