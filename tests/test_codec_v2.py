@@ -578,6 +578,27 @@ def test_v4_codes_values_with_column_votes():
         assert np.array_equal(patch.index, np.flatnonzero(b != t)) and np.array_equal(patch.values, t[b != t])
 
 
+def test_inspect_costs_v4_values_under_their_vote_tables():
+    """`inspect` with the base splits each record's bits into mask and values under the payload's
+    own tables: for v4, each change's vote-table row and flipped token (a key table's row gives
+    nonsense, or log2(0)); the split accounts for the whole stream, and v4's values cost less."""
+    from codec.inspect import describe
+
+    base, target = _leaning_pair()
+    split = {}
+    for version in (3, 4):
+        rows = describe(codec.encode(base, target, format_version=version), base)["tensors"]
+        for r in rows:
+            parts = r["mask_bits_per_change"] + r["value_bits_per_change"]
+            left = (r["bits_per_change"] - parts) * r["changed"]  # the final rANS states, a last word
+            assert np.isfinite(parts) and -1e-6 <= left <= 8 * (8 * conditional.FOUR_STATES + 8), r
+        split[version] = {r["name"]: r for r in rows}
+    for name, r4 in split[4].items():
+        assert r4["mask_bits_per_change"] == pytest.approx(split[3][name]["mask_bits_per_change"])
+    w3, w4 = split[3]["w"], split[4]["w"]
+    assert w4["value_bits_per_change"] < 0.8 * w3["value_bits_per_change"]
+
+
 def test_vote_symbols_of_a_batch_are_those_of_each_tensor_alone():
     """`Batch.vote_symbols` (made by the scan of a v4 batch, part by part) gives each tensor the
     symbols its own analysis gives from its positions; a v3 batch's scan makes none."""

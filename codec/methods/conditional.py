@@ -1577,8 +1577,13 @@ def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, f
         gaps = np.diff(np.concatenate(([-1], ranks))) - 1
         tok = _tokens(gaps)
         mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
-    tok = _tokens(analysis.zig)
-    rows = model.row_of_key[analysis.keys.astype(np.int64)]
+    if model.vote:  # v4: each change's vote symbol names its table row and its (flipped) token
+        sym = analysis.vote_symbols().astype(np.int64)
+        tok = sym & (VALUE_TOKENS - 1)
+        rows = model.row_of_key[(sym >> VALUE_SYMBOL_BITS) & CONTEXT_MASK]
+    else:
+        tok = _tokens(analysis.zig)
+        rows = model.row_of_key[analysis.keys.astype(np.int64)]
     value = float(np.sum(VALUE_SCALE - np.log2(model.freq[rows, tok])) + _token_extra_bits(tok).sum())
     return mask, value
 
@@ -1741,7 +1746,8 @@ class Conditional(Method):
 
     def describe(self, entry: Entry, shared: dict, base: np.ndarray | None, target: np.ndarray | None) -> dict:
         """Bits per change; split into mask and values given the elements."""
-        analysis = analyze(base, target) if base is not None and target is not None else None
+        analysis = (analyze(base, target, vote_columns(tuple(entry.shape)))
+                    if base is not None and target is not None else None)
         return describe_bits(entry, shared, analysis)
 
 
