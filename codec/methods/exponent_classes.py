@@ -474,9 +474,17 @@ def _vote_symbol(pair, v):
     n = 63 - np.int64(leading_zeros(np.uint64(u | 1)))
     tok = u if u < rans.DIRECT else (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
                                      + ((u >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
-    ctx = ((bv >> KEY_SHIFT) & 0xFF) * VOTE_LEVELS + (v if v >= 0 else -v)
-    after = min(max(v + 1 - 2 * (z & 1), -VOTE_LIMIT), VOTE_LIMIT)  # z even: the step was up
-    return np.uint32((ctx << VALUE_SYMBOL_BITS) | tok | (neg << FLIP_BIT)), after
+    ctx = ((bv >> KEY_SHIFT) & 0xFF) * VOTE_LEVELS + (v ^ -neg) + neg  # |v|, branch-free
+    return np.uint32((ctx << VALUE_SYMBOL_BITS) | tok | (neg << FLIP_BIT)), vote_after(v, z)
+
+
+@nb.njit(inline="always", cache=True)
+def vote_after(v, z):
+    """A column's counter v (in [-VOTE_LIMIT, VOTE_LIMIT]) after a change of zigzagged step z (z
+    even: the step was up). Branch-free: min/max compiled to branches that mispredict on every
+    other change (a column's direction is a coin flip across columns), 2.4x the vote loop's time."""
+    w = v + 1 - 2 * (z & 1)
+    return w - np.int64(w > VOTE_LIMIT) + np.int64(w < -VOTE_LIMIT)
 
 
 @nb.njit(cache=True, nogil=True)
