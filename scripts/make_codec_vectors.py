@@ -239,7 +239,8 @@ def column_step(t: torch.Tensor, fraction: float, rng: np.random.Generator) -> t
 def v4_votes(rng):
     """v4: conditional values coded with column votes (the vote tables, kind 3): 2-D records with
     column-wise leaning steps, one with >= 4096 changes (four states), a 1-D record (one column),
-    a 3-D one (columns = its last dim), and transitions to and from special patterns."""
+    a 3-D one (columns = its last dim), transitions to and from special patterns, and a still
+    record (its steps go either way whatever their column: its params' STILL bit)."""
     sp = np.array(SPECIALS, np.uint16)
     grid_b = np.repeat(sp, sp.size)
     grid_t = np.tile(sp, sp.size)
@@ -251,10 +252,10 @@ def v4_votes(rng):
     specials_t[at] = grid_t[keep]
     base = {"big": weights(rng, (192, 192), spread=0.3), "small": weights(rng, (48, 40), spread=0.3),
             "bias": weights(rng, (300,)), "cube": weights(rng, (4, 6, 24)),
-            "specials": bf16(specials_b, (32, 64))}
+            "specials": bf16(specials_b, (32, 64)), "noisy": weights(rng, (96, 64), spread=0.3)}
     target = {"big": column_step(base["big"], 0.25, rng), "small": column_step(base["small"], 0.03, rng),
               "bias": column_step(base["bias"], 0.1, rng), "cube": column_step(base["cube"], 0.2, rng),
-              "specials": bf16(specials_t, (32, 64))}
+              "specials": bf16(specials_t, (32, 64)), "noisy": rl_step(base["noisy"], 0.2, rng)}
     return base, target
 
 
@@ -439,7 +440,10 @@ def _describe(payload: bytes) -> dict:
                 "stream_codecs": [s.codec for s in e.streams]}
         if e.method == conditional.ID:
             info["rans_states"] = 4 if e.changes >= four_from else 2
-            info["classes"] = int(e.params[0])
+            still = conditional.SHARED_VOTE_TABLES in parsed.shared and bool(e.params[0] & conditional.STILL)
+            info["classes"] = int(e.params[0]) & ~conditional.STILL if still else int(e.params[0])
+            if conditional.SHARED_VOTE_TABLES in parsed.shared:
+                info["still"] = still
         if e.method == 2:
             info["position_mode"] = int(e.params[0])
         tensors[e.name] = info

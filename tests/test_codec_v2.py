@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ from codec import container, rans, tensors, wire
 from codec.device import analyze_on_device
 from codec.methods import conditional, exponent_classes as ec
 
-from codec_cases import bf16_from_bits, bits_of
+from codec_cases import assert_bit_exact, bf16_from_bits, bits_of
 
 
 def rl_step(w: torch.Tensor, lr: float, seed: int) -> torch.Tensor:
@@ -576,6 +578,80 @@ def test_v4_codes_values_with_column_votes():
         patch = conditional.decode(e, b, p4.shared)
         t = bits_of(target[e.name]).view(np.uint16)
         assert np.array_equal(patch.index, np.flatnonzero(b != t)) and np.array_equal(patch.values, t[b != t])
+
+
+def _leaning_and_not() -> tuple[dict, dict]:
+    """`_leaning_pair` and a tensor whose steps go either way whatever their column (a dense
+    layer's, on MiniLM): enough changes that only its lack of lean makes it still."""
+    base, target = _leaning_pair()
+    rng = np.random.default_rng(12)
+    b = (0.03 * np.exp(0.3 * rng.standard_normal((512, 384))) * rng.choice([-1.0, 1.0], size=(512, 384)))
+    step = rng.choice([-1.0, 1.0], size=b.shape) * np.abs(b) * 2.0 ** -8 * (rng.random(b.shape) < 0.05)
+    base["dense"] = torch.from_numpy(b.astype(np.float32)).to(torch.bfloat16)
+    target["dense"] = torch.from_numpy((b + 1.5 * step).astype(np.float32)).to(torch.bfloat16)
+    return base, target
+
+
+def _with_params(payload: bytes, edit) -> bytes:
+    p = container.unpack(payload)
+    p.entries = [dataclasses.replace(e, params=edit(e)) for e in p.entries]
+    return container.pack(p)
+
+
+def test_v4_records_whose_columns_do_not_lean_are_still():
+    """A v4 record whose changes do not follow their columns' counters is still (its params'
+    STILL bit): its values are coded with the counter-0 tables, unflipped, and it decodes on every
+    path (the batched decode, one record alone, apply_, the patch); a leaning one keeps its votes.
+    Still records make the payload smaller (their changes no longer blur the leaning ones'
+    contexts). Without vote tables (v3) the bit is refused as a class count."""
+    base, target = _leaning_and_not()
+    v4 = codec.encode(base, target, format_version=4)
+    p4 = container.unpack(v4)
+    still = {e.name: bool(e.params[0] & conditional.STILL) for e in p4.entries}
+    assert still == {"w": False, "cube": False, "bias": False, "dense": True}, still
+    assert_bit_exact(codec.decode(base, v4), target)
+    held = {k: v.clone() for k, v in base.items()}
+    codec.apply_(held, v4)
+    assert_bit_exact(held, target)
+    for e in p4.entries:
+        b, t = bits_of(base[e.name]).view(np.uint16), bits_of(target[e.name]).view(np.uint16)
+        patch = conditional.decode(e, b, p4.shared)
+        assert np.array_equal(patch.index, np.flatnonzero(b != t)) and np.array_equal(patch.values, t[b != t])
+        assert np.array_equal(conditional.decode_target(e, b, p4.shared)[1], t.reshape(-1))
+        elems = b.copy().reshape(-1)
+        conditional.decode_in_place(e, elems, p4.shared)
+        assert np.array_equal(elems, t.reshape(-1))
+    # every record voting (the encoder's choice undone) is larger
+    all_vote = conditional.ValueModel.fit_symbols(
+        [conditional.analyze(bits_of(base[n]).view(np.uint16), bits_of(target[n]).view(np.uint16),
+                             conditional.vote_columns(tuple(target[n].shape))).vote_symbols() for n in target],
+        vote=True)
+    assert conditional.ValueModel.unpack(p4.shared[conditional.SHARED_VOTE_TABLES], vote=True).keys.size > 0
+    mixed = conditional.ValueModel.fit_symbols(
+        [a.coded_symbols(True) for a in _settled(base, target)], vote=True)
+    assert mixed.fitted_bits < all_vote.fitted_bits
+    few = _settled({"w": base["w"][:2]}, {"w": target["w"][:2]})[0]  # leaning, but too few changes met a vote
+    assert 0 < few.changes < conditional.STILL_MIN_VOTED and few.still
+    # the bit flipped either way: never the target (a stream that no longer decodes, or a digest)
+    for name in ("w", "dense"):
+        forged = _with_params(v4, lambda e, name=name: (bytes([e.params[0] ^ conditional.STILL]) + e.params[1:]
+                                                        if e.name == name else e.params))
+        with pytest.raises(codec.DeltaError):
+            codec.decode(base, forged)
+    v3 = codec.encode(base, target, format_version=3)
+    forged = _with_params(v3, lambda e: bytes([e.params[0] | conditional.STILL]) + e.params[1:])
+    with pytest.raises(codec.DeltaError, match="still bit"):
+        codec.decode(base, forged)
+
+
+def _settled(base: dict, target: dict) -> list:
+    out = []
+    for n in target:
+        a = conditional.analyze(bits_of(base[n]).view(np.uint16), bits_of(target[n]).view(np.uint16),
+                                conditional.vote_columns(tuple(target[n].shape)))
+        a.settle()
+        out.append(a)
+    return out
 
 
 def test_inspect_costs_v4_values_under_their_vote_tables():

@@ -103,7 +103,9 @@ def test_vector_uses_the_methods_the_index_names(name):
             [t["dtype"], t["shape"], t["changes"], t["stream_codecs"]]
         if e.method == conditional.ID:
             assert (4 if e.changes >= four_from else 2) == t["rans_states"]
-            assert e.params[0] == t["classes"]
+            votes = conditional.SHARED_VOTE_TABLES in parsed.shared  # then the first byte's top bit: STILL
+            assert e.params[0] & (0x7F if votes else 0xFF) == t["classes"]
+            assert (bool(e.params[0] & conditional.STILL) if votes else None) == t.get("still")
             # a conditional stream is the words, then S final states of two words each
             assert len(e.streams[0].stored) % 4 == 0 and len(e.streams[0].stored) >= 8 * t["rans_states"]
 
@@ -356,7 +358,7 @@ def test_vote_tables_rules():
     assert conditional.SHARED_VALUE_TABLES not in shared
     v3_tables = container.unpack(_load("v3-interleave")[2]).shared[conditional.SHARED_VALUE_TABLES]
     assert _same_as(codec.decode(*_with_shared("v4-votes", [(1, v3_tables), (2, rule), (3, votes)])[::2]), target)
-    with pytest.raises(codec.DeltaError, match="value tables"):
+    with pytest.raises(codec.DeltaError, match="(value|vote) tables"):  # (a still record: its bit needs them)
         codec.decode(*_with_shared("v4-votes", [(2, rule)])[::2])
     b, _, p = _with_shared("v3-interleave", [(1, v3_tables), (2, shared[2] if 2 in shared else rule), (3, votes)])
     with pytest.raises(codec.DeltaError, match="v4 field"):
@@ -371,8 +373,9 @@ def test_vote_tables_rules():
     assert err.value.tensor in target
 
 
-def _spec_vote_walk(base: np.ndarray, target: np.ndarray, cols: int) -> list[tuple[int, int]]:
-    """FORMAT.md's column votes in plain Python: each change's (context, coded zigzag u')."""
+def _spec_vote_walk(base: np.ndarray, target: np.ndarray, cols: int, still: bool = False) -> list[tuple[int, int]]:
+    """FORMAT.md's column votes in plain Python: each change's (context, coded zigzag u'); a
+    still record's counters stay 0."""
     def ordered(x: int) -> int:
         return x ^ 0xFFFF if x & 0x8000 else x ^ 0x8000
 
@@ -384,14 +387,18 @@ def _spec_vote_walk(base: np.ndarray, target: np.ndarray, cols: int) -> list[tup
         u = 2 * s - 2 if s > 0 else -2 * s - 1
         v = counters[i % cols]
         out.append(((b >> 7 & 0xFF) * 5 + abs(v), u ^ (1 if v < 0 else 0)))
-        counters[i % cols] = min(4, v + 1) if s > 0 else max(-4, v - 1)
+        if not still:
+            counters[i % cols] = min(4, v + 1) if s > 0 else max(-4, v - 1)
     return out
 
 
 def test_vote_symbols_are_the_walk_format_md_defines():
     """The encoder's vote symbols for every record of the v4 vector are FORMAT.md's column-vote
-    walk: the context, and the token of the coded (possibly negated) step."""
-    base, target, _ = _load("v4-votes")
+    walk: the context, and the token of the coded (possibly negated) step; a record the payload
+    marks still codes the walk without votes (every context `key * 5`, nothing negated)."""
+    base, target, payload = _load("v4-votes")
+    still = {e.name: bool(e.params[0] & conditional.STILL) for e in container.unpack(payload).entries}
+    assert set(still.values()) == {False, True}
     seen = set()
     for name in target:
         b = base[name].contiguous().view(torch.int16).numpy().view(np.uint16).reshape(-1)
@@ -404,6 +411,13 @@ def test_vote_symbols_are_the_walk_format_md_defines():
         tok = conditional._tokens(np.array([u for _, u in want], np.int64))
         assert np.array_equal((sym >> 6) & conditional.CONTEXT_MASK, ctx), name
         assert np.array_equal(sym & 63, tok), name
+        a.settle()  # the encoder's choice, as the payload records it
+        assert a.still == still[name], name
+        coded = a.coded_symbols(True).astype(np.int64)
+        want = _spec_vote_walk(b, t, cols, still[name])
+        assert np.array_equal((coded >> 6) & conditional.CONTEXT_MASK, [c for c, _ in want]), name
+        assert np.array_equal(coded & 63, conditional._tokens(np.array([u for _, u in want], np.int64))), name
+        assert not still[name] or not ((coded >> conditional.FLIP_BIT) & 1).any(), name
         seen |= {c % 5 for c in ctx} | {-1 for c in (sym >> conditional.FLIP_BIT) & 1 if c}
     assert seen == {-1, 0, 1, 2, 3, 4}  # every strength, and negated steps
 

@@ -86,6 +86,12 @@ VOTE_LEVELS = ec.VOTE_LEVELS
 N_CONTEXTS = N_KEYS * VOTE_LEVELS
 CONTEXT_MASK = 0x7FF  # (symbol >> 6) & CONTEXT_MASK: the table row's context, v3 symbols' key alike
 FLIP_BIT = ec.FLIP_BIT
+# v4: a record whose params' first byte has this bit (with vote tables in the payload) is still:
+# its columns do not vote (every counter stays 0), so its values are key-table values coded with
+# each key's counter-0 table. The encoder keeps votes for records whose changes follow them.
+STILL = 0x80
+STILL_AGREEMENT = 0.6  # votes kept where at least this share of changes with a counter follow it
+STILL_MIN_VOTED = 64  # and at least this many changes had one
 _column = ec._column
 if N_CONTEXTS > CONTEXT_MASK + 1 or (N_CONTEXTS << VALUE_SYMBOL_BITS) > 1 << FLIP_BIT:
     raise ImportError("vote contexts must fit the vote symbols' bits")
@@ -189,6 +195,39 @@ def _value_symbols_into(pairs, out):
         big = (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
                + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
         out[j] = np.uint16((((bv >> KEY_SHIFT) & 0xFF) << 6) | (v if v < rans.DIRECT else big))
+
+
+@nb.njit(cache=True, nogil=True)
+def _settle(votes, pairs, values, first):
+    """v4's still records (STILL): for each tensor i (changes [first[i], first[i + 1])), whether
+    its columns' votes are worth coding with: at least STILL_MIN_VOTED of its changes met a
+    counter (|v| >= 1) and at least STILL_AGREEMENT of those moved its way. Where not, the
+    tensor's vote symbols are rewritten in place as counter-0 ones (context key * VOTE_LEVELS,
+    never flipped), from its value symbols. Returns still (uint8) per tensor.
+
+    Why: on MiniLM only the embedding (or an untied head) has columns that lean (~93% agree);
+    the dense layers' changes follow their column's counter half the time, and mixed into the
+    same vote contexts they flatten the embedding's skew (their values cost ~7% more that way)."""
+    m = first.size - 1
+    still = np.zeros(m, np.uint8)
+    for i in range(m):
+        voted = 0
+        agreed = 0
+        for j in range(first[i], first[i + 1]):
+            sym = np.int64(votes[j])
+            if ((sym >> VALUE_SYMBOL_BITS) & CONTEXT_MASK) % VOTE_LEVELS:
+                bv = np.int64(pairs[j] >> np.uint32(16))
+                z = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
+                voted += 1
+                agreed += 1 - ((z ^ (sym >> FLIP_BIT)) & 1)  # z's low bit: the step went down
+        if voted >= STILL_MIN_VOTED and agreed >= STILL_AGREEMENT * voted:
+            continue
+        still[i] = 1
+        for j in range(first[i], first[i + 1]):
+            sym = np.int64(values[j])
+            votes[j] = np.uint32((((sym >> VALUE_SYMBOL_BITS) * VOTE_LEVELS) << VALUE_SYMBOL_BITS)
+                                 | (sym & (VALUE_TOKENS - 1)))
+    return still
 
 
 @nb.njit(cache=True, nogil=True)
@@ -483,7 +522,7 @@ def _specialised(four: bool):
             else:
                 x, o1 = o1, x
             u ^= neg  # the coded step was negated where the column's counter is negative
-            votes[c] = min(max(v + 1 - 2 * (u & 1), -VOTE_LIMIT), VOTE_LIMIT)
+            votes[c] = ec.vote_after(v, u)
             o = ec.ordered(bv) + ec.unzigzag(u)
             if o < 0 or o > 0xFFFF:
                 return x, o1, o2, o3, pos, 4
@@ -710,6 +749,7 @@ class Analysis:
     ranks: np.ndarray  # rank of each change among the elements of its class
     index: np.ndarray | None = None  # changed positions, where the scan had them for free
     cols: int = 1  # the tensor's columns (`vote_columns`), for v4's vote symbols
+    still: bool = False  # v4: coded without votes (STILL; `settle`)
     _class_changes: np.ndarray | None = field(default=None, repr=False, compare=False)
     _steps: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
@@ -750,6 +790,21 @@ class Analysis:
         if self._symbols is None:
             self._symbols = _value_symbols(self.pairs)
         return self._symbols
+
+    def settle(self) -> None:
+        """Whether this tensor codes its values without votes (`_settle`), its vote symbols
+        rewritten to match."""
+        self.still = bool(_settle(self.vote_symbols(), self.pairs, self.value_symbols,
+                                  np.array([0, self.changes], np.int64))[0])
+
+    def coded_symbols(self, vote: bool) -> np.ndarray:
+        """The symbols its record codes with a vote model (`vote`) or with key tables."""
+        if not vote:
+            return self.value_symbols
+        if self.still:  # made afresh, whatever vote_symbols holds: they must match the params' bit
+            v3 = self.value_symbols.astype(np.uint32)
+            return (((v3 >> VALUE_SYMBOL_BITS) * VOTE_LEVELS) << VALUE_SYMBOL_BITS) | (v3 & (VALUE_TOKENS - 1))
+        return self.vote_symbols()
 
     def vote_symbols(self) -> np.ndarray:
         """Each change's v4 vote symbol (`exponent_classes.vote_symbols_into`), from its position
@@ -797,6 +852,7 @@ class Batch:
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
     cols: np.ndarray | None = field(default=None, repr=False, compare=False)  # each tensor's, for votes
     _votes: np.ndarray | None = field(default=None, repr=False, compare=False)  # made by the scan, with cols
+    still: np.ndarray | None = field(default=None, repr=False, compare=False)  # v4: per tensor (`settle`)
 
     def __len__(self) -> int:
         return int(self.nthr.size)
@@ -818,6 +874,10 @@ class Batch:
                 _value_symbols_into(self.pairs, self._symbols)
         return self._symbols
 
+    def settle(self) -> None:
+        """Which tensors code their values without votes (`_settle`), their vote symbols rewritten."""
+        self.still = _settle(self.vote_symbols(), self.pairs, self.value_symbols, self.first)
+
     def vote_symbols(self) -> np.ndarray:
         """Every change's v4 vote symbol, which the scan made (`analyze_at` with `cols`)."""
         if self._votes is None:
@@ -836,6 +896,7 @@ class Batch:
         a, b, nthr = int(self.first[i]), int(self.first[i + 1]), int(self.nthr[i])
         return Analysis(self.thresholds[i, :nthr], self.class_sizes[i], self.pairs[a:b], self.classes[a:b],
                         self.ranks[a:b], cols=1 if self.cols is None else int(self.cols[i]),
+                        still=self.still is not None and bool(self.still[i]),
                         _class_changes=self.class_changes[i, : nthr + 1],
                         _symbols=None if self._symbols is None else self._symbols[a:b],
                         _votes=None if self._votes is None else self._votes[a:b])
@@ -940,6 +1001,13 @@ class ValueModel:
         self.row_of_key = np.full(n_keys, -1, np.int64)  # of a context, for vote models
         self.row_of_key[keys] = np.arange(keys.size)
         self.keys = keys
+        # a still record's (`STILL`): each key's row at counter 0, for the key-table kernels
+        self.row_plain = self.row_of_key[np.arange(N_KEYS) * VOTE_LEVELS] if vote else self.row_of_key
+
+    def rows(self, shape: tuple[int, ...], still: bool) -> tuple[np.ndarray, int]:
+        """(row of each context, `cols`) the decoding kernels take for a record of this shape:
+        a still record's values are key-table values over its counter-0 rows."""
+        return (self.row_plain, 0) if still else (self.row_of_key, self.columns(shape))
 
     def columns(self, shape: tuple[int, ...]) -> int:
         """The `cols` argument of the decoding kernels for a record of this shape: 0 (no votes)
@@ -1125,14 +1193,15 @@ def _choose_levels(n: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, which, logs, mcum, mfreq, mrcp, mrsh,
-                 vcum, vfreq, vrcp, vrsh, vrow_of_key, four_from):
+def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, which, still, logs, mcum, mfreq, mrcp,
+                 mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key, four_from):
     """Params and stream of the tensors `which` of a batch (tensor i's changes are
     [first[i], first[i+1]) of pairs, symbols, cls and ranks; its classes, sizes and changes are
     row i of the rest), into two buffers: (params bytes, params offsets, stream words, stream
     offsets), a record per entry of `which`. The stream is the emitted words then each final
     state as (low, high) 32-bit words (docs/FORMAT.md): four states for a tensor with at least
-    four_from changes, else two."""
+    four_from changes, else two. still[i]: tensor i's record is still (the STILL bit; its symbols
+    say so already)."""
     m = which.size
     total = 0
     for w in range(m):
@@ -1152,7 +1221,7 @@ def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, w
         four = b - a >= four_from
         words, nw, x0, x1, x2, x3 = _encode(pairs[a:b], symbols[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels,
                                             mcum, mfreq, mrcp, mrsh, vcum, vfreq, vrcp, vrsh, vrow_of_key, four)
-        params[p] = nclass
+        params[p] = nclass | (STILL if still[i] else 0)
         p += 1
         for c in range(nclass - 1):
             params[p] = thr[i, c]
@@ -1177,8 +1246,11 @@ def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, w
 
 def _records(pairs: np.ndarray, symbols: np.ndarray, cls: np.ndarray, ranks: np.ndarray, first: np.ndarray,
              thr: np.ndarray, nthr: np.ndarray, sizes: np.ndarray, changes: np.ndarray, which: np.ndarray,
-             model: ValueModel, four_from: int) -> list[tuple[bytes, list[Stream]]]:
-    """(params, streams) of the tensors `which` of a batch laid out as `_encode_many` reads it."""
+             model: ValueModel, four_from: int, still: np.ndarray | None = None) -> list[tuple[bytes, list[Stream]]]:
+    """(params, streams) of the tensors `which` of a batch laid out as `_encode_many` reads it
+    (`still`: per tensor, for a vote model)."""
+    if still is None or not model.vote:
+        still = np.zeros(nthr.size, np.uint8)
     wrong = which[changes[which].sum(axis=1) != first[which + 1] - first[which]]
     if wrong.size:  # the coder trusts these counts to lay out its gaps
         i = int(wrong[0])
@@ -1186,8 +1258,9 @@ def _records(pairs: np.ndarray, symbols: np.ndarray, cls: np.ndarray, ranks: np.
     mfreq, mcum, _ = mask_tables()
     mrcp, mrsh = mask_reciprocals()
     params, poff, streams, soff = _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, which,
-                                               _level_logs(), mcum, mfreq, mrcp, mrsh, model.cum, model.freq, model.rcp,
-                                               model.rsh, model.row_of_key, four_from)
+                                               still.astype(np.uint8, copy=False), _level_logs(), mcum, mfreq, mrcp,
+                                               mrsh, model.cum, model.freq, model.rcp, model.rsh, model.row_of_key,
+                                               four_from)
     # every record's bytes cut from two blobs (one conversion each, not one per record)
     m = which.size
     words = streams[: soff[m]].astype("<u4", copy=False).tobytes()
@@ -1206,9 +1279,10 @@ def encode_batch(batch: Batch, which: np.ndarray, model: ValueModel, four_from: 
     one compiled call. Tensors with at least `four_from` changes use four interleaved states
     (the payload's SHARED_INTERLEAVE rule, which the caller writes). A vote model codes the
     batch's vote symbols."""
-    symbols = batch.vote_symbols() if model.vote else batch.value_symbols
+    symbols = batch.vote_symbols() if model.vote else batch.value_symbols  # (still ones rewritten: `settle`)
     return _records(batch.pairs, symbols, batch.classes, batch.ranks, batch.first, batch.thresholds,
-                    batch.nthr, batch.class_sizes, batch.class_changes, np.asarray(which, np.int64), model, four_from)
+                    batch.nthr, batch.class_sizes, batch.class_changes, np.asarray(which, np.int64), model, four_from,
+                    batch.still)
 
 
 def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NEVER
@@ -1217,10 +1291,10 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
     m = len(analyses)
     if m == 1:
         a = analyses[0]
-        pairs, symbols, cls, ranks = a.pairs, a.vote_symbols() if model.vote else a.value_symbols, a.classes, a.ranks
+        pairs, symbols, cls, ranks = a.pairs, a.coded_symbols(model.vote), a.classes, a.ranks
     else:
         pairs = np.concatenate([a.pairs for a in analyses])
-        symbols = np.concatenate([a.vote_symbols() if model.vote else a.value_symbols for a in analyses])
+        symbols = np.concatenate([a.coded_symbols(model.vote) for a in analyses])
         cls = np.concatenate([a.classes for a in analyses])
         ranks = np.concatenate([a.ranks for a in analyses])
     first = np.zeros(m + 1, np.int64)
@@ -1232,7 +1306,8 @@ def encode_many(analyses: list[Analysis], model: ValueModel, four_from: int = NE
         thr[i, : nthr[i]] = a.thresholds
         changes[i, : a.nclass] = a.class_changes()
     sizes = np.stack([a.class_sizes for a in analyses]).astype(np.int64, copy=False)
-    return _records(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, np.arange(m), model, four_from)
+    still = np.array([a.still for a in analyses], np.uint8)
+    return _records(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, np.arange(m), model, four_from, still)
 
 
 def encode(a: Analysis, model: ValueModel, four_from: int = NEVER) -> tuple[bytes, list[Stream]]:
@@ -1258,17 +1333,21 @@ def _four_from(shared: dict) -> int:
 # ---------------------------------------------------------------- decoder side
 
 @nb.njit(cache=True, nogil=True)
-def _parse_params(p, changes, thr, levels, counts):
+def _parse_params(p, changes, thr, levels, counts, flags):
     """A conditional record's params (docs/FORMAT.md: class count, thresholds, a mask level per
     class, the changes per class as varints) into thr, levels and counts (room for MAX_CLASSES).
-    Returns (status, classes, counts read): status 0, or the `_params_error` case."""
+    With `flags` (a payload with vote tables), the first byte's STILL bit is the record's.
+    Returns (status, classes, counts read, still): status 0, or the `_params_error` case."""
     nclass = np.int64(p[0]) if p.size else 0
+    still = flags and nclass & STILL != 0
+    if still:
+        nclass ^= STILL
     if not 1 <= nclass <= MAX_CLASSES or p.size < 2 * nclass:
-        return 1, nclass, 0
+        return 1, nclass, 0, still
     for c in range(nclass - 1):
         thr[c] = p[1 + c]
         if thr[c] <= (thr[c - 1] if c else 0):
-            return 2, nclass, 0
+            return 2, nclass, 0, still
     for c in range(nclass):
         levels[c] = p[nclass - 1 + 1 + c]
     n = 0
@@ -1281,38 +1360,41 @@ def _parse_params(p, changes, thr, levels, counts):
         if byte & 0x80:
             shift += 7
             if shift > 56:
-                return 3, nclass, n
+                return 3, nclass, n, still
         else:
             if n < MAX_CLASSES:
                 counts[n] = v
             n += 1
             if v > changes:  # (also keeps the total from overflowing)
-                return 5, nclass, n
+                return 5, nclass, n, still
             total += v
             v = 0
             shift = 0
     if shift:
-        return 3, nclass, n
+        return 3, nclass, n, still
     if n != nclass:
-        return 4, nclass, n
+        return 4, nclass, n, still
     if total != changes:
-        return 5, nclass, n
-    return 0, nclass, n
+        return 5, nclass, n, still
+    return 0, nclass, n, still
 
 
-def _params(entry: Entry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(class thresholds, mask level of each class, changes per class), checked against the index."""
+def _params(entry: Entry, shared: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(class thresholds, mask level of each class, changes per class, still?), checked against
+    the index; the STILL bit only where the payload has vote tables."""
     p = np.frombuffer(entry.params, np.uint8)
     thr = np.zeros(MAX_CLASSES, np.int64)
     levels = np.zeros(MAX_CLASSES, np.int64)
     counts = np.zeros(MAX_CLASSES, np.int64)
-    status, nclass, n = _parse_params(p, entry.changes, thr, levels, counts)
+    status, nclass, n, still = _parse_params(p, entry.changes, thr, levels, counts, SHARED_VOTE_TABLES in shared)
     if status:
         raise DeltaError(_params_error(entry, status, nclass, n), tensor=entry.name)
-    return thr[:nclass - 1], levels[:nclass], counts[:nclass]
+    return thr[:nclass - 1], levels[:nclass], counts[:nclass], bool(still)
 
 
 def _params_error(entry: Entry, status: int, nclass: int, n: int) -> str:
+    if status == 1 and nclass & STILL and 1 <= nclass ^ STILL <= MAX_CLASSES:
+        return "conditional params set the still bit (0x80), which only a payload with vote tables allows"
     if status == 1:
         return f"conditional params declare {nclass} classes in {len(entry.params)} bytes"
     if status == 2:
@@ -1374,14 +1456,13 @@ def decode_in_place(entry: Entry, elems: np.ndarray, shared: dict, digest: Runni
     positions with the elements they held (the undo log). On DeltaError `elems` hold the base."""
     if not elems.flags.writeable or not elems.flags.c_contiguous:
         raise ValueError(f"{entry.name!r}: decode_in_place needs writable contiguous elements")
-    base, thresholds, levels, counts, words, states, four, model = _checked(entry, elems, shared)
+    base, thresholds, levels, counts, words, states, four, model, vrow, cols = _checked(entry, elems, shared)
     x0, x1, x2, x3 = (np.int64(x) for x in states)
     function, state = (digest.function, digest.state) if digest is not None else (0, 0)
     mfreq, mcum, mslot = mask_tables()
     at, old, _, status = _decode_in_place(base, ec.blocks(base), words, x0, x1, x2, x3, four, thresholds, levels,
-                                          counts, mcum, mfreq, mslot, model.cum, model.freq, model.slots,
-                                          model.row_of_key, model.columns(entry.shape), np.uintp(function),
-                                          np.uintp(state))
+                                          counts, mcum, mfreq, mslot, model.cum, model.freq, model.slots, vrow,
+                                          cols, np.uintp(function), np.uintp(state))
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return Patch(at, old)
@@ -1408,10 +1489,10 @@ def _stream(entry: Entry, four: bool) -> tuple[np.ndarray, np.ndarray]:
 
 def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
     """(flat base, thresholds, levels, changes per class, words, states 0..3, four states?, value
-    model) of a record, every field checked."""
+    model, value rows and columns (`ValueModel.rows`)) of a record, every field checked."""
     if base.dtype != np.uint16:
         raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
-    thresholds, levels, counts = _params(entry)
+    thresholds, levels, counts, still = _params(entry, shared)
     try:
         four = entry.changes >= _rule(shared)
     except DeltaError as exc:
@@ -1421,14 +1502,15 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
         model = _model(shared)
     except DeltaError as exc:
         raise DeltaError(exc.reason, tensor=entry.name) from None
-    return base.reshape(-1), thresholds, levels, counts, words, states, four, model
+    vrow, cols = model.rows(tuple(entry.shape), still)
+    return base.reshape(-1), thresholds, levels, counts, words, states, four, model, vrow, cols
 
 
 def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray | None,
                   digest: Running | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(positions, values, changes decoded) of a record; with `out`, the target is built there
     instead (see `_decode`), feeding `digest` if given."""
-    base, thresholds, levels, counts, words, states, four, model = _checked(entry, base, shared)
+    base, thresholds, levels, counts, words, states, four, model, vrow, cols = _checked(entry, base, shared)
     x0, x1, x2, x3 = (np.int64(x) for x in states)
     bb = ec.blocks(base)
     copy_to = _NO_OUT
@@ -1439,8 +1521,8 @@ def _decode_entry(entry: Entry, base: np.ndarray, shared: dict, out: np.ndarray 
     function, state = (digest.function, digest.state) if digest is not None and out.size else (0, 0)
     mfreq, mcum, mslot = mask_tables()
     at, val, count, status = _decode(base, bb, words, x0, x1, x2, x3, four, thresholds, levels, counts, mcum, mfreq,
-                                     mslot, model.cum, model.freq, model.slots, model.row_of_key,
-                                     model.columns(entry.shape), out, copy_to, np.uintp(function), np.uintp(state))
+                                     mslot, model.cum, model.freq, model.slots, vrow, cols, out, copy_to,
+                                     np.uintp(function), np.uintp(state))
     if status:
         raise DeltaError(_STATUS[status], tensor=entry.name)
     return at, val, int(count)
@@ -1465,7 +1547,7 @@ def _stream_states(words, nstates):
 
 @nb.njit(cache=True, nogil=True)
 def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, mcum, mfreq, mslot, vcum, vfreq, vslot,
-                  vrow_of_key, cols, headers, hoff, functions, state):
+                  vrow_of_key, vrow_plain, cols, headers, hoff, functions, state):
     """`_decode` building the targets of many tensors in one compiled call, their records parsed
     here too: tensor i's base is at address where[i, 0] (sizes[i] elements, readable in whole
     blocks), its target goes to where[i, 1] (sizes[i] elements), its params are
@@ -1473,8 +1555,10 @@ def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, m
     (`hashing.NATIVE.functions()`), each target is digested as it is built: the XXH3 state at
     `state` reset per tensor and fed its header, headers[hoff[i]:hoff[i + 1]], first. Returns
     (changes decoded, status, digests (low, high halves)) of each: status 0, or not 0 when the
-    record or its stream fails (decoding that one alone names the reason)."""
+    record or its stream fails (decoding that one alone names the reason). A still record (the
+    STILL bit, read where cols has any: a vote model) decodes over vrow_plain without votes."""
     m = sizes.size
+    flags = m > 0 and cols.max() > 0
     hashing = functions.size > 0
     decoded = np.zeros(m, np.int64)
     status = np.zeros(m, np.int64)
@@ -1486,7 +1570,7 @@ def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, m
     # and `_decode` would then be compiled twice (here, and again for apply_'s writable one)
     none = np.zeros(0, np.uint16)
     for i in range(m):
-        bad, nc, _ = _parse_params(params[poff[i]:poff[i + 1]], changes[i], thr, levels, counts)
+        bad, nc, _, still = _parse_params(params[poff[i]:poff[i + 1]], changes[i], thr, levels, counts, flags)
         four = changes[i] >= four_from
         w, x, broken = _stream_states(words[woff[i]:woff[i + 1]], FOUR_STATES if four else STATES)
         if bad or broken:
@@ -1503,7 +1587,8 @@ def _decode_batch(where, sizes, params, poff, words, woff, changes, four_from, m
             hash_update(functions[1], state, headers, hoff[i], hoff[i + 1])
             function = functions[1]
         _, _, decoded[i], status[i] = _decode(bb[:n], bb, w, x[0], x[1], x[2], x[3], four, thr[:nc - 1], levels[:nc],
-                                              counts[:nc], mcum, mfreq, mslot, vcum, vfreq, vslot, vrow_of_key, cols[i],
+                                              counts[:nc], mcum, mfreq, mslot, vcum, vfreq, vslot,
+                                              vrow_plain if still else vrow_of_key, 0 if still else cols[i],
                                               out, copy_to, function, state)
         if hashing and status[i] == 0:
             digests[i, 0], digests[i, 1] = hash_digest(functions[2], state)
@@ -1547,8 +1632,8 @@ def decode_at(entries: list[Entry], where: np.ndarray, shared: dict, headers: li
     mfreq, mcum, mslot = mask_tables()
     decoded, status, digests = _decode_batch(np.ascontiguousarray(where, np.uintp), sizes, params, poff, words, woff,
                                              changes, four_from, mcum, mfreq, mslot, model.cum, model.freq,
-                                             model.slots, model.row_of_key, cols, digesting.headers, digesting.offsets,
-                                             digesting.functions, digesting.states[0])
+                                             model.slots, model.row_of_key, model.row_plain, cols, digesting.headers,
+                                             digesting.offsets, digesting.functions, digesting.states[0])
     del digesting  # frees its states
     return decoded, status, digests if headers is not None else None
 
@@ -1568,7 +1653,7 @@ def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, f
     base): -log2 of each symbol's probability plus its raw bits; the mask also pays for the
     params (thresholds, levels and per-class change counts).
     """
-    _, levels, _ = _params(entry)
+    _, levels, _, still = _params(entry, shared)
     model = _model(shared)
     mfreq, _, _ = mask_tables()
     mask = 8.0 * len(entry.params)
@@ -1577,13 +1662,13 @@ def cost_split(entry: Entry, shared: dict, analysis: Analysis) -> tuple[float, f
         gaps = np.diff(np.concatenate(([-1], ranks))) - 1
         tok = _tokens(gaps)
         mask += float(np.sum(MASK_SCALE - np.log2(mfreq[lv, tok])) + _token_extra_bits(tok).sum())
-    if model.vote:  # v4: each change's vote symbol names its table row and its (flipped) token
+    if model.vote and not still:  # v4: each change's vote symbol names its table row and its (flipped) token
         sym = analysis.vote_symbols().astype(np.int64)
         tok = sym & (VALUE_TOKENS - 1)
         rows = model.row_of_key[(sym >> VALUE_SYMBOL_BITS) & CONTEXT_MASK]
     else:
         tok = _tokens(analysis.zig)
-        rows = model.row_of_key[analysis.keys.astype(np.int64)]
+        rows = model.row_plain[analysis.keys.astype(np.int64)]
     value = float(np.sum(VALUE_SCALE - np.log2(model.freq[rows, tok])) + _token_extra_bits(tok).sum())
     return mask, value
 
@@ -1684,8 +1769,10 @@ class Conditional(Method):
             return None
         model = ValueModel.fit_symbols(symbols)
         if version in VOTE_VERSIONS:  # v4: values coded with column votes where that costs less
-            votes = ValueModel.fit_symbols([b.vote_symbols() for b in batches] + [a.vote_symbols() for a in analyses],
-                                           vote=True)
+            for x in (*batches, *analyses):
+                x.settle()  # still records where columns do not lean
+            votes = ValueModel.fit_symbols([b.vote_symbols() for b in batches]
+                                           + [a.coded_symbols(True) for a in analyses], vote=True)
             if votes.fitted_bits < model.fitted_bits:  # (their five times the tables lose on small payloads)
                 model = votes
         # v3: records with many changes use four interleaved rANS states (the payload states the rule)
