@@ -1771,8 +1771,10 @@ class Conditional(Method):
             return None
         model = ValueModel.fit_symbols(symbols)
         if version in VOTE_VERSIONS:  # v4: values coded with column votes where that costs less
-            for x in (*batches, *analyses):
-                x.settle()  # still records where columns do not lean
+            for b in batches:  # still records where columns do not lean
+                b.settle()
+            for a in analyses:
+                a.settle()
             votes = ValueModel.fit_symbols([b.vote_symbols() for b in batches]
                                            + [a.coded_symbols(True) for a in analyses], vote=True)
             if votes.fitted_bits < model.fitted_bits:  # (their five times the tables lose on small payloads)
