@@ -194,6 +194,7 @@ class _CopyOnWrite:
         self.cond = threading.Condition()
         self.jobs: list[_SnapshotJob] = []
         self.held = 0  # bytes of superseded tensors alive only for snapshots
+        self.held_peak = 0  # the most they ever held (`Publisher.snapshot_held_peak`)
 
     def add(self, job: _SnapshotJob) -> None:
         with self.cond:
@@ -240,6 +241,7 @@ class _CopyOnWrite:
                     for j in holders:
                         j.owned[name] = token
                     self.held += size
+                    self.held_peak = max(self.held_peak, self.held)
                     return True
                 self.cond.wait()
 
@@ -677,6 +679,13 @@ class Publisher:
         stores = [self.store, *(r if isinstance(r, Store) else open_store(r, storage_options) for r in regions)]
         return fleet.wait_for_fleet(stores, step, fraction, timeout, run=self.run, ttl=ttl,
                                     poll_interval=poll_interval, min_hosts=min_hosts)
+
+    @property
+    def snapshot_held_peak(self) -> int:
+        """The most bytes superseded tensors ever held for pending background snapshots (copy-on-write,
+        within `snapshot_budget`): the part of the publisher's peak memory that snapshots cost, which
+        depends on how far a snapshot's upload lags behind the next steps."""
+        return self._cow.held_peak
 
     def flush(self) -> None:
         """Block until every background upload is done; re-raise the first failure since the last flush."""

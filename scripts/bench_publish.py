@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                "first_step_s": round(first, 3), "delta_steps_s": [round(t, 3) for t in times],
                "delta_median_s": round(statistics.median(times), 3), "close_flush_s": round(flush, 3),
                "peak_rss_over_model": round(peak / size, 3),
-               "publisher_peak_over_model": round((peak - base) / size, 3)}
+               "publisher_peak_over_model": round((peak - base) / size, 3),
+               # of which superseded tensors held for a pending snapshot (copy-on-write; 0 when every
+               # snapshot is written before the base moves past it)
+               "snapshot_held_peak_over_model": round(pub.snapshot_held_peak / size, 3)}
         if args.resume:
             del pub, state  # the trainer is gone: a new one reads the run back
             t0 = time.perf_counter()

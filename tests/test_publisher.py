@@ -153,6 +153,7 @@ def test_copy_on_write_under_a_slow_snapshot(file_run, tmp_path):
         held.release.set()
         pub.close()
     assert pub._cow.held == 0 and not pub._cow.jobs
+    assert 0 < pub.snapshot_held_peak <= sum(t.numel() * 2 for t in state.values())  # the high-water mark stays
     snaps = [s.step for s in manifest_of(file_run.url).snapshots]
     assert snaps == [0, 3]
     for s in snaps:
@@ -193,7 +194,7 @@ def test_budget_makes_publish_wait(file_run, tmp_path, fail):
         thread = threading.Thread(target=third)
         thread.start()
         assert not done.wait(1.0), "publish went on although the snapshot still needs the tensors it changes"
-        assert pub._cow.held == 0
+        assert pub._cow.held == 0 and pub.snapshot_held_peak == 0  # (budget 0: never held anything)
         held.release.set()
         assert done.wait(30), "publish never resumed"
         thread.join()
@@ -324,7 +325,9 @@ def test_a_failed_commit_keeps_the_base_right(file_run, tmp_path, advance):
 def test_peak_memory_stays_near_one_model(tmp_path):
     """A real process publishes a 256 MiB BF16 model (4 tensors, 2 delta parts) for several steps, with a
     background snapshot and its copy-on-write: the publisher's peak RSS (VmHWM, beyond the trainer's own
-    copy and the loaded kernels) stays under 1.3x the model."""
+    copy and the loaded kernels) stays under 1.3x the model, plus what the copy-on-write held (a 64 MiB
+    tensor, 0.25, where the snapshot's upload lags behind the next step: on a loaded machine), which stays
+    within `snapshot_budget`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_publish.py"), "--tensors", "4", "--mib", "64",
                           "--steps", "4", "--snapshot-every", "2", "--shard-mib", "128", "--dir", str(tmp_path)],
@@ -332,7 +335,9 @@ def test_peak_memory_stays_near_one_model(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["model_bytes"] == 256 << 20
-    assert got["publisher_peak_over_model"] <= 1.3, got
+    held = got["snapshot_held_peak_over_model"]
+    assert held <= 0.25, got  # the default snapshot_budget
+    assert got["publisher_peak_over_model"] <= 1.3 + held, got
     assert len(got["delta_steps_s"]) == 4
 
 
