@@ -198,6 +198,16 @@ def _value_symbols_into(pairs, out):
 
 
 @nb.njit(cache=True, nogil=True)
+def _counter0_symbols(values, out, j0, j1):
+    """out[j0:j1]: the vote symbols of a still record's changes (STILL), from their value symbols
+    values[j0:j1]: context key * VOTE_LEVELS (counter 0), the token as is, never flipped."""
+    for j in range(j0, j1):
+        sym = np.int64(values[j])
+        out[j] = np.uint32((((sym >> VALUE_SYMBOL_BITS) * VOTE_LEVELS) << VALUE_SYMBOL_BITS)
+                           | (sym & (VALUE_TOKENS - 1)))
+
+
+@nb.njit(cache=True, nogil=True)
 def _settle(votes, pairs, values, first):
     """v4's still records (STILL): for each tensor i (changes [first[i], first[i + 1])), whether
     its columns' votes are worth coding with: at least STILL_MIN_VOTED of its changes met a
@@ -225,10 +235,7 @@ def _settle(votes, pairs, values, first):
         if voted >= STILL_MIN_VOTED and agreed >= STILL_AGREEMENT * voted:
             continue
         still[i] = 1
-        for j in range(first[i], first[i + 1]):
-            sym = np.int64(values[j])
-            votes[j] = np.uint32((((sym >> VALUE_SYMBOL_BITS) * VOTE_LEVELS) << VALUE_SYMBOL_BITS)
-                                 | (sym & (VALUE_TOKENS - 1)))
+        _counter0_symbols(values, votes, first[i], first[i + 1])
     return still
 
 
@@ -804,8 +811,9 @@ class Analysis:
         if not vote:
             return self.value_symbols
         if self.still:  # made afresh, whatever vote_symbols holds: they must match the params' bit
-            v3 = self.value_symbols.astype(np.uint32)
-            return (((v3 >> VALUE_SYMBOL_BITS) * VOTE_LEVELS) << VALUE_SYMBOL_BITS) | (v3 & (VALUE_TOKENS - 1))
+            out = np.empty(self.changes, np.uint32)
+            _counter0_symbols(self.value_symbols, out, 0, self.changes)
+            return out
         return self.vote_symbols()
 
     def vote_symbols(self) -> np.ndarray:
