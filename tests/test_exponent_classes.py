@@ -228,6 +228,8 @@ def test_scan_digests_base_and_target_part_by_part(changed):
     headers = [hashing.header_bytes("BF16", (b.size,)) for b in bs]
     got = ec.analyze_many(bs, ts, headers=headers)
     want = ec.analyze_many(bs, ts)
+    assert got[-1] is None and want[-1] is None  # no columns: no vote tally
+    got, want = got[:-1], want[:-1]
     for g, w in zip(got[:-1], want[:-1]):
         assert np.array_equal(g, w)
     assert want[-1] is None
@@ -263,8 +265,8 @@ def test_batched_analysis_matches_one_tensor_at_a_time():
     bs, ts = _changed_pairs(rng, [(1, 1.0), (63, 0.1), (64, 0.0), (0, 0.0), (65, 0.2), (384, 0.05), (1536, 1.0),
                                   (4000, 0.03), (70000, 0.02)])
     for given in (None, [np.array([100 + i, 120], np.int64) for i in range(len(bs))]):
-        pairs, cls, ranks, votes, first, thr, nthr, sizes, changes, digests = ec.analyze_many(bs, ts, given)
-        assert digests is None and votes is None and first[0] == 0 and first[-1] == pairs.size
+        pairs, cls, ranks, votes, first, thr, nthr, sizes, changes, digests, tally = ec.analyze_many(bs, ts, given)
+        assert digests is None and votes is None and tally is None and first[0] == 0 and first[-1] == pairs.size
         for i, (b, t) in enumerate(zip(bs, ts)):
             want = ec.analyze(b, t, None if given is None else given[i])
             lo, hi = first[i], first[i + 1]
@@ -305,7 +307,8 @@ def test_scan_that_runs_out_of_buffer_fills_it_with_the_first_changes(cap):
 def test_scan_makes_vote_symbols_as_positions_give_them(changed):
     """With columns, the scan makes each change's vote symbol part by part (HASH_PART elements,
     from the positions it records; the column counters carried across parts and reset per
-    tensor): exactly what the changes' positions give (`vote_symbols_into`), also where the
+    tensor): exactly what the changes' positions give (`vote_symbols_into`), up to where it stops
+    voting a tensor whose columns do not lean (`_assert_stopped_early`), also where the
     change buffers grow mid-scan (every element changed: that part is scanned twice, its votes
     made once), for shapes whose rows straddle parts, one column, and no change; the scan's
     other outputs are those of a scan without columns."""
@@ -316,15 +319,54 @@ def test_scan_makes_vote_symbols_as_positions_give_them(changed):
     ts[1][::2] = bs[1][::2]  # a lean: in tensor 1 only the odd columns change
     got = ec.analyze_many(bs, ts, cols=cols)
     want = ec.analyze_many(bs, ts)
-    votes, first = got[3], got[4]
-    assert votes.size == got[0].size and want[3] is None
-    for g, w in zip(got[:3] + got[4:-1], want[:3] + want[4:-1]):
+    votes, first, tally = got[3], got[4], got[-1]
+    assert votes.size == got[0].size and want[3] is None and tally.shape == (len(sizes), 3)
+    for g, w in zip(got[:3] + got[4:-2], want[:3] + want[4:-2]):
         assert np.array_equal(g, w)
     for i, (b, t) in enumerate(zip(bs, ts)):
         pairs = got[0][first[i]:first[i + 1]]
         expected = np.empty(pairs.size, np.uint32)
-        ec.vote_symbols_into(pairs, np.flatnonzero(b != t).astype(np.int64), int(cols[i]), expected)
-        assert np.array_equal(votes[first[i]:first[i + 1]], expected), i
+        whole = ec.vote_symbols_into(pairs, np.flatnonzero(b != t).astype(np.int64), int(cols[i]), expected)
+        if not tally[i, 2]:  # voted to the end: the same symbols and tally as from the positions
+            assert np.array_equal(votes[first[i]:first[i + 1]], expected), i
+            assert np.array_equal(tally[i], whole), i
+        else:
+            _assert_stopped_early(votes[first[i]:first[i + 1]], tally[i], pairs, b != t, int(cols[i]))
+    assert tally[0, 2] == (changed == 1.0) and tally[2, 2] == tally[3, 2] == tally[4, 2] == 0
+
+
+def _assert_stopped_early(votes, tally, pairs, changed, cols):
+    """A tensor whose scan stopped voting (random steps: its columns agree half the time) stopped
+    at the end of the first part where EARLY_VOTED of its changes met a counter and fewer than
+    EARLY_AGREEMENT of those agreed: its symbols up to there, and its tally, are the positions'."""
+    positions = np.flatnonzero(changed).astype(np.int64)
+    for end in range(ec.HASH_PART, positions[-1] + ec.HASH_PART + 1, ec.HASH_PART):
+        k = int(np.searchsorted(positions, end))
+        made = np.empty(k, np.uint32)
+        prefix = ec.vote_symbols_into(pairs[:k], positions[:k], cols, made)
+        if prefix[0] >= ec.EARLY_VOTED and prefix[1] < ec.EARLY_AGREEMENT * prefix[0]:
+            break
+    else:
+        raise AssertionError("the scan stopped voting where the rule says it should not")
+    assert k < positions.size and np.array_equal(votes[:k], made)
+    assert tally[0] == prefix[0] and tally[1] == prefix[1] and tally[2] == 1
+
+
+def test_scan_votes_a_leaning_tensor_to_the_end():
+    """Columns whose changes all move one way (each its own) are voted to the end, however many
+    changes: the tally counts every change that met a counter as agreeing."""
+    rng = np.random.default_rng(5)
+    rows, cols = 96, 512
+    b = (rng.integers(0x3C00, 0x3D00, rows * cols)).astype(np.uint16)
+    up = rng.random(cols) < 0.5  # each column's way
+    step = np.where(np.tile(up, rows), 1, -1)
+    t = (b.astype(np.int64) + step).astype(np.uint16)  # positive values: +1 in the bits is one ULP up
+    got = ec.analyze_many([b], [t], cols=np.array([cols], np.int64))
+    votes, tally = got[3], got[-1]
+    expected = np.empty(votes.size, np.uint32)
+    whole = ec.vote_symbols_into(got[0], np.arange(b.size, dtype=np.int64), cols, expected)
+    assert np.array_equal(votes, expected) and np.array_equal(tally[0], whole)
+    assert tally[0, 2] == 0 and tally[0, 0] == tally[0, 1] == b.size - cols  # every change after a column's first
 
 
 def test_scan_with_columns_checks_their_count():

@@ -208,12 +208,14 @@ def _counter0_symbols(values, out, j0, j1):
 
 
 @nb.njit(cache=True, nogil=True)
-def _settle(votes, pairs, values, first):
+def _settle(tally, values, votes, first):
     """v4's still records (STILL): for each tensor i (changes [first[i], first[i + 1])), whether
-    its columns' votes are worth coding with: at least STILL_MIN_VOTED of its changes met a
-    counter (|v| >= 1) and at least STILL_AGREEMENT of those moved its way. Where not, the
-    tensor's vote symbols are rewritten in place as counter-0 ones (context key * VOTE_LEVELS,
-    never flipped), from its value symbols. Returns still (uint8) per tensor.
+    its columns' votes are worth coding with, from its tally (`exponent_classes._part_votes`:
+    changes that met a counter, those that moved its way, and whether the scan stopped voting
+    early): at least STILL_MIN_VOTED of its changes met a counter (|v| >= 1) and at least
+    STILL_AGREEMENT of those moved its way. Where not, the tensor's vote symbols are rewritten in
+    place as counter-0 ones (context key * VOTE_LEVELS, never flipped), from its value symbols.
+    Returns still (uint8) per tensor.
 
     Why: on MiniLM only the embedding (or an untied head) has columns that lean (~93% agree);
     the dense layers' changes follow their column's counter half the time, and mixed into the
@@ -221,18 +223,8 @@ def _settle(votes, pairs, values, first):
     m = first.size - 1
     still = np.zeros(m, np.uint8)
     for i in range(m):
-        voted = 0
-        agreed = 0
-        for j in range(first[i], first[i + 1]):  # branch-free, in 32 bits (it vectorises): whether a
-            sym = np.uint32(votes[j])  # change met a counter is a coin flip in the dense layers
-            ctx = (sym >> np.uint32(VALUE_SYMBOL_BITS)) & np.uint32(CONTEXT_MASK)
-            met = np.int64(ctx % np.uint32(VOTE_LEVELS) != 0)
-            bo = np.int32(pairs[j] >> np.uint32(16))
-            to = np.int32(pairs[j] & np.uint32(0xFFFF))
-            up = np.int64(ec.ordered(to) > ec.ordered(bo))
-            voted += met
-            agreed += met & (up ^ np.int64(sym >> np.uint32(FLIP_BIT)))  # flipped: the counter was < 0
-        if voted >= STILL_MIN_VOTED and agreed >= STILL_AGREEMENT * voted:
+        voted, agreed, early = tally[i, 0], tally[i, 1], tally[i, 2]
+        if early == 0 and voted >= STILL_MIN_VOTED and agreed >= STILL_AGREEMENT * voted:
             continue
         still[i] = 1
         _counter0_symbols(values, votes, first[i], first[i + 1])
@@ -763,6 +755,7 @@ class Analysis:
     _steps: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
     _votes: np.ndarray | None = field(default=None, repr=False, compare=False)
+    _tally: np.ndarray | None = field(default=None, repr=False, compare=False)  # the votes' (`_settle`)
 
     @property
     def changes(self) -> int:
@@ -803,7 +796,10 @@ class Analysis:
     def settle(self) -> None:
         """Whether this tensor codes its values without votes (`_settle`), its vote symbols
         rewritten to match."""
-        self.still = bool(_settle(self.vote_symbols(), self.pairs, self.value_symbols,
+        votes = self.vote_symbols()
+        if self._tally is None:
+            raise ValueError("this analysis's vote symbols came without their tally")
+        self.still = bool(_settle(self._tally.reshape(1, 3), self.value_symbols, votes,
                                   np.array([0, self.changes], np.int64))[0])
 
     def coded_symbols(self, vote: bool) -> np.ndarray:
@@ -823,7 +819,8 @@ class Analysis:
             if self.index is None or self.index.size != self.pairs.size:
                 raise ValueError("vote symbols need the changes' positions (Analysis.index)")
             self._votes = np.empty(self.pairs.size, np.uint32)
-            ec.vote_symbols_into(self.pairs, self.index.astype(np.int64, copy=False), self.cols, self._votes)
+            self._tally = ec.vote_symbols_into(self.pairs, self.index.astype(np.int64, copy=False), self.cols,
+                                               self._votes)
         return self._votes
 
 
@@ -862,6 +859,7 @@ class Batch:
     _symbols: np.ndarray | None = field(default=None, repr=False, compare=False)
     cols: np.ndarray | None = field(default=None, repr=False, compare=False)  # each tensor's, for votes
     _votes: np.ndarray | None = field(default=None, repr=False, compare=False)  # made by the scan, with cols
+    tally: np.ndarray | None = field(default=None, repr=False, compare=False)  # the scan's, with cols (`_settle`)
     still: np.ndarray | None = field(default=None, repr=False, compare=False)  # v4: per tensor (`settle`)
 
     def __len__(self) -> int:
@@ -886,7 +884,8 @@ class Batch:
 
     def settle(self) -> None:
         """Which tensors code their values without votes (`_settle`), their vote symbols rewritten."""
-        self.still = _settle(self.vote_symbols(), self.pairs, self.value_symbols, self.first)
+        votes = self.vote_symbols()
+        self.still = _settle(self.tally, self.value_symbols, votes, self.first)
 
     def vote_symbols(self) -> np.ndarray:
         """Every change's v4 vote symbol, which the scan made (`analyze_at` with `cols`)."""
@@ -909,7 +908,8 @@ class Batch:
                         still=self.still is not None and bool(self.still[i]),
                         _class_changes=self.class_changes[i, : nthr + 1],
                         _symbols=None if self._symbols is None else self._symbols[a:b],
-                        _votes=None if self._votes is None else self._votes[a:b])
+                        _votes=None if self._votes is None else self._votes[a:b],
+                        _tally=None if self.tally is None else self.tally[i])
 
 
 def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None = None,
@@ -920,10 +920,10 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, headers: list[bytes] | None
     (default: all; Batch.digests). With `buffers`, the batch's changes and value symbols lie in
     them: valid until they are lent to another scan. With `cols` (each tensor's `vote_columns`),
     the scan also makes the changes' v4 vote symbols (`Batch.vote_symbols`)."""
-    pairs, classes, ranks, votes, first, thresholds, nthr, class_sizes, class_changes, digests = ec.analyze_at(
+    pairs, classes, ranks, votes, first, thresholds, nthr, class_sizes, class_changes, digests, tally = ec.analyze_at(
         where, sizes, headers=headers, buffers=buffers, hash_base=hash_base, cols=cols)
     return Batch(pairs, classes, ranks, first, thresholds, nthr, class_sizes, class_changes, digests, buffers=buffers,
-                 cols=cols, _votes=votes)
+                 cols=cols, _votes=votes, tally=tally)
 
 
 @nb.njit(cache=True, nogil=True)

@@ -466,7 +466,8 @@ def _column(p, cols, row0):
 def _vote_symbol(pair, v):
     """A change's vote symbol given its column's counter v (see VOTE_LIMIT): its step zigzagged,
     the low bit flipped where v < 0 (zigzag's low bit is the step's sign), tokenized, with the
-    context key * VOTE_LEVELS + |v|. Returns (symbol, counter after the change)."""
+    context key * VOTE_LEVELS + |v|. Returns (symbol, counter after the change, 1 if the step
+    was down else 0)."""
     bv = np.int64(pair >> np.uint32(16))
     z = _zigzag(bv, np.int64(pair & np.uint32(0xFFFF)))
     neg = np.int64(v < 0)
@@ -475,7 +476,7 @@ def _vote_symbol(pair, v):
     tok = u if u < rans.DIRECT else (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
                                      + ((u >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
     ctx = ((bv >> KEY_SHIFT) & 0xFF) * VOTE_LEVELS + (v ^ -neg) + neg  # |v|, branch-free
-    return np.uint32((ctx << VALUE_SYMBOL_BITS) | tok | (neg << FLIP_BIT)), vote_after(v, z)
+    return np.uint32((ctx << VALUE_SYMBOL_BITS) | tok | (neg << FLIP_BIT)), vote_after(v, z), z & 1
 
 
 @nb.njit(inline="always", cache=True)
@@ -487,26 +488,49 @@ def vote_after(v, z):
     return w - np.int64(w > VOTE_LIMIT) + np.int64(w < -VOTE_LIMIT)
 
 
+# The encoder stops making a tensor's vote symbols once its columns clearly do not lean: after at
+# least EARLY_VOTED changes met a counter, fewer than EARLY_AGREEMENT of them moved its way (the
+# final rule, `conditional._settle`, asks 0.6 of all of them). On MiniLM the dense layers sit at
+# 0.46-0.52 within their first few thousand changes, the embedding at 0.86-0.94: the payloads are
+# byte for byte those of deciding on every change, for a third of the votes' time. Encoder
+# policy, not format.
+EARLY_VOTED = 2048
+EARLY_AGREEMENT = 0.55
+
+
 @nb.njit(cache=True, nogil=True)
 def vote_symbols_into(pairs, positions, cols, out):
     """The vote symbols (`_vote_symbol`) of one tensor's changes, in tensor order, given their
-    positions and the tensor's columns, into out[:pairs.size]: `_part_votes` of one part."""
-    _part_votes(0, positions, cols, np.zeros(cols, np.int8), np.int64(0), pairs, 0, pairs.size, out)
+    positions and the tensor's columns, into out[:pairs.size]: `_part_votes` of one part.
+    Returns its tally (`_part_votes`)."""
+    tally = np.zeros(3, np.int64)
+    _part_votes(0, positions, cols, np.zeros(cols, np.int8), np.int64(0), pairs, 0, pairs.size, out, tally)
+    return tally
 
 
 @nb.njit(cache=True, nogil=True)
-def _part_votes(o0, offs, cols, votes, row0, pairs, k0, k1, out):
+def _part_votes(o0, offs, cols, votes, row0, pairs, k0, k1, out, tally):
     """The vote symbols of the changes the scan just stored as pairs[k0:k1], at positions
     o0 + offs[:k1 - k0] (`_scan_range` records them for a scan making votes), into out[k0:k1],
     in the same pass over the tensors (a second pass re-reading them made v4's encode 1.3x
     v3's time; finding the changes again in the cached part, 1.25x). `votes` (the columns'
-    counters) and row0 (the current row's start) carry on across parts. Returns row0."""
+    counters) and row0 (the current row's start) carry on across parts, and so does the tally,
+    [changes that met a counter, those that moved its way, _]: what the still rule reads
+    (counting here, not in a pass of its own, saves ~2 ns per change). Returns row0."""
+    voted = tally[0]
+    agreed = tally[1]
     for j in range(k0, k1):
         p = o0 + np.int64(offs[j - k0])
         col, row0 = _column(p, cols, row0)
         c = np.uint64(col)
-        out[j], after = _vote_symbol(pairs[j], np.int64(votes[c]))
+        v = np.int64(votes[c])
+        out[j], after, down = _vote_symbol(pairs[j], v)
         votes[c] = after
+        met = np.int64(v != 0)  # branch-free: whether a change meets a counter is a coin flip
+        voted += met
+        agreed += met & (np.int64(v > 0) ^ down)
+    tally[0] = voted
+    tally[1] = agreed
     return row0
 
 
@@ -656,9 +680,12 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
     go to the same buffers, back to back, from the start of the change buffers pairs, cls and
     rank (`_scan_buffers`), which grow if they run out. With `cols` not empty (tensor i's
     columns, cols[i]), each part's changes also get their vote symbols (`_part_votes`) in
-    `votes`, a buffer like pairs. Returns (the buffers, grown or not, votes last; first change of
-    each tensor and the end; thresholds (row i: thresholds[i, :nthr[i]]), nthr, class sizes,
-    class changes, digests (row i: low and high halves of the base's, then of the target's))."""
+    `votes`, a buffer like pairs, and each tensor's tally (`_part_votes`) in its row of `tally`,
+    until its columns clearly do not lean (EARLY_VOTED): then its third entry is 1, and the rest
+    of its vote symbols are not made (the still rule rewrites them all). Returns (the buffers,
+    grown or not, votes last; first change of each tensor and the end; thresholds (row i:
+    thresholds[i, :nthr[i]]), nthr, class sizes, class changes, digests (row i: low and high
+    halves of the base's, then of the target's), tally)."""
     hashing = functions.size > 0
     voting = cols.size > 0
     offs = np.empty(HASH_PART + SCAN_SLACK if voting else 0, np.uint16)  # a part's change positions
@@ -669,6 +696,8 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
     class_sizes = np.zeros((m, MAX_CLASSES), np.int64)
     class_changes = np.zeros((m, MAX_CLASSES), np.int64)
     digests = np.zeros((m, 4), np.uint64)
+    tally = np.zeros((m, 3), np.int64)  # per tensor: `_part_votes`'s, and 1 where its votes stopped early
+    quiet = offs[:0]
     saved = np.empty(MAX_CLASSES + 1, np.int64)
     k = 0
     for i in range(m):
@@ -698,7 +727,9 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
             before = k
             for j in range(saved.size):
                 saved[j] = seen[j]
-            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank, offs)
+            voting_here = voting and tally[i, 2] == 0
+            record = offs if voting_here else quiet
+            k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank, record)
             if k > pairs.size - SCAN_SLACK:
                 cap = max(2 * pairs.size, k) + SCAN_SLACK
                 pairs, cls, rank = _grown(pairs, before, cap), _grown(cls, before, cap), _grown(rank, before, cap)
@@ -706,9 +737,11 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
                     votes = _grown(votes, before, cap)
                 for j in range(saved.size):
                     seen[j] = saved[j]
-                k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank, offs)
-            if voting:
-                row0 = _part_votes(o, offs, cols[i], counters, row0, pairs, before, k, votes)
+                k = _scan_range(bb, tb, 0, o, stop, lanes, lut, ge, seen, before, pairs, cls, rank, record)
+            if voting_here:
+                row0 = _part_votes(o, offs, cols[i], counters, row0, pairs, before, k, votes, tally[i])
+                if tally[i, 0] >= EARLY_VOTED and tally[i, 1] < EARLY_AGREEMENT * tally[i, 0]:
+                    tally[i, 2] = 1  # still for sure: the rest of its vote symbols are not made
             if hashing and o < n:
                 if base_too:
                     hash_update(functions[1], states[0], bb, o, min(stop, n))
@@ -723,7 +756,7 @@ def _analyze(where, sizes, given, ngiven, choose, headers, hoff, hash_base, func
             class_sizes[i, c] = tensor_sizes[c]
             class_changes[i, c] = tensor_changes[c]
     first[m] = k
-    return pairs, cls, rank, votes, first, thr, nthr, class_sizes, class_changes, digests
+    return pairs, cls, rank, votes, first, thr, nthr, class_sizes, class_changes, digests, tally
 
 
 
@@ -759,7 +792,8 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, thresholds: list[np.ndarray
     `buffers` if given, which then hold any grown ones); digests is None without headers.
     `hash_base` (one flag per tensor; default all set): where 0, the base is not digested (its
     digest halves are 0), for a caller that already knows it. With `cols` (each tensor's columns),
-    the changes' vote symbols too (`_part_votes`), returned after the ranks; else None there."""
+    the changes' vote symbols too (`_part_votes`), returned after the ranks, and each tensor's
+    vote tally last (`_analyze`); else None in both places."""
     sizes = np.asarray(sizes, np.int64)
     m = sizes.size
     given = np.zeros((m, MAX_CLASSES - 1), np.int64)
@@ -796,8 +830,8 @@ def analyze_at(where: np.ndarray, sizes: np.ndarray, thresholds: list[np.ndarray
         if cols is not None:
             buffers.votes = out[3]
     k = int(out[4][-1])
-    return ((out[0][:k], out[1][:k], out[2][:k], out[3][:k] if cols is not None else None) + out[4:-1]
-            + ((out[-1] if headers is not None else None),))
+    return ((out[0][:k], out[1][:k], out[2][:k], out[3][:k] if cols is not None else None) + out[4:-2]
+            + ((out[-2] if headers is not None else None), (out[-1] if cols is not None else None)))
 
 
 def analyze_many(bs: list[np.ndarray], ts: list[np.ndarray], thresholds: list[np.ndarray] | None = None,
@@ -812,7 +846,7 @@ def analyze(b: np.ndarray, t: np.ndarray, thresholds: np.ndarray | None = None):
     """(thresholds, pairs, classes, ranks, elements per class, changes per class) of two flat
     uint16 arrays, in tensor order of the changes: pair = base << 16 | target (uint32). Classes
     are chosen from a sample (or the given thresholds), then one scan."""
-    pairs, cls, ranks, _, _, thr, nthr, sizes, changes, _ = analyze_many(
+    pairs, cls, ranks, _, _, thr, nthr, sizes, changes, _, _ = analyze_many(
         [b], [t], None if thresholds is None else [np.asarray(thresholds, np.int64)])
     return thr[0, : nthr[0]], pairs, cls, ranks, sizes[0], changes[0]
 
