@@ -301,6 +301,16 @@ def run_pair(base: dict, target: dict, before: dict | None) -> dict:
             sflip = np.where(sat < 0, -step, step)
             stok, _ = tokens(zigzag(sflip))
             add_values(f"flip: exp+|sat{lim}|", e * (lim + 1) + np.abs(sat), stok)
+            if prev is not None and lim == 4:
+                # the previous step's direction at the element, relative to the way the vote
+                # predicts (0 unchanged, 1 the predicted way, 2 against it), in the flipped frame
+                pd = prev[where]
+                rel = np.where(pd == 0, 0, np.where((pd == 1) == (sat >= 0), 1, 2))
+                add_values("flip: exp+|sat4|+pdir", (e * (lim + 1) + np.abs(sat)) * 3 + rel, stok)
+                pflip = np.where(pd == 2, -step, step)  # where the element last moved down, flip by it
+                ptok, _ = tokens(zigzag(np.where(pd == 0, sflip, pflip)))
+                add_values("flip by pdir else sat4: exp+|sat4|+[pdir]",
+                           (e * (lim + 1) + np.abs(sat)) * 2 + (pd != 0), ptok)
         for lim in (4, 8):
             add_values(f"exp+colvote{2 * lim + 1}", e * (2 * lim + 1) + np.clip(raw_vote, -lim, lim) + lim, tok)
         add_values("exp+coldir+coldir2", (e * 3 + coldir) * 3 + last2, tok)
