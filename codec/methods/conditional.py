@@ -888,7 +888,8 @@ class Batch:
         self.still = _settle(self.tally, self.value_symbols, votes, self.first)
 
     def vote_symbols(self) -> np.ndarray:
-        """Every change's v4 vote symbol, which the scan made (`analyze_at` with `cols`)."""
+        """Every change's v4 vote symbol, which the scan made (`analyze_at` with `cols`). Those of a
+        tensor whose scan stopped voting (tally[i, 2]) are made only once `settle` has run."""
         if self._votes is None:
             raise ValueError("this batch was scanned without columns: it has no vote symbols")
         return self._votes

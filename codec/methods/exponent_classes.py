@@ -492,8 +492,8 @@ def vote_after(v, z):
 # least EARLY_VOTED changes met a counter, fewer than EARLY_AGREEMENT of them moved its way (the
 # final rule, `conditional._settle`, asks 0.6 of all of them). On MiniLM the dense layers sit at
 # 0.46-0.52 within their first few thousand changes, the embedding at 0.86-0.94: the payloads are
-# byte for byte those of deciding on every change, for a third of the votes' time. Encoder
-# policy, not format.
+# byte for byte those of deciding on every change (28 of wd's 102 other tensors stop early; with
+# the tally, the scan went 16.8 -> 16.1 ms and settling 2.2 -> 0.9 ms). Encoder policy, not format.
 EARLY_VOTED = 2048
 EARLY_AGREEMENT = 0.55
 
