@@ -325,9 +325,10 @@ def test_a_failed_commit_keeps_the_base_right(file_run, tmp_path, advance):
 def test_peak_memory_stays_near_one_model(tmp_path):
     """A real process publishes a 256 MiB BF16 model (4 tensors, 2 delta parts) for several steps, with a
     background snapshot and its copy-on-write: the publisher's peak RSS (VmHWM, beyond the trainer's own
-    copy and the loaded kernels) stays under 1.3x the model, plus what the copy-on-write held (a 64 MiB
+    copy and the loaded kernels) stays under 1.35x the model, plus what the copy-on-write held (a 64 MiB
     tensor, 0.25, where the snapshot's upload lags behind the next step: on a loaded machine), which stays
-    within `snapshot_budget`."""
+    within `snapshot_budget`. (Beyond what copy-on-write held, measured: 1.25-1.27 alone, 1.26-1.29 with
+    both cores busy, 1.316 once in a full CI run; 1.3 was too tight a bound for a loaded machine.)"""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_publish.py"), "--tensors", "4", "--mib", "64",
                           "--steps", "4", "--snapshot-every", "2", "--shard-mib", "128", "--dir", str(tmp_path)],
@@ -337,7 +338,7 @@ def test_peak_memory_stays_near_one_model(tmp_path):
     assert got["model_bytes"] == 256 << 20
     held = got["snapshot_held_peak_over_model"]
     assert held <= 0.25, got  # the default snapshot_budget
-    assert got["publisher_peak_over_model"] <= 1.3 + held, got
+    assert got["publisher_peak_over_model"] <= 1.35 + held, got
     assert len(got["delta_steps_s"]) == 4
 
 
