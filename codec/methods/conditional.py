@@ -185,36 +185,43 @@ def _value_symbols(pairs):
     return out
 
 
+@nb.njit(inline="always", cache=True)
+def _key_and_token(pair):
+    """(key, token of the zigzagged step) of a change's (base << 16 | target) pair. Branch-free,
+    so loops over it vectorise (lzcnt and all)."""
+    bv = np.int64(pair >> np.uint32(16))
+    v = ec._zigzag(bv, np.int64(pair & np.uint32(0xFFFF)))
+    n = 63 - np.int64(leading_zeros(np.uint64(v | 1)))
+    big = (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
+           + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
+    return (bv >> KEY_SHIFT) & 0xFF, (v if v < rans.DIRECT else big)
+
+
 @nb.njit(cache=True, nogil=True)
 def _value_symbols_into(pairs, out):
     """`_value_symbols` into out[:pairs.size]."""
     for j in range(pairs.size):
-        bv = np.int64(pairs[j] >> np.uint32(16))
-        v = ec._zigzag(bv, np.int64(pairs[j] & np.uint32(0xFFFF)))
-        n = 63 - np.int64(leading_zeros(np.uint64(v | 1)))
-        big = (rans.DIRECT + (n - 3) * (1 << rans.SUB_BITS)
-               + ((v >> max(n - rans.SUB_BITS, 0)) & ((1 << rans.SUB_BITS) - 1)))
-        out[j] = np.uint16((((bv >> KEY_SHIFT) & 0xFF) << 6) | (v if v < rans.DIRECT else big))
+        key, tok = _key_and_token(pairs[j])
+        out[j] = np.uint16((key << VALUE_SYMBOL_BITS) | tok)
 
 
 @nb.njit(cache=True, nogil=True)
-def _counter0_symbols(values, out, j0, j1):
-    """out[j0:j1]: the vote symbols of a still record's changes (STILL), from their value symbols
-    values[j0:j1]: context key * VOTE_LEVELS (counter 0), the token as is, never flipped."""
+def _counter0_symbols(pairs, out, j0, j1):
+    """out[j0:j1]: the vote symbols of a still record's changes (STILL), from their pairs
+    pairs[j0:j1]: context key * VOTE_LEVELS (counter 0), the token as is, never flipped."""
     for j in range(j0, j1):
-        sym = np.int64(values[j])
-        out[j] = np.uint32((((sym >> VALUE_SYMBOL_BITS) * VOTE_LEVELS) << VALUE_SYMBOL_BITS)
-                           | (sym & (VALUE_TOKENS - 1)))
+        key, tok = _key_and_token(pairs[j])
+        out[j] = np.uint32(((key * VOTE_LEVELS) << VALUE_SYMBOL_BITS) | tok)
 
 
 @nb.njit(cache=True, nogil=True)
-def _settle(tally, values, votes, first):
+def _settle(tally, pairs, votes, first):
     """v4's still records (STILL): for each tensor i (changes [first[i], first[i + 1])), whether
     its columns' votes are worth coding with, from its tally (`exponent_classes._part_votes`:
     changes that met a counter, those that moved its way, and whether the scan stopped voting
     early): at least STILL_MIN_VOTED of its changes met a counter (|v| >= 1) and at least
     STILL_AGREEMENT of those moved its way. Where not, the tensor's vote symbols are rewritten in
-    place as counter-0 ones (context key * VOTE_LEVELS, never flipped), from its value symbols.
+    place as counter-0 ones (context key * VOTE_LEVELS, never flipped), from its pairs.
     Returns still (uint8) per tensor.
 
     Why: on MiniLM only the embedding (or an untied head) has columns that lean (~93% agree);
@@ -227,8 +234,26 @@ def _settle(tally, values, votes, first):
         if early == 0 and voted >= STILL_MIN_VOTED and agreed >= STILL_AGREEMENT * voted:
             continue
         still[i] = 1
-        _counter0_symbols(values, votes, first[i], first[i + 1])
+        _counter0_symbols(pairs, votes, first[i], first[i + 1])
     return still
+
+
+@nb.njit(cache=True, nogil=True)
+def _count_votes(symbols, votes, keys):
+    """Both of v4's histograms from its vote symbols, in one pass: votes[context << 6 | token] +=
+    1 (`_count_symbols`), and keys[key << 6 | token] += 1, the value symbol the change would have
+    without votes (`_value_symbols`): key = context // VOTE_LEVELS, and the token unflipped. The
+    flip negates the step, which toggles zigzag's low bit, and a token holds that bit only below
+    rans.DIRECT (above, it is among the raw bits). So the payload's key tables are costed without
+    making, or counting, a value symbol per change."""
+    for j in range(symbols.size):
+        sym = np.uint64(symbols[j])  # unsigned: no wraparound code
+        ctx = (sym >> np.uint64(VALUE_SYMBOL_BITS)) & np.uint64(CONTEXT_MASK)
+        tok = sym & np.uint64(VALUE_TOKENS - 1)
+        flip = (sym >> np.uint64(FLIP_BIT)) & np.uint64(1)
+        votes[(ctx << np.uint64(VALUE_SYMBOL_BITS)) | tok] += 1
+        plain = tok ^ (flip & np.uint64(tok < np.uint64(rans.DIRECT)))
+        keys[((ctx // np.uint64(VOTE_LEVELS)) << np.uint64(VALUE_SYMBOL_BITS)) | plain] += 1
 
 
 @nb.njit(cache=True, nogil=True)
@@ -799,7 +824,7 @@ class Analysis:
         votes = self.vote_symbols()
         if self._tally is None:
             raise ValueError("this analysis's vote symbols came without their tally")
-        self.still = bool(_settle(self._tally.reshape(1, 3), self.value_symbols, votes,
+        self.still = bool(_settle(self._tally.reshape(1, 3), self.pairs, votes,
                                   np.array([0, self.changes], np.int64))[0])
 
     def coded_symbols(self, vote: bool) -> np.ndarray:
@@ -808,7 +833,7 @@ class Analysis:
             return self.value_symbols
         if self.still:  # made afresh, whatever vote_symbols holds: they must match the params' bit
             out = np.empty(self.changes, np.uint32)
-            _counter0_symbols(self.value_symbols, out, 0, self.changes)
+            _counter0_symbols(self.pairs, out, 0, self.changes)
             return out
         return self.vote_symbols()
 
@@ -885,7 +910,7 @@ class Batch:
     def settle(self) -> None:
         """Which tensors code their values without votes (`_settle`), their vote symbols rewritten."""
         votes = self.vote_symbols()
-        self.still = _settle(self.tally, self.value_symbols, votes, self.first)
+        self.still = _settle(self.tally, self.pairs, votes, self.first)
 
     def vote_symbols(self) -> np.ndarray:
         """Every change's v4 vote symbol, which the scan made (`analyze_at` with `cols`). Those of a
@@ -992,6 +1017,22 @@ def _unpack_tables(vals, n_keys):
     return 0, keys, freq
 
 
+def _table_bits(counts: np.ndarray, freq: np.ndarray, keys: np.ndarray) -> float:
+    """Bits of the token symbols counted in `counts` (a row per table) under the tables `freq`
+    (of contexts `keys`), plus the tables' own block (`ValueModel.cost`)."""
+    used = counts > 0
+    code = float((counts[used] * (VALUE_SCALE - np.log2(freq[used]))).sum())
+    return code + 8.0 * _pack_tables(keys.astype(np.int64), np.asarray(freq, np.int32)).size
+
+
+def _fitted(hist: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """(contexts used, their normalised tables, what they cost: `_table_bits`) of a histogram
+    with a row per context."""
+    keys = np.flatnonzero(hist.sum(axis=1))
+    freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
+    return keys, freq, _table_bits(hist[keys], freq, keys)
+
+
 class ValueModel:
     """One value-token table per key (v2, v3), or per vote context (v4, `vote`: key *
     VOTE_LEVELS + |column counter|), shared by every conditional tensor of a payload."""
@@ -1050,10 +1091,30 @@ class ValueModel:
         flat = hist.reshape(-1)
         for sym in symbols:
             _count_symbols(sym, flat)
-        keys = np.flatnonzero(hist.sum(axis=1))
-        freq = rans.normalize_rows(hist[keys], VALUE_SCALE) if keys.size else np.zeros((0, VALUE_TOKENS), np.int64)
+        return cls.fit_histogram(hist, vote)
+
+    @classmethod
+    def fit_votes(cls, symbols: list[np.ndarray]) -> "ValueModel":
+        """v4's value model for changes whose vote symbols these arrays hold (still records'
+        rewritten, `_settle`): the vote tables, or the key tables where those cost the payload
+        less (a small payload, whose five times the tables do not pay). Both are costed from one
+        counting pass (`_count_votes`) and only the one chosen is built."""
+        votes = np.zeros((N_CONTEXTS, VALUE_TOKENS), np.int64)
+        keys = np.zeros((N_KEYS, VALUE_TOKENS), np.int64)
+        for sym in symbols:
+            _count_votes(sym, votes.reshape(-1), keys.reshape(-1))
+        by_vote, by_key = _fitted(votes), _fitted(keys)
+        if by_vote[2] < by_key[2]:
+            return cls.fit_histogram(votes, True, by_vote)
+        return cls.fit_histogram(keys, False, by_key)
+
+    @classmethod
+    def fit_histogram(cls, hist: np.ndarray, vote: bool = False,
+                      fitted: tuple[np.ndarray, np.ndarray, float] | None = None) -> "ValueModel":
+        """The tables of changes whose (context, token) counts `hist` holds (`_fitted`, unless given)."""
+        keys, freq, bits = _fitted(hist) if fitted is None else fitted
         model = cls(freq, keys, vote)
-        model.fitted_bits = model.cost(hist[keys])
+        model.fitted_bits = bits
         return model
 
     fitted_bits = 0.0  # what `fit_symbols` expects its symbols and tables to cost
@@ -1062,9 +1123,7 @@ class ValueModel:
         """Bits of the token symbols counted in `counts` (a row per table) under these tables,
         plus the tables' own block: what the model costs the payload (raw bits aside, which any
         model pays alike)."""
-        used = counts > 0
-        code = float((counts[used] * (VALUE_SCALE - np.log2(self.freq[used]))).sum())
-        return code + 8.0 * len(self.pack())
+        return _table_bits(counts, self.freq, self.keys)
 
     def pack(self) -> bytes:
         """The shared value-tables block (docs/FORMAT.md), built in one compiled pass."""
@@ -1775,19 +1834,17 @@ class Conditional(Method):
                           hash_base=None if hash_base is None else np.array(hash_base, np.uint8))
 
     def fit(self, version: int, batches: list[Batch], analyses: list[Analysis]) -> Tables | None:
-        symbols = [b.value_symbols for b in batches] + [a.value_symbols for a in analyses]
-        if not any(s.size for s in symbols):
+        if not any(b.pairs.size for b in batches) and not any(a.changes for a in analyses):
             return None
-        model = ValueModel.fit_symbols(symbols)
         if version in VOTE_VERSIONS:  # v4: values coded with column votes where that costs less
             for b in batches:  # still records where columns do not lean
                 b.settle()
             for a in analyses:
                 a.settle()
-            votes = ValueModel.fit_symbols([b.vote_symbols() for b in batches]
-                                           + [a.coded_symbols(True) for a in analyses], vote=True)
-            if votes.fitted_bits < model.fitted_bits:  # (their five times the tables lose on small payloads)
-                model = votes
+            model = ValueModel.fit_votes([b.vote_symbols() for b in batches]
+                                         + [a.coded_symbols(True) for a in analyses])
+        else:
+            model = ValueModel.fit_symbols([b.value_symbols for b in batches] + [a.value_symbols for a in analyses])
         # v3: records with many changes use four interleaved rANS states (the payload states the rule)
         return Tables(model, FOUR_STATES_FROM if version in INTERLEAVE.versions else NEVER)
 
