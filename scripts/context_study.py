@@ -14,7 +14,11 @@ row-activity bitmap) pays for it with its own adaptive code.
 Prints bits per change of the mask and of the values under each model, and the saving against
 the baseline (mask | base exponent, values | base exponent), which is what codec v3 codes.
 Temporal contexts (the previous step's mask and direction at the same element) need a third
-snapshot, so pairs start at the second step.
+snapshot, so pairs start at the second step. With `--history H` they also look H steps back (a
+receiver that kept the last H deltas' changes): how many of those steps changed the element,
+how many steps ago it last changed, and the net direction, so pairs start at step H.
+
+    python scripts/context_study.py --history 3 corpus/...
 """
 
 from __future__ import annotations
@@ -160,8 +164,29 @@ def shifted(key: np.ndarray, shift: np.ndarray) -> np.ndarray:
     return np.where(shift >= INACTIVE, 2 * INACTIVE, key + 4 - np.minimum(shift, INACTIVE))
 
 
-def run_pair(base: dict, target: dict, before: dict | None) -> dict:
-    """Bits of every model on one pair (before: the snapshot preceding base, for temporal contexts)."""
+def history_fields(history: list[np.ndarray]) -> Elem:
+    """Per element, from the steps (in value order) of the H deltas before the base, most recent
+    first: `count` (how many changed it), `recency` (1 + steps since its last change, 0 where none
+    did: with `lastdir`, a 3-bit state a receiver could keep per element and update from each
+    delta it applies), `lastdir` (that change's direction, +1 or -1, 0 where none) and `net` (the
+    sum of the directions)."""
+    count = np.zeros(history[0].size, np.int64)
+    net = np.zeros(history[0].size, np.int64)
+    recency = np.zeros(history[0].size, np.int64)
+    lastdir = np.zeros(history[0].size, np.int64)
+    for h, step in enumerate(history):
+        moved = step != 0
+        count += moved
+        net += np.sign(step)
+        first = moved & (recency == 0)
+        recency[first] = h + 1
+        lastdir[first] = np.sign(step[first])
+    return {"count": count, "recency": recency, "lastdir": lastdir, "net": net}
+
+
+def run_pair(base: dict, target: dict, before: list[dict]) -> dict:
+    """Bits of every model on one pair (before: the snapshots preceding base, most recent first,
+    for temporal contexts; empty for none)."""
     mask: dict[str, float] = {}
     value_counts: dict[str, dict[int, np.ndarray]] = {}
     raw_bits = 0.0
@@ -190,10 +215,17 @@ def run_pair(base: dict, target: dict, before: dict | None) -> dict:
         k = int(ch.sum())
         changes += k
         prev = None
-        if before is not None:
-            p = before[name].reshape(-1)
-            step = ordered(b) - ordered(p)
-            prev = np.where(step == 0, 0, np.where(step > 0, 1, 2))
+        hist: Elem | None = None
+        if before:
+            later = b
+            steps = []
+            for snap_ in before:  # the steps of the deltas before base, most recent first
+                earlier = snap_[name].reshape(-1)
+                steps.append(ordered(later) - ordered(earlier))
+                later = earlier
+            prev = np.where(steps[0] == 0, 0, np.where(steps[0] > 0, 1, 2))
+            if len(steps) > 1:
+                hist = history_fields(steps)
         f = element_contexts(b, shape, prev)
 
         def mcost(ctx: np.ndarray, sel: np.ndarray | None = None, ch: np.ndarray = ch) -> float:
@@ -215,6 +247,11 @@ def run_pair(base: dict, target: dict, before: dict | None) -> dict:
             pr = np.zeros(int(f["row"].max()) + 1, bool)
             pr[f["row"][prev != 0]] = True
             add_mask("exp+prevrow", mcost(exp * 2 + pr[f["row"]]))
+        if hist is not None:
+            hn = len(before)
+            add_mask(f"exp+count{hn}", mcost(exp * (hn + 1) + hist["count"]))
+            add_mask(f"exp+recency{hn}", mcost(exp * (hn + 1) + hist["recency"]))
+            add_mask(f"exp+prev+count{hn}", mcost((exp * 2 + (prev != 0)) * (hn + 1) + hist["count"]))
         # row activity sent as side information: an adaptive bit per row, then the mask of the
         # active rows only (elements of inactive rows cost nothing)
         rows = int(f["row"].max()) + 1
@@ -311,6 +348,19 @@ def run_pair(base: dict, target: dict, before: dict | None) -> dict:
                 ptok, _ = tokens(zigzag(np.where(pd == 0, sflip, pflip)))
                 add_values("flip by pdir else sat4: exp+|sat4|+[pdir]",
                            (e * (lim + 1) + np.abs(sat)) * 2 + (pd != 0), ptok)
+                if hist is not None:
+                    hn = len(before)
+                    sctx = e * (lim + 1) + np.abs(sat)
+                    # the 3-bit state: flip by the last direction seen, context its recency
+                    ld, rc, nt = hist["lastdir"][where], hist["recency"][where], hist["net"][where]
+                    ltok, _ = tokens(zigzag(np.where(ld < 0, -step, np.where(ld > 0, step, sflip))))
+                    add_values(f"flip by lastdir{hn} else sat4: +|sat4|+recency", sctx * (hn + 1) + rc, ltok)
+                    # the net direction: flip by it where not 0, context its size
+                    ntok, _ = tokens(zigzag(np.where(nt < 0, -step, np.where(nt > 0, step, sflip))))
+                    add_values(f"flip by net{hn} else sat4: +|sat4|+|net|", sctx * (hn + 1) + np.abs(nt), ntok)
+                    # flipped by the column, context the net's size and whether it agrees
+                    rel = np.where(nt == 0, 0, np.where((nt > 0) == (sat >= 0), 1, 2))
+                    add_values(f"flip sat4: +|sat4|+|net{hn}|+agrees", (sctx * (hn + 1) + np.abs(nt)) * 3 + rel, stok)
         for lim in (4, 8):
             add_values(f"exp+colvote{2 * lim + 1}", e * (2 * lim + 1) + np.clip(raw_vote, -lim, lim) + lim, tok)
         add_values("exp+coldir+coldir2", (e * 3 + coldir) * 3 + last2, tok)
@@ -342,7 +392,7 @@ def load_bits(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def study(corpus: Path, span: int, first: int, limit: int) -> list[dict]:
+def study(corpus: Path, span: int, first: int, limit: int, history: int = 1) -> list[dict]:
     files = sorted(corpus.glob("step_*.safetensors"))
     rows: list[dict] = []
     cache: dict[int, dict] = {}
@@ -350,14 +400,14 @@ def study(corpus: Path, span: int, first: int, limit: int) -> list[dict]:
     def snap(i: int) -> dict:
         if i not in cache:
             cache[i] = load_bits(files[i])
-            for old in [j for j in cache if j < i - span - 1]:
+            for old in [j for j in cache if j < i - span * history]:
                 del cache[old]
         return cache[i]
 
     for t in range(first, len(files) - span):
         if len(rows) >= limit:
             break
-        before = snap(t - span) if t - span >= 0 else None
+        before = [snap(t - span * h) for h in range(1, history + 1) if t - span * h >= 0]
         r = run_pair(snap(t), snap(t + span), before)
         r["pair"] = f"{files[t].stem}->{files[t + span].stem}"
         rows.append(r)
@@ -384,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("corpora", nargs="+", type=Path)
     p.add_argument("--span", type=int, default=1, help="steps between base and target (4: a host behind)")
     p.add_argument("--pairs", type=int, default=3, help="pairs per corpus")
+    p.add_argument("--history", type=int, default=1, help="deltas before the base that temporal contexts see")
     p.add_argument("--json", type=Path, help="also write the numbers here")
     a = p.parse_args(argv)
     results = []
     for c in a.corpora:
-        rows = study(c, a.span, 1 if a.span == 1 else 0, a.pairs)
+        rows = study(c, a.span, a.history if a.span == 1 else a.history - 1, a.pairs, a.history)
         if not rows:
             print(f"{c}: too few snapshots for span {a.span}", file=sys.stderr)
             continue
