@@ -23,7 +23,7 @@ MAGIC = b"DRDELTA\x00"
 PREFIX = struct.Struct("<8sHHI16s")  # magic, version, flags, index length, checksum
 PREFIX_SIZE = PREFIX.size  # 32
 SUPPORTED_VERSIONS = (1, 2, 3, 4)
-CURRENT_VERSION = 3
+CURRENT_VERSION = 4
 
 MAX_INDEX_BYTES = 256 << 20
 # The decompressed index may exceed its zstd frame by at most this ratio (beyond INDEX_FLOOR_BYTES,

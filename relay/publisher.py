@@ -255,8 +255,8 @@ class Publisher:
     (`deltas/<step>-<i>.drd` covers the tensors of file i), a single part when there is one file.
     background: upload deferrable snapshots in a thread.
     workers: encode threads (the codec's compiled kernels release the GIL); default min(cores, 8).
-    format_version: the delta payloads' format (docs/FORMAT.md): 3 by default; 4 codes values with column
-    votes (4-8% smaller on the MiniLM corpora, slower to decode; every watcher must read v4 first).
+    format_version: the delta payloads' format (docs/FORMAT.md): 4 by default, values coded with column
+    votes; 3 for watchers whose codec predates v4 (4-9% larger on the MiniLM corpora, a faster encode).
     advance: how the publisher's copy of the last step moves to the new one: "copy" copies the changed
     tensors after the commit; "apply" applies the step's own delta parts with codec.apply_ before the
     commit, which proves they rebuild the trainer's tensors before any manifest names them (a decode and

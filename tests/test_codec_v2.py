@@ -82,7 +82,7 @@ def test_v2_payload_records_bits_per_change(rl_pair):
     info = codec.describe(codec.encode(base, target))
     row = next(t for t in info["tensors"] if t["name"] == "w1")
     assert 0 < row["bits_per_change"] < 16
-    assert info["format_version"] == codec.FORMAT_VERSION == 3
+    assert info["format_version"] == codec.FORMAT_VERSION == 4
 
 
 def test_mask_tables_are_pinned():

@@ -1,7 +1,7 @@
 """`deltarelay bench`: our codec against the anchors' formats on consecutive checkpoints, in one run.
 
 For every consecutive pair of every corpus (relay.lab.corpus writes them) it encodes and
-decodes with deltarelay v1, v3 (the default) and v4 and every anchor (codec.lab.fireworks.select: the real
+decodes with deltarelay v1, v3 and v4 (the default) and every anchor (codec.lab.fireworks.select: the real
 Fireworks ARCv2 / ARCv3 when `fireworks-delta-compression` is installed, and the
 reimplementations in codec.lab.baselines of the formats that have no package), checks every
 reconstruction bit for bit, and reports medians over pairs and repeats: payload size (percent
@@ -57,8 +57,8 @@ def _methods(slow: bool) -> tuple[list[tuple[str, str, Callable, Callable]], str
     key; the anchors that cannot run here, with the reason."""
     ours = [
         ("deltarelay-v1", "deltarelay v1", lambda b, t: codec.encode(b, t, format_version=1), codec.decode),
-        ("deltarelay-v3", "deltarelay v3", lambda b, t: codec.encode(b, t), codec.decode),  # the default
-        ("deltarelay-v4", "deltarelay v4", lambda b, t: codec.encode(b, t, format_version=4), codec.decode),
+        ("deltarelay-v3", "deltarelay v3", lambda b, t: codec.encode(b, t, format_version=3), codec.decode),
+        ("deltarelay-v4", "deltarelay v4", lambda b, t: codec.encode(b, t, format_version=4), codec.decode),  # the default
     ]
     chosen, reference, not_run = fireworks.select(slow)
     return ours + [(b.key, b.label, b.encode, b.decode) for b in chosen.values()], reference, not_run
@@ -189,7 +189,7 @@ def _multicore(base: Tensors, target: Tensors, workers: int, repeat: int) -> dic
             out, ds = _timed(lambda w=w, payload=payload: codec.decode(base, payload, workers=w),
                              clock=time.perf_counter)
             if not identical(out, target):
-                raise RuntimeError(f"deltarelay v3 with {w} workers is not bit-exact")
+                raise RuntimeError(f"deltarelay v{codec.FORMAT_VERSION} with {w} workers is not bit-exact")
             enc.append(es)
             dec.append(ds)
     return times
