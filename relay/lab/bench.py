@@ -58,7 +58,8 @@ def _methods(slow: bool) -> tuple[list[tuple[str, str, Callable, Callable]], str
     ours = [
         ("deltarelay-v1", "deltarelay v1", lambda b, t: codec.encode(b, t, format_version=1), codec.decode),
         ("deltarelay-v3", "deltarelay v3", lambda b, t: codec.encode(b, t, format_version=3), codec.decode),
-        ("deltarelay-v4", "deltarelay v4", lambda b, t: codec.encode(b, t, format_version=4), codec.decode),  # the default
+        # v4: the default
+        ("deltarelay-v4", "deltarelay v4", lambda b, t: codec.encode(b, t, format_version=4), codec.decode),
     ]
     chosen, reference, not_run = fireworks.select(slow)
     return ours + [(b.key, b.label, b.encode, b.decode) for b in chosen.values()], reference, not_run
