@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import container, hashing, interim, methods, patching, tensors
+from . import container, hashing, interim, memory, methods, patching, tensors
 from .container import Entry, Payload
 from .errors import CheckpointMismatchError, DeltaError
 from .hashing import Running, digest_elements, header_bytes, running
@@ -489,7 +489,7 @@ def _decode_batched(method: Method, base: Mapping[str, torch.Tensor], parsed: Pa
             continue
         chosen.append(entry)
         bases.append(tensor)
-        outs.append(torch.empty(entry.shape, dtype=entry.dtype.torch))
+        outs.append(memory.new_tensor(entry.shape, entry.dtype.torch))  # huge pages: fewer first-touch faults
     if not chosen:
         return {}
     headers = [header_bytes(e.dtype.name, e.shape) for e in chosen] if hashing.KERNEL_DIGESTS else None
