@@ -15,6 +15,7 @@ that share one), unmapped when the tensor is freed. Smaller tensors, hosts witho
 
 from __future__ import annotations
 
+import math
 import mmap
 from pathlib import Path
 
@@ -43,10 +44,7 @@ HUGE_PAGES = _huge_pages_usable()
 def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor (as `torch.empty`), in huge pages where it is large enough
     and the host has them (see the module's doc)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if not HUGE_PAGES or nbytes < HUGE_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
