@@ -7,12 +7,14 @@ reimplementations in codec.lab.baselines of the formats that have no package), c
 reconstruction bit for bit, and reports medians over pairs and repeats: payload size (percent
 of the BF16 checkpoint, bytes per changed element, ratio to the ARCv3 reference, real ARCv3
 where installed and ARCv3-style otherwise, and to the conditional entropy bound) and one-core
-encode / decode speed (checkpoint MB per second; decode returns new tensors, as a watcher gets
-them). zstd-1 on the raw target checkpoint, timed in the same run, is the speed yardstick:
-each method's encode and decode is paired with a zstd-1 compression timed just before it, its
-speed ratios are medians of those pairs' ratios, and its speed against ARCv3 is the quotient
-of the two methods' yardstick ratios. (On a shared machine the speed of everything drifts by
-tens of percent over seconds; timings seconds apart would compare different machines.)
+encode / decode speed (checkpoint MB per second; decode returns new tensors, output allocation
+included; ours are also timed applying the payload in place with `codec.apply_`, which is what a
+watcher does to the checkpoint it holds). zstd-1 on the raw target checkpoint, timed in the same
+run, is the speed yardstick: each method's encode, decode (and apply) is paired with a zstd-1
+compression timed just before it, its speed ratios are medians of those pairs' ratios, and its
+speed against ARCv3 is the quotient of the two methods' yardstick ratios. (On a shared machine
+the speed of everything drifts by tens of percent over seconds; timings seconds apart would
+compare different machines.)
 
 One core: torch and numba run one thread, and every thread of the process is pinned to one CPU
 (sched_setaffinity) while the one-core rows are timed, so that ARCv3's candidate threads and
@@ -205,7 +207,8 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     methods, reference, not_run = _methods(slow)
     per: dict[str, dict[str, list]] = {k: {"bytes": [], "per_changed": [], "vs_ref": [], "vs_bound": [],
-                                           "percent": [], "enc": [], "dec": [], "enc_ratio": [], "dec_ratio": []}
+                                           "percent": [], "enc": [], "dec": [], "enc_ratio": [], "dec_ratio": [],
+                                           "app": [], "app_ratio": []}
                                        for k, *_ in methods}
     pin = _OneCpu()
     bounds, raw_enc, raw_dec, raw_sizes, changed_fracs = [], [], [], [], []
@@ -222,8 +225,11 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
         bounds.append(bound)
         with pin:
             if i == 0:  # warm up every codec once (numba JIT, allocator) before anything is timed
-                for _key, _, enc, dec in methods:
-                    dec(base, enc(base, target))
+                for key, _, enc, dec in methods:
+                    payload = enc(base, target)
+                    dec(base, payload)
+                    if key.startswith("deltarelay"):
+                        codec.apply_({k: v.clone() for k, v in base.items()}, payload)
             e, d, size = _raw_zstd(target, repeat)
         raw_enc += e
         raw_dec += d
@@ -253,6 +259,16 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
                                            "is not bit-exact")
                     per[key]["enc"].append(es)
                     per[key]["dec"].append(ds)
+                    if key.startswith("deltarelay"):  # the watcher's path: in place on a held copy
+                        held = {k: v.clone() for k, v in base.items()}
+                        zs = yardstick.compress_seconds()
+                        _, aps = _timed(codec.apply_, held, payload)
+                        if not identical(held, target):
+                            raise RuntimeError(f"{label}: apply_ of {path.name} to {files[i].name} "
+                                               "is not bit-exact")
+                        per[key]["app"].append(aps)
+                        per[key]["app_ratio"].append(zs / aps)
+                        del held
                     lengths.append(len(payload))
                 sizes[key] = statistics.median_low(lengths)  # one a run produced
         for key, _, _, _ in methods:
@@ -279,6 +295,9 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
             # speed against zstd-1 compressing the raw target (paired runs) and against the reference
             "encode_vs_zstd1": med(p["enc_ratio"]), "decode_vs_zstd1": med(p["dec_ratio"]),
             "encode_vs_arcv3": med(p["enc_ratio"]) / ref_enc, "decode_vs_arcv3": med(p["dec_ratio"]) / ref_dec,
+            # in place (ours only): None for the anchors, which have no such path
+            "apply_mbps": mb / med(p["app"]) if p["app"] else None,
+            "apply_vs_zstd1": med(p["app_ratio"]) if p["app_ratio"] else None,
         })
     ref = next(r for r in rows if r["key"] == reference)
     bound_bytes = med([b["bytes"] for b in bounds])
@@ -295,7 +314,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
     # The yardstick is zstd-1 *compressing* the raw target (encode and decode alike), each of our
     # runs against the zstd-1 run just before it, median over runs; decode is also compared with
     # zstd-1 decompressing (medians of the separate timings), the stricter reading.
-    speed = {r["key"]: {"encode": r["encode_vs_zstd1"], "decode": r["decode_vs_zstd1"],
+    speed = {r["key"]: {"encode": r["encode_vs_zstd1"], "decode": r["decode_vs_zstd1"], "apply": r["apply_vs_zstd1"],
                         "decode_vs_decompress": r["decode_mbps"] / zstd["decompress_mbps"]}
              for r in rows if r["key"].startswith("deltarelay")}
     multicore = None
@@ -386,14 +405,16 @@ def format_table(results: dict) -> str:
                      f"{b['value_bits_per_changed']:.2f} value bits per change)")
         z = c["zstd1_raw"]
         parts = [f"{k.replace('deltarelay-', '')} encode {v['encode']:.2f}x, decode {v['decode']:.2f}x "
-                 f"({v['decode_vs_decompress']:.2f}x decompress)" for k, v in c["speed_vs_zstd1"].items()]
+                 f"({v['decode_vs_decompress']:.2f}x decompress), apply_ {v['apply']:.2f}x"
+                 for k, v in c["speed_vs_zstd1"].items()]
         pinned = "" if c.get("pinned_cpu") is None else f" (CPU {c['pinned_cpu']}, every thread pinned)"
         lines.append(f"speed vs zstd-1 compressing the raw checkpoint ({z['compress_mbps']:.0f} MB/s; decompress "
                      f"{z['decompress_mbps']:.0f} MB/s; {z['percent']:.1f}% size), {results.get('clock', 'cpu')} time, "
                      f"one core{pinned}: " + "; ".join(parts))
         m = c.get("multicore")
         if m:
-            lines.append(f"multi-core (wall clock): v3 with {m['workers']} workers encodes {m['encode_mbps']:.0f} MB/s "
+            lines.append(f"multi-core (wall clock): v{codec.FORMAT_VERSION} with {m['workers']} workers "
+                         f"encodes {m['encode_mbps']:.0f} MB/s "
                          f"({m['encode_vs_one_core']:.2f}x one thread, same clock), "
                          f"decodes {m['decode_mbps']:.0f} MB/s ({m['decode_vs_one_core']:.2f}x); "
                          f"zstd-1 compress {m['zstd1_compress_mbps_wall']:.0f} MB/s wall")
