@@ -19,6 +19,8 @@ receiver that kept the last H deltas' changes): how many of those steps changed 
 how many steps ago it last changed, and the net direction, so pairs start at step H.
 
     python scripts/context_study.py --history 3 corpus/...
+    python scripts/context_study.py --span 4 --history 3 --history-span 1 corpus/...  # one-step history
+                                                                                       # before a 4-step jump
 """
 
 from __future__ import annotations
@@ -114,8 +116,9 @@ def rate_buckets(exp: np.ndarray, ch: np.ndarray, group: np.ndarray, groups: int
     what the exponent model expects (observed / expected: < 1/2, < 1, < 2, more), the buckets sent
     as side information (an adaptive 4-symbol code over the groups), or the plain exponent model
     where that is cheaper."""
-    n_e = np.bincount(exp, minlength=256)
-    k_e = np.bincount(exp[ch], minlength=256)
+    m = max(256, int(exp.max()) + 1)
+    n_e = np.bincount(exp, minlength=m)
+    k_e = np.bincount(exp[ch], minlength=m)
     p = (k_e / np.maximum(n_e, 1))[exp]
     expected = np.bincount(group, weights=p, minlength=groups)
     seen = np.bincount(group[ch], minlength=groups)
@@ -252,6 +255,12 @@ def run_pair(base: dict, target: dict, before: list[dict]) -> dict:
             add_mask(f"exp+count{hn}", mcost(exp * (hn + 1) + hist["count"]))
             add_mask(f"exp+recency{hn}", mcost(exp * (hn + 1) + hist["recency"]))
             add_mask(f"exp+prev+count{hn}", mcost((exp * 2 + (prev != 0)) * (hn + 1) + hist["count"]))
+            # the temporal state mixed with the column rate bucket (both together: what a v5 would code)
+            if int(f["row"].max()) > 0 and k:
+                rkey = exp * (hn + 1) + hist["recency"]
+                add_mask(f"exp+recency{hn}*colrate4", rate_buckets(rkey, ch, f["col"], int(f["col"].max()) + 1, mcost))
+            else:
+                add_mask(f"exp+recency{hn}*colrate4", mcost(exp * (hn + 1) + hist["recency"]))
         # row activity sent as side information: an adaptive bit per row, then the mask of the
         # active rows only (elements of inactive rows cost nothing)
         rows = int(f["row"].max()) + 1
@@ -355,6 +364,10 @@ def run_pair(base: dict, target: dict, before: list[dict]) -> dict:
                     ld, rc, nt = hist["lastdir"][where], hist["recency"][where], hist["net"][where]
                     ltok, _ = tokens(zigzag(np.where(ld < 0, -step, np.where(ld > 0, step, sflip))))
                     add_values(f"flip by lastdir{hn} else sat4: +|sat4|+recency", sctx * (hn + 1) + rc, ltok)
+                    # the same with one context axis of 8 levels (fits v4's vote symbols, 256 x 8
+                    # contexts): |sat4| where the element has no history, else 4 + its recency
+                    lvl = np.where(rc > 0, lim + rc, np.abs(sat))
+                    add_values(f"flip by lastdir{hn} else sat4: +(|sat4| or 4+recency)", e * (lim + hn + 1) + lvl, ltok)
                     # the net direction: flip by it where not 0, context its size
                     ntok, _ = tokens(zigzag(np.where(nt < 0, -step, np.where(nt > 0, step, sflip))))
                     add_values(f"flip by net{hn} else sat4: +|sat4|+|net|", sctx * (hn + 1) + np.abs(nt), ntok)
@@ -392,7 +405,11 @@ def load_bits(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def study(corpus: Path, span: int, first: int, limit: int, history: int = 1) -> list[dict]:
+def study(corpus: Path, span: int, first: int, limit: int, history: int = 1,
+          history_span: int | None = None) -> list[dict]:
+    """Pairs t -> t + span from t = first on; the history is the `history` deltas of
+    `history_span` steps each (default span) before t."""
+    hs = span if history_span is None else history_span
     files = sorted(corpus.glob("step_*.safetensors"))
     rows: list[dict] = []
     cache: dict[int, dict] = {}
@@ -400,14 +417,14 @@ def study(corpus: Path, span: int, first: int, limit: int, history: int = 1) -> 
     def snap(i: int) -> dict:
         if i not in cache:
             cache[i] = load_bits(files[i])
-            for old in [j for j in cache if j < i - span * history]:
+            for old in [j for j in cache if j < i - hs * history]:
                 del cache[old]
         return cache[i]
 
     for t in range(first, len(files) - span):
         if len(rows) >= limit:
             break
-        before = [snap(t - span * h) for h in range(1, history + 1) if t - span * h >= 0]
+        before = [snap(t - hs * h) for h in range(1, history + 1) if t - hs * h >= 0]
         r = run_pair(snap(t), snap(t + span), before)
         r["pair"] = f"{files[t].stem}->{files[t + span].stem}"
         rows.append(r)
@@ -435,11 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--span", type=int, default=1, help="steps between base and target (4: a host behind)")
     p.add_argument("--pairs", type=int, default=3, help="pairs per corpus")
     p.add_argument("--history", type=int, default=1, help="deltas before the base that temporal contexts see")
+    p.add_argument("--history-span", type=int, help="steps per history delta (default --span; 1 with --span 4: "
+                   "a host that followed the chain until it fell behind)")
     p.add_argument("--json", type=Path, help="also write the numbers here")
     a = p.parse_args(argv)
     results = []
     for c in a.corpora:
-        rows = study(c, a.span, a.history if a.span == 1 else a.history - 1, a.pairs, a.history)
+        if a.history_span is not None:
+            rows = study(c, a.span, a.history * a.history_span, a.pairs, a.history, a.history_span)
+        else:
+            rows = study(c, a.span, a.history if a.span == 1 else a.history - 1, a.pairs, a.history)
         if not rows:
             print(f"{c}: too few snapshots for span {a.span}", file=sys.stderr)
             continue
