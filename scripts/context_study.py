@@ -255,6 +255,43 @@ def run_pair(base: dict, target: dict, before: list[dict]) -> dict:
             add_mask(f"exp+count{hn}", mcost(exp * (hn + 1) + hist["count"]))
             add_mask(f"exp+recency{hn}", mcost(exp * (hn + 1) + hist["recency"]))
             add_mask(f"exp+prev+count{hn}", mcost((exp * 2 + (prev != 0)) * (hn + 1) + hist["count"]))
+            # the codec's own mask classes (at most 8 exponent intervals, chosen as the encoder
+            # does), then v5's history classes beside them (docs/design/temporal-contexts.md): the
+            # elements with history left out of their interval and coded as classes of their own,
+            # one per recency (3) or per recency and exponent half (6)
+            from codec.methods import exponent_classes as ec
+
+            thr = ec.analyze(b, tt)[0]
+            cls = ec.class_lut(thr)[exp].astype(np.int64)
+            rc = hist["recency"]
+            half = (cls >= max(1, (thr.size + 1) // 2)).astype(np.int64)
+            add_mask("classes", mcost(cls))
+            add_mask(f"classes+{hn} recency classes", mcost(np.where(rc == 0, cls, 8 + rc - 1)))
+            add_mask(f"classes+{2 * hn} recency x half classes", mcost(np.where(rc == 0, cls, 8 + 2 * (rc - 1) + half)))
+            add_mask(f"classes x recency{hn}", mcost(cls * (hn + 1) + rc))
+            # recency as an exponent shift instead (the scan keeps at most 8 interval classes): per
+            # tensor and recency r, a shift s_r in [-4, 4] added to the exponent of the elements
+            # of recency r (a recently changed element behaves like one of another binade), fitted
+            # greedily; then the intervals chosen on the shifted keys from full statistics, beside
+            # the same choice on the plain exponents
+            def intervals(key: np.ndarray, ch: np.ndarray = ch) -> np.ndarray:
+                n_e = np.bincount(key, minlength=256)[:256]
+                k_e = np.bincount(key[ch], minlength=256)[:256]
+                return ec.class_lut(ec.choose_classes(n_e, k_e, ec.MAX_CLASSES))[key].astype(np.int64)
+
+            shifts = np.zeros(hn + 1, np.int64)
+            for r in range(1, hn + 1):
+                best = None
+                for sh in range(-4, 5):
+                    shifts[r] = sh
+                    c_ = mcost(np.clip(exp + shifts[rc], 0, 255))
+                    if best is None or c_ < best[0]:
+                        best = (c_, sh)
+                shifts[r] = best[1]
+            skey = np.clip(exp + shifts[rc], 0, 255)
+            add_mask("intervals (full stats)", mcost(intervals(exp)))
+            add_mask(f"intervals of exp+shift(recency{hn})", mcost(intervals(skey)) + 4.0 * hn)
+            add_mask(f"exp+shift(recency{hn})", mcost(skey) + 4.0 * hn)
             # the temporal state mixed with the column rate bucket (both together: what a v5 would code)
             if int(f["row"].max()) > 0 and k:
                 rkey = exp * (hn + 1) + hist["recency"]
