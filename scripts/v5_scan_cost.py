@@ -38,7 +38,10 @@ from pathlib import Path
 
 import numba as nb
 import numpy as np
+import torch
+from safetensors.torch import load_file
 
+from codec import tensors
 from codec.methods import exponent_classes as ec
 from codec.methods.exponent_classes import (BLOCK, MAX_CLASSES, _block_masks, _deposit, _funnel_right, _popcount,
                                             lane_bounds, trailing_zeros)
@@ -193,11 +196,17 @@ def bitmaps(classes: np.ndarray, changed: np.ndarray, nall: int) -> tuple[np.nda
     return bits, start, lim
 
 
+def load_bits(path: Path) -> dict[str, np.ndarray]:
+    """A snapshot's BF16 tensors as flat uint16 arrays."""
+    return {name: tensors.element_view(t).reshape(-1) for name, t in load_file(str(path)).items()
+            if t.dtype == torch.bfloat16}
+
+
 def prepare(corpus: Path, step: int) -> list[dict]:
     """Per tensor of the pair step -> step + 1: both forms' inputs, and the true changes."""
-    from context_study import load_bits  # the corpus's BF16 tensors as uint16
-
     files = sorted(corpus.glob("step_*.safetensors"))
+    if not HISTORY <= step < len(files) - 1:
+        raise SystemExit(f"{corpus}: --step must be in {HISTORY}..{len(files) - 2} (3 deltas before it, one after)")
     snaps = [load_bits(files[step - h]) for h in range(HISTORY, -1, -1)] + [load_bits(files[step + 1])]
     jobs = []
     for name, t in snaps[-1].items():
@@ -290,5 +299,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())
