@@ -46,6 +46,8 @@ from codec.methods import exponent_classes as ec
 from codec.methods.exponent_classes import (BLOCK, MAX_CLASSES, _block_masks, _deposit, _funnel_right, _popcount,
                                             lane_bounds, trailing_zeros)
 
+# The kernels are compiled each run, not cached: numba's on-disk cache cannot reload a module a
+# test loads from its path (it records the module as '<dynamic>').
 HISTORY = 3
 FORMS = ("v4", "v4-proto", "v5-sparse", "v5-planes", "v5-planes-3")
 _U0 = np.uint64(0)
@@ -53,7 +55,7 @@ _U1 = np.uint64(1)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(nogil=True)
 def _take(bits, at, guard, c, m):
     """Class c's next popcount(m) bits deposited at m's set bits; its cursor moves on."""
     p = at[c]
@@ -62,7 +64,7 @@ def _take(bits, at, guard, c, m):
     return _deposit(_funnel_right(bits[w + _U1], bits[w], p), m)
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(nogil=True)
 def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
     """Positions of the changes of a tensor of n elements (b: its base in whole blocks) from the
     v5 classes' bitmaps: classes 0..nclass-1 are the exponent classes less every element with
@@ -115,7 +117,7 @@ def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
     return k
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(nogil=True)
 def scan_v5_planes(n, b, thresholds, coarse, lo, hi_, bits, start, lim, out):
     """`scan_v5` with the recency held densely instead: two bit planes, a word of each per block
     (recency = lo + 2 * hi), so a block's recency masks are three ANDs, no merge."""
