@@ -65,12 +65,9 @@ def _take(bits, at, guard, c, m):
 
 
 @nb.njit(nogil=True)
-def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
-    """Positions of the changes of a tensor of n elements (b: its base in whole blocks) from the
-    v5 classes' bitmaps: classes 0..nclass-1 are the exponent classes less every element with
-    history, class nclass + 2 * (r - 1) + h the elements of recency r whose exponent class is
-    >= coarse (h = 1) or below (h = 0). hpos / hrec: the sorted positions of the elements with
-    history and their recency. Returns the count found."""
+def _scan_state(thresholds, start, lim):
+    """`exponent_classes.scan_state` with cursors for the history classes too (nclass + 2 * HISTORY
+    of them, past its MAX_CLASSES): (lanes, nclass, ge, at, guard)."""
     lanes = lane_bounds(thresholds)
     nclass = min(thresholds.size + 1, MAX_CLASSES)
     nall = nclass + 2 * HISTORY
@@ -81,6 +78,41 @@ def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
     for c in range(nall):
         at[c] = np.uint64(start[c] * 64)
         guard[c] = np.uint64(start[c] + lim[c])
+    return lanes, nclass, ge, at, guard
+
+
+@nb.njit(nogil=True)
+def _split_history(bits, at, guard, nclass, r1, r2, r3, hi):
+    """The six history classes' changes in a block: recency r's members below (h = 0) and at or
+    above (h = 1) the coarse exponent bound whose mask is `hi`, class nclass + 2 * (r - 1) + h."""
+    found = _take(bits, at, guard, nclass, r1 & ~hi)
+    found |= _take(bits, at, guard, nclass + 1, r1 & hi)
+    found |= _take(bits, at, guard, nclass + 2, r2 & ~hi)
+    found |= _take(bits, at, guard, nclass + 3, r2 & hi)
+    found |= _take(bits, at, guard, nclass + 4, r3 & ~hi)
+    found |= _take(bits, at, guard, nclass + 5, r3 & hi)
+    return found
+
+
+@nb.njit(nogil=True)
+def _store(found, o, out, k):
+    """The positions of the block at o whose bits `found` has, appended to out from out[k]."""
+    q = np.uint64(o)
+    while found != _U0:
+        out[k] = q + np.uint64(trailing_zeros(found))
+        found &= found - _U1
+        k += 1
+    return k
+
+
+@nb.njit(nogil=True)
+def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
+    """Positions of the changes of a tensor of n elements (b: its base in whole blocks) from the
+    v5 classes' bitmaps: classes 0..nclass-1 are the exponent classes less every element with
+    history, class nclass + 2 * (r - 1) + h the elements of recency r whose exponent class is
+    >= coarse (h = 1) or below (h = 0). hpos / hrec: the sorted positions of the elements with
+    history and their recency. Returns the count found."""
+    lanes, nclass, ge, at, guard = _scan_state(thresholds, start, lim)
     hp = 0
     nh = hpos.size
     k = 0
@@ -102,18 +134,8 @@ def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
         for c in range(nclass):
             found |= _take(bits, at, guard, c, ge[c] & ~ge[c + 1] & ~hist)
         if hist != _U0:  # a third of wd's blocks have none
-            hi = ge[coarse]
-            found |= _take(bits, at, guard, nclass, r1 & ~hi)
-            found |= _take(bits, at, guard, nclass + 1, r1 & hi)
-            found |= _take(bits, at, guard, nclass + 2, r2 & ~hi)
-            found |= _take(bits, at, guard, nclass + 3, r2 & hi)
-            found |= _take(bits, at, guard, nclass + 4, r3 & ~hi)
-            found |= _take(bits, at, guard, nclass + 5, r3 & hi)
-        q = np.uint64(o)
-        while found != _U0:
-            out[k] = q + np.uint64(trailing_zeros(found))
-            found &= found - _U1
-            k += 1
+            found |= _split_history(bits, at, guard, nclass, r1, r2, r3, ge[coarse])
+        k = _store(found, o, out, k)
     return k
 
 
@@ -121,16 +143,7 @@ def scan_v5(n, b, thresholds, coarse, hpos, hrec, bits, start, lim, out):
 def scan_v5_planes(n, b, thresholds, coarse, lo, hi_, bits, start, lim, out):
     """`scan_v5` with the recency held densely instead: two bit planes, a word of each per block
     (recency = lo + 2 * hi), so a block's recency masks are three ANDs, no merge."""
-    lanes = lane_bounds(thresholds)
-    nclass = min(thresholds.size + 1, MAX_CLASSES)
-    nall = nclass + 2 * HISTORY
-    ge = np.zeros(MAX_CLASSES + 1, np.uint64)
-    ge[0] = _ALL
-    at = np.empty(nall, np.uint64)
-    guard = np.empty(nall, np.uint64)
-    for c in range(nall):
-        at[c] = np.uint64(start[c] * 64)
-        guard[c] = np.uint64(start[c] + lim[c])
+    lanes, nclass, ge, at, guard = _scan_state(thresholds, start, lim)
     k = 0
     for o in range(0, b.size, BLOCK):
         _block_masks(b, o, lanes, ge)
@@ -145,22 +158,12 @@ def scan_v5_planes(n, b, thresholds, coarse, lo, hi_, bits, start, lim, out):
         for c in range(nclass):
             found |= _take(bits, at, guard, c, ge[c] & ~ge[c + 1] & ~hist)
         if coarse > 0:
-            hi = ge[coarse]
-            found |= _take(bits, at, guard, nclass, r1 & ~hi)
-            found |= _take(bits, at, guard, nclass + 1, r1 & hi)
-            found |= _take(bits, at, guard, nclass + 2, r2 & ~hi)
-            found |= _take(bits, at, guard, nclass + 3, r2 & hi)
-            found |= _take(bits, at, guard, nclass + 4, r3 & ~hi)
-            found |= _take(bits, at, guard, nclass + 5, r3 & hi)
+            found |= _split_history(bits, at, guard, nclass, r1, r2, r3, ge[coarse])
         elif coarse == 0:  # one history class per recency (no exponent split)
             found |= _take(bits, at, guard, nclass, r1)
             found |= _take(bits, at, guard, nclass + 1, r2)
             found |= _take(bits, at, guard, nclass + 2, r3)
-        q = np.uint64(o)
-        while found != _U0:
-            out[k] = q + np.uint64(trailing_zeros(found))
-            found &= found - _U1
-            k += 1
+        k = _store(found, o, out, k)
     return k
 
 
