@@ -437,6 +437,13 @@ def _decoded_in_place(entry: Entry, elems: np.ndarray, parsed: Payload, digest: 
         raise DeltaError(f"cannot decode ({type(exc).__name__}: {exc})", tensor=entry.name) from None
 
 
+def _copy(elems: np.ndarray) -> np.ndarray:
+    """A flat copy of a base's elements to build a target in, in `memory.new_elements`' memory."""
+    new = memory.new_elements(elems.size, elems.dtype)
+    np.copyto(new, elems.reshape(-1))
+    return new
+
+
 def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np.ndarray, bytes]:
     """The entry's whole reconstructed tensor, flat, and its digest: fed part by part while the
     decoder builds it, where the method and the kernels can (`hashing.running`), else computed
@@ -447,7 +454,7 @@ def _target_digest(entry: Entry, elems: np.ndarray, parsed: Payload) -> tuple[np
         return new, digest.digest() if digest is not None else digest_elements(entry.dtype.name, entry.shape, new)
     if patch is None:
         raise AssertionError(f"internal: {entry.name!r} decoded without a patch or a target")
-    new = elems.reshape(-1).copy()
+    new = _copy(elems)
     new[patch.index] = patch.values
     return new, digest_elements(entry.dtype.name, entry.shape, new)
 
@@ -464,7 +471,7 @@ def _decode_entry(base: Mapping[str, torch.Tensor], entry: Entry, parsed: Payloa
         if not _base_matches(entry, elems):
             raise DeltaError(_WRONG_BASE, tensor=entry.name)
         _patch(entry, elems, parsed)  # validates the record
-        new = elems.copy()
+        new = _copy(elems)
     else:
         try:
             new, digest = _target_digest(entry, elems, parsed)

@@ -19,6 +19,7 @@ import math
 import mmap
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Below this, a tensor holds no whole huge page (2 MiB) once its mapping's unaligned head is
@@ -53,3 +54,11 @@ def new_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except OSError:  # refused (a kernel without THP for anonymous memory): ordinary pages
         pass
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def new_elements(n: int, dtype: np.dtype) -> np.ndarray:
+    """An uninitialised flat array of n elements of `dtype`, in the memory `new_tensor` gives (huge
+    pages where large enough): for a decoded tensor built in numpy and handed to torch without a
+    copy (`tensors.tensor_from_elements(..., copy=False)`). The array keeps its memory alive."""
+    dtype = np.dtype(dtype)
+    return new_tensor((n * dtype.itemsize,), torch.uint8).numpy().view(dtype)

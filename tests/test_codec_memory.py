@@ -83,3 +83,34 @@ def test_decode_into_huge_pages_is_bit_exact_and_saveable(tmp_path):
         assert np.array_equal(tensors.element_view(out[k]), tensors.element_view(target[k]))
     assert out["emb"].untyped_storage().data_ptr() != out["w"].untyped_storage().data_ptr()
     safetensors.torch.save_file(out, tmp_path / "t.safetensors")
+
+
+def test_new_elements_is_a_flat_writable_array_of_its_own():
+    n = memory.HUGE_MIN_BYTES // 4 + 5
+    a, b = memory.new_elements(n, np.float32), memory.new_elements(n, np.float32)
+    assert a.shape == (n,) and a.dtype == np.float32 and a.flags.writeable and a.flags.c_contiguous
+    a[...] = 1.0
+    b[...] = 2.0
+    assert float(a.sum()) == n and float(b.sum()) == 2.0 * n
+
+
+def test_targets_built_outside_the_batched_kernel_use_codec_memory(monkeypatch):
+    """FP32 tensors (a patch applied to a copy of the base) and unchanged ones (a copy) are built in
+    `memory.new_elements` too, like the batched BF16 outputs: bit-exact, each its own storage."""
+    rng = np.random.default_rng(6)
+    big = (1024, memory.HUGE_MIN_BYTES // 1024 // 4 + 1)
+    base = {"fp32": torch.from_numpy(rng.standard_normal(big, dtype=np.float32)),
+            "still": torch.from_numpy(rng.standard_normal(big, dtype=np.float32))}
+    target = {"fp32": base["fp32"].clone(), "still": base["still"].clone()}
+    e = tensors.element_view(target["fp32"])
+    e[rng.random(e.shape) < 0.02] += 1
+    payload = codec.encode(base, target)
+    sizes = []
+    real = memory.new_elements
+    monkeypatch.setattr(memory, "new_elements", lambda n, dtype: sizes.append(n) or real(n, dtype))
+    out = codec.decode(base, payload)
+    assert sorted(sizes) == [base["fp32"].numel(), base["still"].numel()]
+    for k in target:
+        assert np.array_equal(tensors.element_view(out[k]), tensors.element_view(target[k]))
+        assert out[k].untyped_storage().data_ptr() != base[k].untyped_storage().data_ptr()
+    assert out["fp32"].untyped_storage().data_ptr() != out["still"].untyped_storage().data_ptr()

@@ -46,7 +46,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 import torch
 
-from .. import hashing, rans, tensors
+from .. import hashing, memory, rans, tensors
 from ..container import Entry, Stream
 from ..compressors import RAW
 from ..errors import DeltaError
@@ -1515,7 +1515,7 @@ def decode_target(entry: Entry, base: np.ndarray, shared: dict, digest: Running 
     """(changes decoded, the whole target tensor, flat), built in the decoding pass: no copy of
     the base beforehand, no scatter, no per-change arrays. `digest`, if given, is fed the target
     in order, each few KiB as soon as it is finished (while in cache)."""
-    out = np.empty(base.size, base.dtype)
+    out = memory.new_elements(base.size, base.dtype)
     _, _, count = _decode_entry(entry, base, shared, out, digest)
     return count, out
 
