@@ -37,7 +37,6 @@ def _codec_modules() -> list:
 
 
 def _operation(corpus: Path, step: int, op: str):
-    import torch
     from safetensors.torch import load_file
 
     import codec
@@ -54,7 +53,6 @@ def _operation(corpus: Path, step: int, op: str):
         held = {k: v.clone() for k, v in base.items()}
         codec.apply_(held, payload)
 
-    torch.set_num_threads(1)
     return apply
 
 

@@ -129,7 +129,7 @@ def _encode_lanes(syms, freq, cum, lanes):
 def _lane_decoder(lanes: int):
     """A decoder for `lanes` lanes: its lane loops have constant trip counts, for LLVM to vectorise."""
 
-    @nb.njit(cache=False, fastmath=False)
+    @nb.njit(cache=False)
     def decode(n, words, xs0, freq, cum, slot_sym, out):
         xs = xs0.copy()
         need = np.empty(lanes, np.uint32)

@@ -43,7 +43,7 @@ def test_every_form_round_trips_the_codec_mask_tables(lab, level):
         assert abs(words16.nbytes - words.nbytes) < 64 + 0.01 * words.nbytes
 
 
-def test_the_script_reports_every_form(tmp_path):
+def test_the_script_reports_every_form():
     run = subprocess.run([sys.executable, str(SCRIPT), "--symbols", "8192", "--repeat", "1"], capture_output=True,
                          text=True, check=True)
     for form in ("scalar-4", "grouped-4", "lanes-8", "lanes-16"):
