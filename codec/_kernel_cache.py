@@ -26,7 +26,7 @@ import numba
 import xxhash
 
 HERE = Path(__file__).resolve().parent
-KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "patching.py", "methods/conditional.py",
+KERNEL_SOURCES = ("rans.py", "wire.py", "hashing.py", "patching.py", "methods/conditional.py", "methods/xor_planes.py",
                   "methods/exponent_classes.py", "snapshot_rans.py")
 KEEP = 4  # cache directories kept: this version's and the three used most recently before it
 _DIGEST_NAME = re.compile(r"[0-9a-f]{16}")

@@ -296,6 +296,17 @@ def _warm_decode() -> None:
         payload = _fresh_payload(exc)
         decode(base, payload)
     decode(base, bytearray(payload), workers=2)
+    decode(base, _interim_payload())
+
+
+def _interim_payload() -> bytes:
+    """The tiny checkpoint's delta as a publisher writes it while its encoder compiles
+    (`encode(compiled=False)`, which runs no kernel): `sparse-split` records for every changed
+    BF16 tensor, which reach the patch paths (`patching.swap_digest` for 2-byte elements) that
+    the embedded payload's records, decoded in place, do not."""
+    from .api import encode
+    base, target = checkpoint()
+    return encode(base, target, compiled=False)
 
 
 def _warm_apply() -> None:
@@ -309,6 +320,7 @@ def _warm_apply() -> None:
         payload = _fresh_payload(exc)
         apply_(checkpoint()[0], payload)
     apply_(checkpoint()[0], memoryview(bytearray(payload)))  # a writable buffer, as a download may be
+    apply_(checkpoint()[0], _interim_payload())
 
 
 def _warm_snapshot_decode() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import brotli
 import lz4.block
+import numpy as np
 import zstandard
 
 from .errors import DeltaError
@@ -27,7 +28,7 @@ EFFORT = {
 }
 
 
-def compress(codec: int, data: bytes, level: int = 3) -> bytes:
+def compress(codec: int, data: bytes | memoryview, level: int = 3) -> bytes:
     if codec == RAW:
         return bytes(data)
     if codec == ZSTD:
@@ -39,23 +40,25 @@ def compress(codec: int, data: bytes, level: int = 3) -> bytes:
     raise ValueError(f"unknown codec {codec}")
 
 
-def compress_best(data: bytes, effort: str = "default",
+def compress_best(data: bytes | bytearray | memoryview | np.ndarray, effort: str = "default",
                   candidates: Iterable[tuple[int, int]] | None = None) -> tuple[int, bytes]:
-    """Try each candidate codec and keep the smallest output (raw if nothing helps)."""
-    data = bytes(data)
-    best_codec, best = RAW, data
-    if not data:
-        return best_codec, best
+    """Try each candidate codec and keep the smallest output (raw if nothing helps). `data` is
+    any contiguous buffer: the compressors read it in place, and it is copied only if raw wins."""
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+    best_codec, best_len = RAW, view.nbytes
+    best: bytes | None = None
+    if not best_len:
+        return best_codec, b""
     cands = tuple(candidates) if candidates is not None else EFFORT[effort]
     seen = set()
     for codec, level in cands:
         if (codec, level) in seen:
             continue
         seen.add((codec, level))
-        out = compress(codec, data, level)
-        if len(out) < len(best):
-            best_codec, best = codec, out
-    return best_codec, best
+        out = compress(codec, view, level)
+        if len(out) < best_len:
+            best_codec, best, best_len = codec, out, len(out)
+    return best_codec, (bytes(view) if best is None else best)
 
 
 def decompress(codec: int, data: bytes | memoryview, raw_len: int, what: str) -> bytes:

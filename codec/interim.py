@@ -104,7 +104,7 @@ def _entry(name: str, base: torch.Tensor, target: torch.Tensor, version: int, ef
     if dt is tensors.BF16 and sparse.METHOD.exists_in(version) and index.size * DENSE <= b.size:
         method, (params, streams) = sparse.ID, sparse_record(b, t, index, effort)
     else:
-        method, (params, streams) = xor_planes.ID, xor_planes.encode(b, t, effort)
+        method, (params, streams) = xor_planes.ID, xor_planes.encode(b, t, effort, compiled=False)
     return Entry(name, dt, shape, method, int(index.size), base_digest, target_digest, params, streams)
 
 

@@ -59,9 +59,10 @@ def empty_patch(dtype: np.dtype) -> Patch:
     return Patch(np.zeros(0, np.int64), np.zeros(0, dtype))
 
 
-def pack_stream(raw: bytes, effort: str) -> Stream:
+def pack_stream(raw: bytes | np.ndarray, effort: str) -> Stream:
+    """One stream of `raw` (any contiguous buffer of bytes), by the best compressor for `effort`."""
     codec, stored = compressors.compress_best(raw, effort)
-    return Stream(codec, len(raw), stored)
+    return Stream(codec, raw.nbytes if isinstance(raw, np.ndarray) else len(raw), stored)
 
 
 def read_stream(entry: Entry, i: int, what: str, *, exact: int | None = None, at_most: int | None = None) -> bytes:
