@@ -29,20 +29,43 @@ MAX_VARINT_BYTES = 7  # gaps < 2**49
 BITMASK_DENSITY = 16  # race the bitmask when more than 1 in 16 elements changed
 
 
-def varint_decode(data: bytes, count: int, what: str, tensor: str) -> np.ndarray:
-    b = np.frombuffer(data, np.uint8)
-    ends = np.flatnonzero((b & 0x80) == 0)
-    if ends.size != count or (b.size and ends[-1] != b.size - 1):
-        raise DeltaError(f"{what}: expected {count} varints", tensor=tensor)
-    starts = np.concatenate(([0], ends[:-1] + 1)) if count else np.zeros(0, np.int64)
-    lengths = ends - starts + 1
-    if lengths.size and lengths.max() > MAX_VARINT_BYTES:
-        raise DeltaError(f"{what}: varint too long", tensor=tensor)
-    group = np.repeat(np.arange(count), lengths)
-    shift = (np.arange(b.size) - np.repeat(starts, lengths)).astype(np.uint64) * np.uint64(7)
-    vals = np.zeros(count, np.uint64)
-    np.add.at(vals, group, (b & 0x7F).astype(np.uint64) << shift)
-    return vals
+@nb.njit(cache=True, nogil=True)
+def _gap_positions(buf, count, n):
+    """The positions coded as `count` LEB128 gaps in buf (position = previous + gap + 1, from -1),
+    in one pass into one array of `count`: (positions, status), status 0, or 1 (not exactly
+    `count` varints), 2 (a varint longer than MAX_VARINT_BYTES), 3 (a position outside the
+    tensor of n elements). Memory is 8 bytes per change whatever the bytes hold: the numpy form
+    built several 8-byte arrays per *byte*, and a few-KB zstd stream of 7-byte varints took
+    ~200 bytes of memory per element of the tensor."""
+    out = np.empty(count, np.int64)
+    k = 0
+    pos = np.int64(-1)
+    gap = np.int64(0)
+    shift = 0
+    for j in range(buf.size):
+        b = buf[j]
+        gap |= np.int64(b & 0x7F) << shift
+        if b & 0x80:
+            shift += 7
+            if shift >= 7 * MAX_VARINT_BYTES:
+                return out, 2
+            continue
+        if k == count:
+            return out, 1
+        pos += gap + 1
+        if pos >= n:
+            return out, 3
+        out[k] = pos
+        k += 1
+        gap = np.int64(0)
+        shift = 0
+    if shift or k != count:
+        return out, 1
+    return out, 0
+
+
+_GAP_ERRORS = {1: "positions: expected {count} varints", 2: "positions: varint too long",
+               3: "position gap outside the tensor"}
 
 
 @nb.njit(cache=True, nogil=True)
@@ -112,10 +135,9 @@ def decode(entry: Entry, base: np.ndarray, shared: dict) -> Patch:
     n = base.size
     if mode == POS_GAPS:
         raw = read_stream(entry, 0, "positions", at_most=MAX_VARINT_BYTES * count)
-        gaps = varint_decode(raw, count, "positions", entry.name)
-        if gaps.size and gaps.max() >= n:
-            raise DeltaError("position gap outside the tensor", tensor=entry.name)
-        index = (np.cumsum(gaps.astype(np.int64) + 1) - 1).astype(np.int64)
+        index, status = _gap_positions(np.frombuffer(raw, np.uint8), count, n)
+        if status:
+            raise DeltaError(_GAP_ERRORS[status].format(count=count), tensor=entry.name)
     elif mode == POS_BITMASK:
         raw = read_stream(entry, 0, "position mask", exact=(n + 7) // 8)
         index = np.flatnonzero(np.unpackbits(np.frombuffer(raw, np.uint8), count=n, bitorder="little")).astype(np.int64)
