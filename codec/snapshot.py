@@ -297,9 +297,10 @@ def write_snapshot(named: Iterable[tuple[str, torch.Tensor]], f: IO[bytes]) -> t
 class _Source:
     """Exact reads from bytes, a path or a binary file object, each refused if short."""
 
-    def __init__(self, src: object, where: str, map_files: bool = False) -> None:
+    def __init__(self, src: object, where: str, map_files: bool = False, max_bytes: int | None = None) -> None:
         self.where = where
         self.map_files = map_files  # see _map
+        self.budget = max_bytes  # tensor bytes the records may still declare (decode_snapshot's max_bytes)
         self._own: BinaryIO | None = None
         self._mv: memoryview | None = None
         self._f: IO[bytes] | None = None
@@ -687,8 +688,14 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
     """Reads a record's blocks (all of them before any allocation: the output is justified by bytes
     actually present) and returns its verified tensor. One kernel call decodes the blocks
     (`snapshot_rans.decode_record`); Python steps in only for zstd, and to word a fault."""
-    buf = src.read_blocks(head.sizes, head.blocks_bytes, head.name)
     dt = head.dt
+    if src.budget is not None:  # before any read or allocation: zstd blocks are no bound on what a record declares
+        need = head.numel * dt.itemsize
+        if need > src.budget:
+            raise src.error(f"record declares {need} bytes of tensor, past the {src.budget} the reader still "
+                            "expects of this snapshot", head.name)
+        src.budget -= need
+    buf = src.read_blocks(head.sizes, head.blocks_bytes, head.name)
     try:
         out = np.empty(head.numel * tensors.elements_per_item(dt), tensors.element_dtype(dt))
     except MemoryError:
@@ -848,7 +855,7 @@ def _matches(head: _Head, e: SnapshotEntry) -> bool:
 
 
 def decode_snapshot(src: object, only: set[str] | None = None, *, where: str = "snapshot",
-                    map_files: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                    map_files: bool = False, max_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for each tensor of the snapshot object in `src` (bytes, a path or a binary
     file; a pipe will do), in the object's order, each yielded only once its digest verifies;
     with `only`, just those names (a seekable source seeks past the rest). Raises SnapshotError,
@@ -856,8 +863,12 @@ def decode_snapshot(src: object, only: set[str] | None = None, *, where: str = "
     the index disagrees with the records: a caller has the whole snapshot only once the iterator
     is exhausted. Memory: one tensor and its compressed bytes. `map_files`: a regular file's large
     records are mapped rather than read (faster where read() is slow; only for a file no other
-    process truncates, see `_Source._map`)."""
-    s = _Source(src, where, map_files)
+    process truncates, see `_Source._map`). `max_bytes`: the most tensor bytes the records decoded
+    may declare in all; a record that would go past it is refused before it is read or allocated.
+    A reader passes what the step's record says the snapshot holds: a record's stored blocks bound
+    its allocation, but a few KB of zstd frames can declare, and fill, gigabytes before its digest
+    is checked."""
+    s = _Source(src, where, map_files, max_bytes)
     try:
         if only is not None and s.seekable():
             entries = _read_index(s)

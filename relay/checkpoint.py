@@ -498,8 +498,8 @@ class StreamedWriter:
             raise ValueError(f"{self.path}: closed after {self._next} of {len(self.spans)} tensors")
 
 
-def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata: Any) -> bytes:
-    """index_bytes from tensor descriptions (dtype names and shapes, relay.manifest.TensorInfo) instead of tensors."""
+def tensor_bytes(infos: Mapping[str, Any]) -> int:
+    """The bytes of the tensors that descriptions (dtype names and shapes, relay.manifest.TensorInfo) describe."""
     from codec.tensors import DTYPES
 
     size = {d.name: d.itemsize for d in DTYPES}
@@ -509,7 +509,13 @@ def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata
         for d in info.shape:
             n *= d
         total += n
-    return json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}, indent=1).encode()
+    return total
+
+
+def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata: Any) -> bytes:
+    """index_bytes from tensor descriptions (dtype names and shapes, relay.manifest.TensorInfo) instead of tensors."""
+    return json.dumps({"metadata": {"total_size": tensor_bytes(infos), **metadata}, "weight_map": weight_map},
+                      indent=1).encode()
 
 
 # ---------------------------------------------------------------- snapshot files in either format
@@ -528,13 +534,15 @@ def snapshot_file_format(path: str | os.PathLike) -> str:
     return "compressed" if head == codec.SNAPSHOT_MAGIC else "safetensors"
 
 
-def read_snapshot_file(path: str | os.PathLike, where: str | None = None, only: set[str] | None = None
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_snapshot_file(path: str | os.PathLike, where: str | None = None, only: set[str] | None = None,
+                       max_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a snapshot file in either format (`snapshot_file_format`): a safetensors file
     as `read_file_into` reads it (`only` then filters), a compressed one decoded tensor by tensor, each
     checked against its own digest (`only`: just those, by seeking). A compressed file has no metadata
     ({}). SafetensorsError, naming `where`, for any file this refuses, in either format; links are not
-    followed. The caller still checks the tensors against the step's record, as for any snapshot."""
+    followed. The caller still checks the tensors against the step's record, as for any snapshot.
+    `max_bytes` bounds a compressed file's tensors before each is allocated (`codec.decode_snapshot`); a
+    safetensors file's are bounded by its size."""
     where = where or str(path)
     if snapshot_file_format(path) == "safetensors":
         tensors, meta = read_file_into(path, where)
@@ -543,7 +551,7 @@ def read_snapshot_file(path: str | os.PathLike, where: str | None = None, only: 
     try:
         with os.fdopen(fd, "rb", buffering=0) as f:
             # our own spool and staging files: mapped (no other process truncates them under us)
-            return dict(codec.decode_snapshot(f, only=only, where=where, map_files=True)), {}
+            return dict(codec.decode_snapshot(f, only=only, where=where, map_files=True, max_bytes=max_bytes)), {}
     except codec.SnapshotError as exc:
         raise SafetensorsError(f"compressed snapshot {exc}") from None
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 import codec
+from relay.checkpoint import tensor_bytes
 
 from relay.manifest import (MAX_RECORD_BYTES, ManifestError, ObjRef, Part, Snapshot, TensorInfo, _load_json,
                             safe_shard_name)
@@ -150,18 +151,22 @@ def assemble(files: list[tuple[ObjRef, bytes]], infos: Mapping[str, TensorInfo],
     from safetensors.torch import load as st_load
 
     read: list[tuple[ObjRef, dict[str, tuple[int, int]], dict[str, torch.Tensor]]] = []
+    budget = tensor_bytes(infos)  # what a compressed file may decode to: the record's tensors, all files together
     for ref, data in files:
         if bytes(data[:4]) == codec.SNAPSHOT_MAGIC:
             try:
-                read.append((ref, {}, dict(codec.decode_snapshot(data, where=ref.key))))
+                held = dict(codec.decode_snapshot(data, where=ref.key, max_bytes=max(budget, 0)))
             except codec.SnapshotError as exc:
                 raise ShardError([ref], f"not a snapshot file ({exc})") from None
+            budget -= sum(t.nbytes for t in held.values())
+            read.append((ref, {}, held))
             continue
         rows = file_rows(data, ref)
         try:
             held = st_load(bytes(data))
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
             raise ShardError([ref], f"{ref.key}: not a safetensors file ({exc})") from None
+        budget -= sum(t.nbytes for t in held.values())
         read.append((ref, rows, held))
     return assemble_read(read, infos, want)
 

@@ -507,6 +507,7 @@ class Reader:
         tensors: dict[str, torch.Tensor] = {}
         digests: dict[str, bytes] = {}  # of the streamed tensors, made as they arrived
         read = []
+        budget = checkpoint.tensor_bytes(rec.tensors)  # what the files may decode to, all of them together
         for i, f in enumerate(fetch):
             if spool is None:
                 part, meta, made = streamed[i]
@@ -514,9 +515,10 @@ class Reader:
             else:
                 made = {}
                 try:
-                    part, meta = checkpoint.read_snapshot_file(paths[i], f.key)
+                    part, meta = checkpoint.read_snapshot_file(paths[i], f.key, max_bytes=max(budget, 0))
                 except checkpoint.SafetensorsError as exc:
                     raise _VerifyError([f], f"{f.key}: not a snapshot file ({exc})") from None
+            budget -= sum(t.nbytes for t in part.values())
             if direct:
                 if set(part) != layout[f.key.rsplit("/", 1)[-1]]:
                     raise _VerifyError([f], f"{f.key}: holds other tensors than the record's layout places there")

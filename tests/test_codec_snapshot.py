@@ -700,3 +700,24 @@ def test_index_that_lies_is_refused(small):
         list(codec.decode_snapshot(forged))
     with pytest.raises(codec.SnapshotError, match="disagrees with the index"):
         list(codec.decode_snapshot(forged, only={"other"}))
+
+
+def test_max_bytes_bounds_what_the_records_declare_before_reading_them():
+    """A record's stored blocks bound its allocation, but zstd frames do not: zeros of 8 MiB take a
+    few KB. A reader that says how many tensor bytes it expects (`max_bytes`, the step record's) is
+    refused the record that goes past them before its blocks are read: a truncated object says so,
+    not that it is truncated."""
+    tensors = {"small": torch.ones(100, dtype=torch.float32), "zeros": torch.zeros(1 << 22, dtype=torch.bfloat16)}
+    blob = encoded(tensors)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert len(blob) < total // 100
+    got = dict(codec.decode_snapshot(blob, max_bytes=total))
+    assert_bit_exact(got, tensors)
+    with pytest.raises(codec.SnapshotError, match="'zeros'.*past the") as exc:
+        list(codec.decode_snapshot(blob, max_bytes=total - 1))
+    assert str(total - 1 - 400) in str(exc.value)  # what was left after the first record
+    head_end = blob.index(b"zeros") + 64  # inside the record's blocks: truncated before most of them
+    with pytest.raises(codec.SnapshotError, match="past the"):
+        list(codec.decode_snapshot(blob[:head_end], max_bytes=1 << 20))
+    with pytest.raises(codec.SnapshotError, match="past the"):
+        list(codec.decode_snapshot(io.BytesIO(blob), only={"zeros"}, max_bytes=1 << 20))

@@ -568,3 +568,23 @@ def test_whole_infos_refuses_ranks_that_do_not_tile():
     for reports, message in cases:
         with pytest.raises(ShardedPublishError, match=message):
             whole_infos(3, reports)
+
+
+def test_compressed_snapshot_files_may_not_decode_past_the_record():
+    """shards.assemble: compressed snapshot files may hold, all together, at most the tensor bytes the
+    step's record lists (checked before each tensor is read: zstd frames of a few KB can declare GBs)."""
+    import codec
+    from relay import shards
+    from relay.manifest import ObjRef, TensorInfo
+
+    d = "0" * 32
+    infos = {"a": TensorInfo("BF16", (1 << 20,), d), "b": TensorInfo("F32", (4,), d)}
+    honest = b"".join(codec.encode_snapshot([("a", torch.zeros(1 << 20, dtype=torch.bfloat16))]))
+    rest = b"".join(codec.encode_snapshot([("b", torch.ones(4))]))
+    got = shards.assemble([(ObjRef("s/0", len(honest), d), honest), (ObjRef("s/1", len(rest), d), rest)], infos)
+    assert set(got) == {"a", "b"}
+    bomb = b"".join(codec.encode_snapshot([("a", torch.zeros(1 << 24, dtype=torch.bfloat16))]))  # 16x the record
+    with pytest.raises(shards.ShardError, match="past the"):
+        shards.assemble([(ObjRef("s/0", len(bomb), d), bomb)], infos)
+    with pytest.raises(shards.ShardError, match="past the"):  # the budget is shared by the files
+        shards.assemble([(ObjRef("s/0", len(honest), d), honest), (ObjRef("s/1", len(honest), d), honest)], infos)
