@@ -379,14 +379,15 @@ def _new_tensor(span: _Span, where: str) -> torch.Tensor:
         raise
 
 
-def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[memoryview], None]
-                ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
+def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[memoryview], None],
+                max_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
     """(tensors, metadata, each tensor's codec digest) of a safetensors object of `size` bytes arriving as
     `chunks`, copied straight into new tensors (no file, no copy of the object's bytes: memory is the
     tensors and one chunk). Every byte is passed to `feed` in order (the caller's check of the object's
     hash, which must pass before any tensor is used); each tensor is digested (codec.hashing) as its bytes
     arrive, while in cache. Strict header (parse_header); SafetensorsError if the object is malformed, or
-    ends before or runs past `size` bytes."""
+    ends before or runs past `size` bytes, or its header declares more than `max_bytes` of tensors (checked,
+    like a lack of memory for them, before they are allocated: `size` may be an unsigned claim)."""
     from codec.hashing import digester
 
     it = iter(chunks)
@@ -417,6 +418,10 @@ def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[
         header_bytes(8, 0)
         header_bytes(min(int.from_bytes(head[:8], "little"), MAX_HEADER_BYTES, size - 8), 8)
     spans, meta, start = parse_header(header_bytes, size, where)
+    declared = sum(sp.end - sp.begin for sp in spans)
+    if max_bytes is not None and declared > max_bytes:
+        raise SafetensorsError(f"{where}: header declares {declared} bytes of tensors, more than the {max_bytes} "
+                               "its step's record lists")
     tensors = {sp.name: _new_tensor(sp, where) for sp in spans}
     hashers = {sp.name: digester(sp.dtype.name, sp.shape) for sp in spans}
     flat = {sp.name: tensors[sp.name].view(-1).view(torch.uint8).numpy().data for sp in spans if sp.end > sp.begin}

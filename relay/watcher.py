@@ -42,7 +42,8 @@ from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
 from relay.engines import Engine, EngineError, Update, changed_names
 from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
-                            Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name)
+                            Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name,
+                            strong_mismatches)
 from relay.files import atomic_path, fsync_dir, temporary_sibling
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
@@ -377,7 +378,11 @@ class Reader:
         """Download `ref` into spool/<its file name> and check it (size, xxh3, SHA-256 when the manifest
         gives one) by reading it back in chunks, before any of its bytes is used. The file is removed if
         the check fails; a verified file is reused for the same reference within one reach()."""
-        path = spool / ref.key.rsplit("/", 1)[-1]
+        # one directory per reference: files of other snapshots (or a region's) share names, and one must not
+        # overwrite another's verified bytes behind its entry in _spooled
+        slot = spool / xxhash.xxh3_64_hexdigest(f"{ref.key}\0{ref.size}\0{ref.xxh3}\0{ref.sha256}".encode())
+        slot.mkdir(exist_ok=True)
+        path = slot / ref.key.rsplit("/", 1)[-1]
         if self._spooled.get(ref) == path and path.is_file() and not path.is_symlink():
             return path
         self._spooled.pop(ref, None)
@@ -404,10 +409,12 @@ class Reader:
         self._spooled[ref] = path
         return path
 
-    def _stream_one(self, ref: ObjRef) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
+    def _stream_one(self, ref: ObjRef, max_bytes: int | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
         """`ref`'s safetensors object read from the store straight into new tensors (no file, no copy of its
         bytes), with each tensor's digest (checkpoint.stream_into); its size, xxh3 and (when the manifest
-        gives one) SHA-256 are checked over the same bytes before anything is returned."""
+        gives one) SHA-256 are checked over the same bytes before anything is returned. A header declaring
+        more than `max_bytes` of tensors (what the step's record lists) is refused before they are allocated."""
         import hashlib
 
         import xxhash
@@ -426,7 +433,7 @@ class Reader:
         chunks = iter(self.store.iter_chunks(ref.key))
         malformed = None
         try:
-            part, meta, digests = checkpoint.stream_into(chunks, ref.size, ref.key, feed)
+            part, meta, digests = checkpoint.stream_into(chunks, ref.size, ref.key, feed, max_bytes=max_bytes)
         except checkpoint.SafetensorsError as exc:
             malformed = exc
             for chunk in chunks:  # the rest, to say whether the object is the manifest's at all
@@ -490,15 +497,20 @@ class Reader:
         sharded = (any(info.slices is not None for info in rec.tensors.values())
                    or (bool(names) and all(_RANK_FILE.fullmatch(n) for n in names)))
         direct = not sharded and self.want is None and files is None
+        # A region's own snapshot is vouched for by nobody: in a signed run its tensors are checked (BLAKE3),
+        # but its files' headers (metadata, layout) are a bucket writer's bytes, so DEST gets files written
+        # from the verified tensors instead
+        direct = direct and not (self.trusted is not None and announce.is_regional(snap))
         if not sharded and sorted(names) != sorted(layout):
             raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
                                                  f"record's layout {sorted(layout)[:5]}")
         fetch = snap.files if files is None else files
         paths: list[Path] = []
         streamed: list[tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]] = []
+        budget = checkpoint.tensor_bytes(rec.tensors)  # what the files may decode to, all of them together
         with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
-            if spool is None:
-                streamed = list(pool.map(self._stream_one, fetch))
+            if spool is None:  # each file at most the whole budget (they arrive at once)
+                streamed = list(pool.map(lambda f: self._stream_one(f, budget), fetch))
             else:
                 paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
         # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
@@ -507,7 +519,6 @@ class Reader:
         tensors: dict[str, torch.Tensor] = {}
         digests: dict[str, bytes] = {}  # of the streamed tensors, made as they arrived
         read = []
-        budget = checkpoint.tensor_bytes(rec.tensors)  # what the files may decode to, all of them together
         for i, f in enumerate(fetch):
             if spool is None:
                 part, meta, made = streamed[i]
@@ -534,9 +545,14 @@ class Reader:
                 tensors = shards.assemble_read(read, rec.tensors, self.want)
             except shards.ShardError as exc:
                 raise _VerifyError(exc.refs, str(exc)) from None
-        # streamed whole tensors are checked by the digests made on the way; the others are hashed
-        bad = _head_mismatches(tensors, self.expected(rec), digests) if digests else mismatches(tensors,
-                                                                                                 self.expected(rec))
+        # streamed whole tensors are checked by the digests made on the way; the others are hashed. Either
+        # way BLAKE3 too, where the record has it (PROTOCOL §6): xxh3 is not collision resistant, and this
+        # path also feeds a keyed rebase or resume, which would sign what it loads
+        if digests:
+            bad = _head_mismatches(tensors, self.expected(rec), digests)
+            bad = bad or strong_mismatches(tensors, self.expected(rec))
+        else:
+            bad = mismatches(tensors, self.expected(rec))
         if bad:
             # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
             # good one (typically the head's) must stay usable for the chain from another snapshot.

@@ -15,6 +15,7 @@ import logging
 import pytest
 from safetensors.torch import load as st_load
 
+import relay.checkpoint
 import relay.manifest
 from relay import ops
 from relay.announce import ANNOUNCE_KEY, Announcement, read_announcement, update_announcement
@@ -25,7 +26,7 @@ from relay.regional import Materialiser, write_snapshot
 from relay.signing import generate_keypair
 from relay.store import Store, open_store
 from relay.verify import verify
-from relay.watcher import SyncError, SyncTimeout, Watcher
+from relay.watcher import Reader, SyncError, SyncTimeout, Watcher
 
 
 def replicate(src: Store, dst: Store) -> None:
@@ -223,6 +224,22 @@ def test_signed_run_with_a_keyless_materialiser(tmp_path, trainer, bits_equal, m
         assert bits_equal(w.tensors, run.states[6])
     assert "does not match its record" in caplog.text
 
+    # The streamed path (no spool: a keyed rebase or a resuming publisher, which sign what they load) checks
+    # BLAKE3 too. Its digests are made while streaming, so the collision is simulated there as well.
+    real_stream = relay.checkpoint.stream_into
+
+    def colliding_stream(chunks, size, where, feed, **options):
+        got, meta, digests = real_stream(chunks, size, where, feed, **options)
+        if name in digests and where.startswith("regional/"):
+            digests[name] = bytes.fromhex(run.record(6).tensors[name].digest)
+        return got, meta, digests
+
+    monkeypatch.setattr(relay.checkpoint, "stream_into", colliding_stream)
+    caplog.clear()
+    _, streamed, rec = Reader(run.dst, trusted_keys=[pub]).reach(None, None, timeout=60)
+    assert rec.step == 6 and bits_equal(streamed, run.states[6])
+    assert "does not match its record" in caplog.text
+
 
 def test_regional_gc(materialised):
     run, _, _ = materialised
@@ -298,3 +315,86 @@ def test_materialise_command(tmp_path, trainer, capsys):
     assert st["step"] == 3 and st["regional_snapshots"] == [3] and st["bootstraps"] == 1
     assert main(["gc", run.region, "--keep-snapshots", "1", "--regional-only"]) == 0
     assert "regional snapshots [3]" in capsys.readouterr().out
+
+
+def _regional_snapshot_of(run: Run, step: int, tensors: dict, metadata: dict) -> None:
+    """Announce, as a bucket writer could, a regional snapshot of `step` holding `tensors` in files whose
+    safetensors header carries `metadata`."""
+    rec = run.record(step)
+    files = []
+    for shard in sorted(set(rec.weight_map.values())):
+        part = {k: tensors[k] for k, s in rec.weight_map.items() if s == shard}
+        data = b"".join(bytes(c) for c in safetensors_stream(part, metadata).chunks())
+        key = f"regional/snapshots/{step}/{shard}"
+        run.dst.put_new(key, data)
+        files.append(ObjRef.of(key, data))
+    index = index_bytes_of(rec.tensors, rec.weight_map, step=step)
+    run.dst.put_new(f"regional/snapshots/{step}/model.safetensors.index.json", index)
+    snap = relay.manifest.Snapshot(step, ObjRef.of(f"regional/snapshots/{step}/model.safetensors.index.json", index),
+                                   tuple(files))
+    m = Manifest.parse(run.dst.read_manifest().data)
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, True, (snap,)).to_bytes(), None)
+
+
+def test_a_regional_snapshots_headers_do_not_reach_dest_in_a_signed_run(tmp_path, trainer, bits_equal):
+    """Its tensors are verified (record, BLAKE3), but its files' headers are a bucket writer's bytes: a
+    watcher with trusted keys writes DEST's files from the verified tensors instead of moving them in."""
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "h", signing_key=key)
+    run.publish(range(5))
+    run.pub.close()
+    _regional_snapshot_of(run, 4, run.states[4], {"format": "tf", "note": "written by a bucket writer"})
+    with Watcher(run.region, tmp_path / "dest", trusted_keys=[pub]) as w:
+        assert w.sync(timeout=60) == 4 and bits_equal(w.tensors, run.states[4])
+        assert w.bytes_downloaded > 0
+    files = sorted((tmp_path / "dest").glob("*.safetensors"))
+    assert files
+    for f in files:
+        raw = f.read_bytes()
+        header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+        assert "note" not in header.get("__metadata__", {}), f.name
+
+
+def test_spooled_files_of_references_with_one_name_do_not_share_a_path(tmp_path, trainer):
+    """Snapshots of different steps (and a region's own) name their files alike; each reference spools to a
+    path of its own, so a verified file is never overwritten by another reference's bytes behind its back."""
+    run = start_run(tmp_path, trainer, "p")
+    run.publish(range(7))  # trainer snapshots 0, 3, 6: the same file names
+    run.pub.close()
+    m = Manifest.parse(run.src.read_manifest().data)  # the origin: replication leaves snapshots out
+    ref3, ref6 = m.snapshot(3).files[0], m.snapshot(6).files[0]
+    assert ref3.key.rsplit("/", 1)[-1] == ref6.key.rsplit("/", 1)[-1]
+    reader = Reader(run.src)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    p3 = reader._spool_one(ref3, spool)
+    p6 = reader._spool_one(ref6, spool)
+    assert p3 != p6 and p3.name == p6.name  # the name a version's file keeps
+    again = reader._spool_one(ref3, spool)
+    assert again == p3 and ref3.matches(again.read_bytes()) is None and ref6.matches(p6.read_bytes()) is None
+
+
+def test_a_streamed_snapshot_may_not_declare_more_than_its_record(tmp_path, trainer):
+    """Without a spool (rebase, a resuming publisher) a snapshot file streams into tensors allocated from its
+    header: an unsigned reference claiming 1 TiB, with a header to match, is refused before any allocation,
+    as a verification failure (no MemoryError escapes), and the reader gives up cleanly."""
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "b", signing_key=key)
+    run.publish(range(5))
+    run.pub.close()
+    m = Manifest.parse(run.dst.read_manifest().data)
+    run.dst.delete([r.key for s in m.snapshots for r in (s.index, *s.files)])  # a bucket writer may delete
+    rec = run.record(4)
+    size = 1 << 40
+    body = json.dumps({"x": {"dtype": "U8", "shape": [size - 4096], "data_offsets": [0, size - 4096]}}).encode()
+    body += b" " * (4096 - 8 - len(body))
+    data = len(body).to_bytes(8, "little") + body + b"\0" * 8192
+    shard = sorted(set(rec.weight_map.values()))[0]
+    run.dst.put_new(f"regional/snapshots/4/{shard}", data)
+    index = index_bytes_of(rec.tensors, rec.weight_map, step=4)
+    run.dst.put_new("regional/snapshots/4/model.safetensors.index.json", index)
+    snap = relay.manifest.Snapshot(4, ObjRef.of("regional/snapshots/4/model.safetensors.index.json", index),
+                                   (ObjRef(f"regional/snapshots/4/{shard}", size, "0" * 32, None),))
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, (snap,)).to_bytes(), None)
+    with pytest.raises(SyncError):
+        Reader(run.dst, trusted_keys=[pub]).reach(None, None, timeout=3)
