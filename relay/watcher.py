@@ -300,6 +300,7 @@ class Reader:
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
+        self._hidden = ""  # what the announcement took out of the last planning view, for a failure to plan
 
     def progress(self) -> tuple[int, int] | None:
         """(bytes downloaded, bytes planned) of the reach in progress, None between reaches: for progress bars
@@ -339,6 +340,7 @@ class Reader:
         """The manifest as this store offers it (PROTOCOL §8.1): with the region's announced snapshots of steps
         the manifest lists, and without the trainer's snapshots when the announcement says the region does not
         keep them (they are then never planned from nor waited for). Without an announcement of this run: `m`."""
+        self._hidden = ""
         etag, ann = self._announced
         got = self.store.read_object(announce.ANNOUNCE_KEY, if_none_match=etag)
         if got is None:
@@ -355,6 +357,10 @@ class Reader:
             return m
         listed = {s.step for s in m.steps}
         snaps = [s for s in ann.snapshots if s.step in listed] + (list(m.snapshots) if ann.origin_snapshots else [])
+        if not ann.origin_snapshots and m.snapshots:  # said in a failure to plan: an unsigned object decided it
+            self._hidden = (f"; {self.store.url}/{announce.ANNOUNCE_KEY} (unsigned) says this store keeps none of "
+                            f"the trainer's {len(m.snapshots)} snapshots, and it announces "
+                            f"{len(snaps)} usable of its own")
         snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))  # a region's own first at equal cost
         return dataclasses.replace(m, snapshots=snaps)
 
@@ -769,7 +775,7 @@ class Reader:
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
-                                        f"ends: {sorted(excluded)[:5]})")
+                                        f"ends: {sorted(excluded)[:5]}){self._hidden}")
                     self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)

@@ -398,3 +398,22 @@ def test_a_streamed_snapshot_may_not_declare_more_than_its_record(tmp_path, trai
     run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, (snap,)).to_bytes(), None)
     with pytest.raises(SyncError):
         Reader(run.dst, trusted_keys=[pub]).reach(None, None, timeout=3)
+
+
+def test_an_announcement_that_hides_the_trainers_snapshots_is_named(tmp_path, trainer):
+    """An unsigned announcement saying a store keeps none of the trainer's snapshots, and announcing none of
+    its own, leaves a fresh host no path: the error says which object decided that (it is a bucket writer's
+    150 bytes as easily as a materialiser's)."""
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "a", signing_key=key)
+    run.publish(range(5))
+    run.pub.close()
+    m = Manifest.parse(run.src.read_manifest().data)
+    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, ()).to_bytes(), None)
+    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
+        with pytest.raises(SyncError, match=r"snapshots\.json \(unsigned\) says this store keeps none of the "
+                                            r"trainer's 2 snapshots, and it announces 0 usable"):
+            w.sync(timeout=10)
+    run.src.delete([ANNOUNCE_KEY])
+    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
+        assert w.sync(timeout=30) == 4
