@@ -68,7 +68,7 @@ def _watch(args: argparse.Namespace) -> int:
                  compact_fraction=args.compact_fraction, compact_steps=args.compact_steps, host=args.host,
                  region=args.region, report_interval=None if args.no_report else args.report_interval,
                  metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-                 engine=engine_of(args.engine, args.engine_pause)) as w:
+                 engine=engine_of(args.engine, args.engine_pause), accept_older_head=args.accept_older_head) as w:
         if w.metrics_port is not None:
             print(f"metrics on http://{args.metrics_addr}:{w.metrics_port}/metrics", file=sys.stderr, flush=True)
         try:
@@ -200,6 +200,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-pause", choices=("abort", "wait", "keep"), default="abort",
                    help="what the engine does with in-flight requests while it applies a step (vLLM's pause "
                         "modes: abort them, wait for them, keep them frozen until resume)")
+    p.add_argument("--accept-older-head", action="store_true",
+                   help="repair: if the store's head is older than the step DIR holds (same run), take it once, then "
+                        "never move back again (a watcher that a forged manifest moved past the trainer refuses "
+                        "every real head otherwise; without this flag a watcher never moves back)")
     add_trusted_key(p)
     add_storage_options(p)
     add_no_progress(p)

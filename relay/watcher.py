@@ -896,7 +896,7 @@ class Watcher:
                  compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
                  region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
-                 metrics_registry: Any = None, engine: Engine | None = None) -> None:
+                 metrics_registry: Any = None, engine: Engine | None = None, accept_older_head: bool = False) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -910,6 +910,11 @@ class Watcher:
         self.url = url
         self.dest = Path(dest)
         self.persist = persist
+        # One-shot operator repair: the first sync that finds the store's head (same run) older than the step
+        # DEST holds takes that head anyway, then the watcher never moves back again. A watcher otherwise never
+        # does (a replayed or lagging manifest must not roll it back), so one that a forged manifest moved
+        # past the trainer (an unsigned run, a watcher without keys) would refuse every real head forever.
+        self.accept_older_head = accept_older_head
         self.compact_fraction = compact_fraction  # journal bytes over this fraction of the model: compact
         self.compact_steps = compact_steps  # or more journaled steps than this
         self.apply_workers = apply_workers
@@ -1478,7 +1483,14 @@ class Watcher:
     def _sync_once(self, timeout: float | None, spool: Path) -> None:
         undo = codec.UndoLog()
         trail = Trail()
-        m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
+        held_step, held, back = self.step, self.tensors, False
+        if self.accept_older_head and held_step is not None:
+            current = self.reader.read_manifest()
+            if current is not None and current.run == self.run_id and current.head < held_step:
+                log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head, once)",
+                            self.url, current.head, held_step)
+                held_step, held, back = None, None, True  # from a snapshot, as a fresh host would
+        m, tensors, rec = self.reader.reach(held_step, held, run=self.run_id, timeout=timeout, undo=undo,
                                             spool=spool, trail=trail)
         if tensors is None:
             return
@@ -1486,7 +1498,7 @@ class Watcher:
         try:
             if rec is None:  # reach() returns the tensors with their record, or neither
                 raise SyncError("internal: tensors without a record")
-            if self.step is not None and (rec.step <= self.step or m.run != self.run_id):
+            if self.step is not None and ((rec.step <= self.step and not back) or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
             self._persist(m, rec, tensors, trail, in_place)
@@ -1495,6 +1507,9 @@ class Watcher:
             raise
         if self.module is not None and in_place and self._module_tensors is tensors and self.module_step != rec.step:
             self._module_logs.append(undo)  # the module's step is this dict before these logs: kept to restore it
+        if back:
+            log.warning("%s: moved back from step %d to %d", self.dest, self.step, rec.step)
+            self.accept_older_head = False
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         self._held_partial = self.reader.want is not None
         log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)

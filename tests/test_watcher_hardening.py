@@ -558,3 +558,59 @@ def test_signed_run_without_trusted_keys_warns_once(tmp_path, caplog):
     with Watcher(unsigned, tmp_path / "dest3") as w:
         assert w.sync() == 0
     assert "trusts no key" not in caplog.text
+
+
+def test_a_watcher_a_forged_head_moved_past_the_trainer_is_repaired_once_by_accept_older_head(tmp_path):
+    """An unsigned run: a bucket writer commits a manifest whose head is step 2**62 (the trainer's own step-3
+    weights under a new step number: nothing looks wrong), and a watcher moves there. Once the bucket is
+    repaired the watcher refuses every real head, across restarts: it never moves back. accept_older_head
+    (`deltarelay watch --accept-older-head`) takes the older head once; after that the rule holds again."""
+    from relay.manifest import Snapshot, Step
+    from relay.manifest import record_key as rkey
+    from relay.manifest import snapshot_prefix as sprefix
+
+    url = f"file://{tmp_path}/run"
+    trainer = Trainer(seed=5)
+    states = {}
+    pub = Publisher(url, snapshot_every=3, background=False, snapshot_fraction=100.0)
+    for step in range(5):
+        states[step] = trainer.state() if step == 0 else trainer.step()
+        pub.publish(states[step], step)
+    pub.close()
+    store = open_store(url)
+    genuine = store.read_manifest().data
+    huge = 1 << 62
+    m = Manifest.parse(genuine)
+    rec = json.loads(store.get(m.step(3).record.key))
+    rec["step"] = huge
+    rec_bytes = json.dumps(rec).encode()
+    store.put_new(rkey(huge), rec_bytes)
+    refs = []
+    for ref in (m.snapshot(3).index, *m.snapshot(3).files):
+        key = sprefix(huge) + ref.key.rsplit("/", 1)[1]
+        store.put_new(key, store.get(ref.key))
+        refs.append(ObjRef(key, ref.size, ref.xxh3))
+    m.steps.append(Step(huge, ObjRef.of(rkey(huge), rec_bytes)))
+    m.snapshots.append(Snapshot(huge, refs[0], tuple(refs[1:])))
+    m.head = huge
+    store.commit_manifest(m.to_bytes(), store.read_manifest().etag)
+    dest = tmp_path / "dest"
+    with Watcher(url, dest, report_interval=None) as w:
+        assert w.sync(timeout=30) == huge
+
+    store.commit_manifest(genuine, store.read_manifest().etag)  # repaired; the trainer goes on
+    with Publisher(url, snapshot_every=3, background=False, resume=True) as pub:
+        for step in (5, 6):
+            states[step] = trainer.step()
+            pub.publish(states[step], step)
+    with Watcher(url, dest, report_interval=None) as w:
+        assert w.sync(timeout=30) == huge  # never moves back on its own
+    with Watcher(url, dest, report_interval=None, accept_older_head=True) as w:
+        assert w.sync(timeout=30) == 6 and same_bits(w.tensors, states[6])
+        assert not w.accept_older_head
+        assert same_bits(dest_state(dest), states[6])
+        replay = Manifest.parse(genuine)  # an older manifest of the run again: kept at 6 (once means once)
+        store.commit_manifest(replay.to_bytes(), store.read_manifest().etag)
+        assert w.sync(timeout=30) == 6
+    with Watcher(url, dest, report_interval=None) as w:  # DEST holds 6 across a restart
+        assert w.step == 6
