@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 Buffer = Union[bytes, bytearray, memoryview]  # a chunk of a streamed object
 
 MANIFEST_KEY = "manifest.json"
+# The most of a mutable object (manifest, announcement, ledger entry) read_object reads: every parser
+# refuses more (relay.manifest.MAX_MANIFEST_BYTES), so a larger object comes back cut at one byte past it,
+# which the parser refuses by its size without the whole object having been read into memory.
+MAX_MUTABLE_BYTES = 64 << 20
 LAYOUT_PREFIXES = ("deltas/", "records/", "snapshots/")  # every immutable object lives under one of these
 BODY_ATTEMPTS = 5  # S3 GETs whose body breaks off after the headers (s3fs retries only the request)
 BODY_BACKOFF = Backoff(0.1, 2.0, 1.7)  # s3fs's own growth between those re-fetches
@@ -288,9 +292,10 @@ class Store(abc.ABC):
 
     def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         """A mutable object's bytes and ETag; None if there is none; NOT_MODIFIED if `if_none_match` is
-        still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET."""
+        still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET.
+        At most MAX_MUTABLE_BYTES + 1 bytes are read: a larger object's bytes come back cut there."""
         try:
-            data = self.get(key)
+            data = self._read_capped(key, MAX_MUTABLE_BYTES + 1)
         except ObjectMissing:
             return None
         tag = content_tag(data)
@@ -344,6 +349,21 @@ class Store(abc.ABC):
             h.update(chunk)
             size += len(chunk)
         return size, h.hexdigest()
+
+    def _read_capped(self, key: str, limit: int) -> bytes:
+        """The object's first `limit` bytes at most (all of them if it is no larger), in chunks."""
+        out = bytearray()
+        chunks = self.iter_chunks(key)
+        try:
+            for chunk in chunks:
+                out += memoryview(chunk)[: limit - len(out)]
+                if len(out) >= limit:
+                    break
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+        return bytes(out)
 
     def iter_chunks(self, key: str) -> Iterator[bytes]:
         """The object's bytes in order, at most `transfer.chunk_size` at a time; ObjectMissing (at the first
@@ -767,26 +787,36 @@ class S3Store(Store):
     def _get_object(self, key: str, **kw: Any) -> dict:
         return self.fs.call_s3("get_object", Bucket=self.bucket, Key=self._key(key), **kw)
 
-    def _read_body(self, resp: dict) -> bytes:
+    def _read_body(self, resp: dict, limit: int | None = None) -> bytes:
+        """The response's body, or its first `limit` bytes (the rest is not read: the connection is closed)."""
         import fsspec.asyn
 
         async def read() -> bytes:
             try:
-                return await resp["Body"].read()
+                if limit is None:
+                    return await resp["Body"].read()
+                out = bytearray()
+                while len(out) < limit:
+                    chunk = await resp["Body"].read(limit - len(out))
+                    if not chunk:
+                        break
+                    out += chunk
+                return bytes(out)
             finally:
                 resp["Body"].close()
 
         return fsspec.asyn.sync(self.fs.loop, read)
 
-    def _get_with_body(self, key: str, **kw: Any) -> tuple[dict, bytes]:
-        """GetObject and its body. s3fs retries the request but not the body that follows it, so a body that
-        breaks off (a reset, a truncated response, a read timeout) is fetched again here, with s3fs's backoff."""
+    def _get_with_body(self, key: str, limit: int | None = None, **kw: Any) -> tuple[dict, bytes]:
+        """GetObject and its body (its first `limit` bytes at most). s3fs retries the request but not the body
+        that follows it, so a body that breaks off (a reset, a truncated response, a read timeout) is fetched
+        again here, with s3fs's backoff."""
         from s3fs.core import S3_RETRYABLE_ERRORS
 
         for attempt in range(BODY_ATTEMPTS):
             resp = self._get_object(key, **kw)
             try:
-                return resp, self._read_body(resp)
+                return resp, self._read_body(resp, limit)
             except S3_RETRYABLE_ERRORS as exc:
                 if attempt == BODY_ATTEMPTS - 1:
                     raise
@@ -1149,7 +1179,7 @@ class S3Store(Store):
     def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
         kw = {"IfNoneMatch": if_none_match} if if_none_match else {}
         try:
-            resp, body = self._get_with_body(key, **kw)
+            resp, body = self._get_with_body(key, MAX_MUTABLE_BYTES + 1, **kw)
         except FileNotFoundError:
             return None
         except OSError as exc:
