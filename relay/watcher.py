@@ -514,6 +514,12 @@ class Reader:
         paths: list[Path] = []
         streamed: list[tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]] = []
         budget = checkpoint.tensor_bytes(rec.tensors)  # what the files may decode to, all of them together
+        # nor may they be much larger: the tensors and a header each (compressed ones are smaller). Checked
+        # before any download, so an announced (unsigned) terabyte costs no egress and no disk
+        declared = sum(f.size for f in fetch)
+        if declared > budget + len(fetch) * checkpoint.MAX_HEADER_BYTES:
+            raise _VerifyError(list(fetch), f"snapshot {snap.step}: its files declare {declared} bytes, for "
+                                            f"{budget} bytes of tensors in its record")
         with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
             if spool is None:  # each file at most the whole budget (they arrive at once)
                 streamed = list(pool.map(lambda f: self._stream_one(f, budget), fetch))

@@ -417,3 +417,32 @@ def test_an_announcement_that_hides_the_trainers_snapshots_is_named(tmp_path, tr
     run.src.delete([ANNOUNCE_KEY])
     with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
         assert w.sync(timeout=30) == 4
+
+
+def test_snapshot_files_declaring_far_more_than_their_record_are_not_downloaded(tmp_path, trainer, bits_equal,
+                                                                                 monkeypatch):
+    """A region's announcement (unsigned) may name any object: files declaring more than the record's tensors
+    plus a header each are refused before a byte is downloaded. (The header allowance is lowered here so
+    that a 4 MiB object is already far too large.)"""
+    monkeypatch.setattr(relay.checkpoint, "MAX_HEADER_BYTES", 4096)
+    key, pub, _ = generate_keypair(tmp_path / "trainer")
+    run = start_run(tmp_path, trainer, "d", signing_key=key)
+    run.publish(range(5))
+    run.pub.close()
+    rec = run.record(4)
+    index = index_bytes_of(rec.tensors, rec.weight_map, step=4)
+    run.src.put_new("regional/snapshots/4/model.safetensors.index.json", index)
+    shard = sorted(set(rec.weight_map.values()))[0]
+    junk = b"\0" * (4 << 20)
+    run.src.put_new(f"regional/snapshots/4/{shard}", junk)
+    snap = relay.manifest.Snapshot(4, ObjRef.of("regional/snapshots/4/model.safetensors.index.json", index),
+                                   (ObjRef.of(f"regional/snapshots/4/{shard}", junk),))
+    m = Manifest.parse(run.src.read_manifest().data)
+    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, (snap,)).to_bytes(), None)  # the only start
+    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
+        with pytest.raises(SyncError, match="regional/snapshots/4"):
+            w.sync(timeout=10)
+        assert w.bytes_downloaded < 1 << 20
+    run.src.delete([ANNOUNCE_KEY])  # repaired: the trainer's snapshots again
+    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
+        assert w.sync(timeout=60) == 4 and bits_equal(w.tensors, run.states[4])
