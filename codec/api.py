@@ -409,8 +409,12 @@ def _explain(entry: Entry, elems: np.ndarray, exc: DeltaError) -> DeltaError:
     return exc
 
 
-def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview) -> Payload:
-    parsed = container.unpack(payload)
+def _parse(base: Mapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, exact: bool = True) -> Payload:
+    """The payload opened against `base`; `exact`: it must name every tensor of the base and no other (a
+    partial replica's apply_(only=) may be given a part naming more). An index listing far more (twice the
+    base and 64) is refused from its count, before its entries are parsed; a few too many are parsed, so
+    that the refusal names a tensor the base lacks."""
+    parsed = container.unpack(payload, max_entries=2 * len(base) + 64 if exact else None)
     for method in methods.REGISTRY.values():  # each method checks the shared blocks it owns
         method.check_shared(parsed.shared, parsed.version)
     names = {e.name for e in parsed.entries}
@@ -793,7 +797,7 @@ def _map_all(workers: int, fn, items: list) -> list[BaseException | None]:
 
 def _apply(tensors_: MutableMapping[str, torch.Tensor], payload: bytes | bytearray | memoryview, workers: int,
            undo: UndoLog | None, only: Collection[str] | None) -> None:
-    parsed = _parse(tensors_, payload)
+    parsed = _parse(tensors_, payload, exact=only is None)
     if only is not None:
         wanted = set(only)
         missing = wanted - {e.name for e in parsed.entries}

@@ -576,3 +576,30 @@ def test_index_fast_path_never_accepts_what_the_checked_parser_refuses(data):
     if fast is not None:
         assert not isinstance(checked, Exception), checked
         _same(fast, checked)
+
+
+def test_an_index_listing_more_tensors_than_the_base_is_refused_before_its_entries_are_parsed():
+    """decode and apply_ need every tensor of the base named and no other, so an index listing more than the
+    base holds is refused from its count alone: 2**16 minimal entries (a 55 KB payload) parse in ~0.3 s and
+    ~50 MiB of Python objects otherwise. A partial replica's apply_(only=...) may be given more: not bounded."""
+    import tracemalloc
+
+    d = bytes(16)
+    rng = np.random.default_rng(0)  # names that do not compress past the index ratio a packer allows
+    many = [container.Entry(f"{i:x}-{rng.integers(1 << 62):x}", codec.tensors.BF16, (), 0, 0, d, d)
+            for i in range(1 << 16)]
+    payload = container.pack(container.Payload(4, many, {}))
+    base = {"0": torch.zeros((), dtype=torch.bfloat16)}
+    tracemalloc.start()
+    try:
+        with pytest.raises(codec.DeltaError, match="lists 65536 tensors, more than the 66"):
+            codec.decode(base, payload)
+        with pytest.raises(codec.DeltaError, match="lists 65536 tensors"):
+            codec.apply_(dict(base), payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # the decompressed index (2.8 MB here), not its entries (~50 MB)
+    with pytest.raises(codec.DeltaError) as partial:  # only=: parsed, then refused for what it names
+        codec.apply_(dict(base), payload, only={"0"})
+    assert "lists" not in str(partial.value)
