@@ -921,6 +921,9 @@ class Watcher:
         # does (a replayed or lagging manifest must not roll it back), so one that a forged manifest moved
         # past the trainer (an unsigned run, a watcher without keys) would refuse every real head forever.
         self.accept_older_head = accept_older_head
+        # (step, run) DEST held before a start that could not build on it (another tensor selection): the first
+        # sync must still not move back from it or across runs
+        self._floor: tuple[int, str] | None = None
         self.compact_fraction = compact_fraction  # journal bytes over this fraction of the model: compact
         self.compact_steps = compact_steps  # or more journaled steps than this
         self.apply_workers = apply_workers
@@ -1077,6 +1080,7 @@ class Watcher:
                 if not self._holds_selection(self.tensors):  # shown until the first sync replaces it, not built on
                     log.warning("%s: step %d holds %s than this watcher selects; starting from a snapshot", self.dest,
                                 self.step, "other tensors" if self.reader.want else "only some tensors")
+                    self._floor = (state.step, state.run)  # not built on, but still never moved back from
                     self.step = self.run_id = self.tensors = None
             except dest_mod.BadVersion as exc:
                 log.warning("%s: held step unusable (%s); removing it and starting fresh", self.dest, exc)
@@ -1507,15 +1511,22 @@ class Watcher:
             if self.step is not None and ((rec.step <= self.step and not back) or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
+            if self._floor is not None and self.step is None and not self.accept_older_head and (
+                    rec.step < self._floor[0] or m.run != self._floor[1]):
+                raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} held step "
+                                f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection) and never "
+                                f"moves back or across runs")
             self._persist(m, rec, tensors, trail, in_place)
         except BaseException:
             undo.revert()  # the held tensors are back at self.step, which DEST still shows
             raise
         if self.module is not None and in_place and self._module_tensors is tensors and self.module_step != rec.step:
             self._module_logs.append(undo)  # the module's step is this dict before these logs: kept to restore it
-        if back:
-            log.warning("%s: moved back from step %d to %d", self.dest, self.step, rec.step)
+        floor = self._floor
+        if back or (floor is not None and self.accept_older_head and rec.step < floor[0]):
+            log.warning("%s: moved back from step %d to %d", self.dest, floor[0] if floor else self.step, rec.step)
             self.accept_older_head = False
+        self._floor = None
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         self._held_partial = self.reader.want is not None
         log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)

@@ -614,3 +614,31 @@ def test_a_watcher_a_forged_head_moved_past_the_trainer_is_repaired_once_by_acce
         assert w.sync(timeout=30) == 6
     with Watcher(url, dest, report_interval=None) as w:  # DEST holds 6 across a restart
         assert w.step == 6
+
+
+def test_a_new_tensor_selection_still_never_moves_back_or_across_runs(tmp_path):
+    """A watcher restarted with another selection (`tensors=`) cannot build on DEST's step and starts from a
+    snapshot, but what DEST held still pins it: a replayed older manifest of the run is refused, as it would
+    be for the held step itself, and the repaired bucket is followed again."""
+    url = f"file://{tmp_path}/run"
+    trainer = Trainer(seed=9)
+    pub = Publisher(url, snapshot_every=2, background=False, snapshot_fraction=100.0)
+    states = {}
+    manifests = {}
+    store = open_store(url)
+    for step in range(5):
+        states[step] = trainer.state() if step == 0 else trainer.step()
+        pub.publish(states[step], step)
+        manifests[step] = store.read_manifest().data
+    pub.close()
+    dest = tmp_path / "dest"
+    with Watcher(url, dest, report_interval=None) as w:
+        assert w.sync(timeout=30) == 4
+    name = sorted(states[4])[0]
+    store.commit_manifest(manifests[2], store.read_manifest().etag)  # a replayed older manifest
+    with Watcher(url, dest, report_interval=None, tensors=[name]) as w:
+        assert w.step is None  # another selection: not built on
+        with pytest.raises(SyncError, match="held step 4"):
+            w.sync(timeout=30)
+        store.commit_manifest(manifests[4], store.read_manifest().etag)  # repaired
+        assert w.sync(timeout=30) == 4 and same_bits(w.tensors, {name: states[4][name]})
