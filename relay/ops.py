@@ -6,9 +6,10 @@ when a publisher commits in between, so operators can act on a live run.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Callable
 
-from relay import announce, commit
+from relay import announce, commit, fanout
 from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
 from relay.signing import Signer, TrustedKeys
@@ -88,6 +89,24 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
     return snap.step
 
 
+def servable_floor(m: Manifest, keep: int, present: Mapping[str, int], ann: announce.Announcement | None
+                   ) -> int | None:
+    """The newest snapshot step of `m` that gc may trim to while keeping `keep` starting points that readers of
+    this store can use: the trainer's snapshots whose objects are all `present` (unless the store's
+    announcement says it keeps none of them: a region that serves only its own), and the region's announced
+    snapshots that a reader can start from. The manifest starts at a trainer snapshot, so the floor is the
+    newest one at or before the oldest start kept; None if no start is servable at all."""
+    own = {s.step for s in m.snapshots if all(r.key in present for r in (s.index, *s.files))}
+    if ann is not None and ann.run == m.run and not ann.origin_snapshots:
+        own = set()
+    starts = sorted(own | set(fanout.servable_from(m, ann)))
+    if not starts:
+        return None
+    oldest = starts[-keep:][0]
+    below = [s.step for s in m.snapshots if s.step <= oldest]
+    return max(below) if below else None
+
+
 def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, signing_key: Any = None,
        trusted_keys: Any = None, adopt_unsigned: bool = False, regional_only: bool = False) -> dict:
     """Keep the newest `keep_snapshots` snapshots and the steps from the oldest of them on; delete the rest.
@@ -99,6 +118,9 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     A regional store's own snapshots (PROTOCOL §8.1) are collected too, by the same rule: the newest
     `keep_snapshots` stay announced, the objects of the others are deleted (relay.announce.collect).
     `regional_only` leaves the manifest alone (a signed run's region: only the trainer's key changes it).
+    The manifest is never trimmed past what this store can serve (`servable_floor`): a snapshot whose
+    objects have not arrived (a replicated region) is no start, nor are the trainer's snapshots in a region
+    that keeps only its own, whose materialiser may be a snapshot behind.
     """
     if keep_snapshots < 1:
         raise ValueError("keep_snapshots must be >= 1")
@@ -110,11 +132,23 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
         return {"url": url, "snapshots": None, "deleted": regional["regional_deleted"],
                 "freed_bytes": regional["regional_freed_bytes"], **regional}
     before: set[str] = set()
+    present = store.list_run()  # what this store holds: a snapshot whose objects are not all here serves nobody
+    ann = announce.read_announcement(store)[0]
 
     def trim(m: Manifest) -> Manifest | None:
         before.clear()
         before.update(m.referenced())
-        return m.trimmed(keep_snapshots)
+        floor = servable_floor(m, keep_snapshots, present, ann)
+        if floor is None:
+            log.warning("%s: gc: no snapshot a reader of this store can start from is present; the manifest is "
+                        "left as it is", url)
+            return None
+        trimmed = m.trimmed(keep_snapshots)
+        if trimmed is None or trimmed.snapshots[0].step <= floor:
+            return trimmed
+        if floor == m.snapshots[0].step and m.steps[0].step == floor and m.steps[0].parts is None:
+            return None
+        return m.trimmed_to(floor)
 
     m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
     oldest = m.snapshots[0].step

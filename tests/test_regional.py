@@ -446,3 +446,40 @@ def test_snapshot_files_declaring_far_more_than_their_record_are_not_downloaded(
     run.src.delete([ANNOUNCE_KEY])  # repaired: the trainer's snapshots again
     with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
         assert w.sync(timeout=60) == 4 and bits_equal(w.tensors, run.states[4])
+
+
+def test_gc_keeps_what_a_lagging_regions_own_snapshots_need(tmp_path, trainer, bits_equal):
+    """A region that keeps only its own snapshots, its materialiser one trainer snapshot behind (announced 9,
+    the trainer's newest 12): gc --keep-snapshots 1 must keep the record and deltas from 9 on, not trim to
+    the trainer's 12, which the region does not hold (that left it no path at all)."""
+    run = start_run(tmp_path, trainer, "g")
+    run.publish(range(10))  # trainer snapshots 0, 3, 6, 9
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, keep=2) as mat:
+        assert mat.sync_once(timeout=60)
+    run.publish(range(10, 13))  # trainer snapshot 12; no materialiser round since
+    run.pub.close()
+    assert [s.step for s in read_announcement(run.dst)[0].snapshots][-1] == 9
+    out = ops.gc(run.region, 1)
+    assert out["snapshots"][0] == 9 and out["regional_snapshots"][-1] == 9
+    assert {"records/9.json", "deltas/10-0.drd", "deltas/12-0.drd"} <= set(run.dst.list_run())
+    _, got, rec = Reader(run.dst).reach(None, None, timeout=30)
+    assert rec.step == 12 and bits_equal(got, run.states[12])
+    assert verify(run.region, deep=True).ok
+
+
+def test_gc_does_not_trim_to_a_snapshot_whose_files_never_arrived(tmp_path, trainer, bits_equal):
+    """A replicated region (CRR) whose newest snapshot's files have not arrived, and may never: gc keeps the
+    newest snapshot present instead, with its chain, so readers keep the path they had."""
+    run = start_run(tmp_path, trainer, "c")
+    run.publish(range(8))  # snapshots 0, 3, 6
+    run.pub.close()
+    m = Manifest.parse(run.src.read_manifest().data)
+    lost = [r.key for r in (m.snapshots[-1].index, *m.snapshots[-1].files)]
+    for key in run.src.list_run():
+        if key not in lost:
+            run.dst.put_immutable(key, run.src.get(key))
+    run.dst.commit_manifest(run.src.read_manifest().data, run.dst.read_manifest().etag)
+    out = ops.gc(run.region, 1)
+    assert out["snapshots"][0] == 3
+    _, got, rec = Reader(run.dst, reroute_after=0.5).reach(None, None, timeout=30)
+    assert rec.step == 7 and bits_equal(got, run.states[7])
