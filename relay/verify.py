@@ -171,9 +171,18 @@ class _Checker:
             if rec is not None and data != index_bytes_of(rec.tensors, rec.weight_map, step=step):
                 self.problem(f"regional snapshot {step}: its index is not the one the record of step {step} implies")
         snaps = {s.step for s in self.m.snapshots}
+        if not snaps:
+            self.problem("no snapshot a reader of this store can start from (a region that keeps only its own "
+                         "snapshots announces none that the manifest lists, with a chain to the head)")
+        prev = None
         for s in self._steps():
             if s.parts is None and s.step not in snaps:
                 self.problem(f"step {s.step}: unreachable (no delta from a parent and no snapshot)")
+            elif s.parts is not None and prev is not None and s.parent != prev:
+                # readers apply each listed step's delta to the step listed before it (PROTOCOL §6)
+                self.problem(f"step {s.step}: its delta's parent is step {s.parent}, but the step listed before it "
+                             f"is {prev}: no reader holding {prev} can apply it")
+            prev = s.step
             for p in s.parts or ():
                 if p.tensors is not None and s.step in self.records:
                     unknown = set(p.tensors) - set(self.records[s.step].tensors)
@@ -241,7 +250,9 @@ class _Checker:
                 unbuilt.append(s.step)
             else:
                 self.report.steps_rebuilt += 1
-        if unbuilt:
+        if unbuilt and not self.report.problems:  # nothing above explains it: a problem of its own
+            self.problem(f"{len(unbuilt)} step(s) could not be rebuilt from any snapshot and chain: {_ranges(unbuilt)}")
+        elif unbuilt:
             self.report.notes.append(f"{len(unbuilt)} step(s) could not be rebuilt because of the problems above: "
                                      f"{_ranges(unbuilt)}")
 

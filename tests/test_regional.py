@@ -483,3 +483,23 @@ def test_gc_does_not_trim_to_a_snapshot_whose_files_never_arrived(tmp_path, trai
     assert out["snapshots"][0] == 3
     _, got, rec = Reader(run.dst, reroute_after=0.5).reach(None, None, timeout=30)
     assert rec.step == 7 and bits_equal(got, run.states[7])
+
+
+def test_verify_reports_a_region_with_no_start_and_a_delta_with_the_wrong_parent(tmp_path, trainer):
+    """Two broken runs `verify --deep` used to call sound: a region that keeps only its own snapshots and
+    announces none the manifest lists (every reader fails), and a step whose delta names a parent other
+    than the step listed before it (a reader holding that step cannot apply it)."""
+    run = start_run(tmp_path, trainer, "v")
+    run.publish(range(6))
+    run.pub.close()
+    m = Manifest.parse(run.dst.read_manifest().data)
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, ()).to_bytes(), None)
+    report = verify(run.region, deep=True)
+    assert not report.ok and any("no snapshot a reader of this store can start from" in p for p in report.problems)
+
+    m = Manifest.parse(run.src.read_manifest().data)
+    assert m.steps[-1].parent == 4
+    m.steps[-1] = dataclasses.replace(m.steps[-1], parent=3)
+    run.src.commit_manifest(m.to_bytes(), run.src.read_manifest().etag)
+    report = verify(run.origin, deep=True)
+    assert not report.ok and any("step 5: its delta's parent is step 3" in p for p in report.problems)
