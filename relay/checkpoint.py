@@ -528,6 +528,15 @@ def index_bytes_of(infos: dict[str, Any], weight_map: dict[str, str], **metadata
 SNAPSHOT_FORMATS = ("safetensors", "compressed")  # a snapshot file's bytes: safetensors, or codec's DRSN object
 
 
+def declares_compressed(index: bytes) -> bool:
+    """Whether a snapshot index says its files are compressed snapshot objects (metadata snapshot_format)."""
+    try:
+        meta = json.loads(index).get("metadata", {})
+        return isinstance(meta, dict) and meta.get("snapshot_format") == "compressed"
+    except (ValueError, AttributeError):
+        return False
+
+
 def snapshot_file_format(path: str | os.PathLike) -> str:
     """"compressed" for a codec snapshot object (its magic `DRSN`), else "safetensors" (which
     `read_header` then parses strictly): what a reader of a snapshot file needs, whatever the index says."""

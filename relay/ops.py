@@ -14,6 +14,7 @@ from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
+from relay.checkpoint import declares_compressed
 from relay.watcher import Reader
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,12 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
         from relay.checkpoint import shard_plan
 
         weight_map = shard_plan(tensors, max_shard_bytes)
-    snap = upload_snapshot(store, rec.step, tensors, weight_map, strong=signer is not None)
+    # the run's own snapshot format (its newest snapshot's): a publisher uploading the same step's snapshot
+    # at the same time then writes the same bytes under the same keys, and neither sees a conflict
+    newest = m.snapshots[-1]
+    compressed = declares_compressed(store.get(newest.index.key))
+    snap = upload_snapshot(store, rec.step, tensors, weight_map, strong=signer is not None,
+                           snapshot_format="compressed" if compressed else "safetensors")
 
     def add(cur: Manifest) -> Manifest | None:
         if cur.run != m.run:

@@ -19,7 +19,6 @@ import fcntl
 import logging
 import os
 import re
-import json
 import shutil
 import tempfile
 import threading
@@ -485,7 +484,7 @@ class Reader:
         index = self._fetch_one(snap.index)  # part of the snapshot's cost and of what a reader checks
         if announce.is_regional(snap):
             self._check_regional(snap, rec, index)
-        if spool is None and _declares_compressed(index):
+        if spool is None and checkpoint.declares_compressed(index):
             # compressed files are decoded from a file (codec.decode_snapshot), not streamed into tensors:
             # spooled for this read only (an index that hides its format is refused by stream_into instead)
             with tempfile.TemporaryDirectory(prefix=".deltarelay-snapshot-") as tmp:
@@ -840,15 +839,6 @@ def _failure_reason(exc: BaseException) -> str:
     if isinstance(exc, (OSError, ConnectionError)):
         return "store"
     return "other"
-
-
-def _declares_compressed(index: bytes) -> bool:
-    """Whether a snapshot index says its files are compressed snapshot objects (metadata snapshot_format)."""
-    try:
-        meta = json.loads(index).get("metadata", {})
-        return isinstance(meta, dict) and meta.get("snapshot_format") == "compressed"
-    except (ValueError, AttributeError):
-        return False
 
 
 def _remove_entry(p: Path) -> None:

@@ -95,3 +95,39 @@ def test_resume_from_a_compressed_snapshot(file_run, trainer, bits_equal, tmp_pa
     assert w.sync() == 4
     tensors, _ = checkpoint.load(tmp_path / "w")
     assert bits_equal(tensors, last)
+
+
+def test_rebase_keeps_the_runs_snapshot_format_and_races_a_publisher_without_a_conflict(file_run, trainer):
+    """A compressed-format publisher uploads a due snapshot right after committing its step; a rebase of that
+    head landing in between used to write safetensors under the same keys, and the publisher's create-only
+    upload then raised ConflictError to the trainer (the error of a fenced publisher). Rebase writes the run's
+    own format: the same bytes, so neither side conflicts."""
+    from relay import ops
+
+    t = trainer(seed=5)
+    pub = relay.Publisher(file_run.url, snapshot_every=3, background=False, snapshot_format="compressed")
+    store_type = type(pub.store)
+    original = store_type.commit_manifest
+    armed = {"step": None}
+
+    def commit_then_rebase(self, data, etag):
+        tag = original(self, data, etag)
+        m = Manifest.parse(data)
+        if armed["step"] is not None and m.head == armed["step"] and m.snapshot(m.head) is None:
+            armed["step"] = None
+            assert ops.rebase(file_run.url) == m.head
+        return tag
+
+    store_type.commit_manifest = commit_then_rebase
+    try:
+        for step in range(6):
+            armed["step"] = 3 if step == 3 else None
+            pub.publish(t.state() if step == 0 else t.step(), step)  # raised ConflictError at step 3
+    finally:
+        store_type.commit_manifest = original
+        pub.close()
+    store = open_store(file_run.url)
+    m = Manifest.parse(store.read_manifest().data)
+    assert m.head == 5 and 3 in [s.step for s in m.snapshots]
+    assert json.loads(store.get(m.snapshot(3).index.key))["metadata"]["snapshot_format"] == "compressed"
+    assert verify(file_run.url, deep=True).ok
