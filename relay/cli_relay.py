@@ -110,7 +110,7 @@ def _dest_materialize(args: argparse.Namespace) -> int:
 
 def _rebase(args: argparse.Namespace) -> int:
     step = ops.rebase(args.url, storage_options(args.storage_options), signing_key=args.signing_key,
-                      trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned)
+                      trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned, timeout=args.timeout)
     print(f"{args.url}: base is now step {step}")
     return 0
 
@@ -219,6 +219,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("rebase", help="write the head as a new snapshot and make it the base")
     p.add_argument("url")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="give up (exit non-zero, nothing committed) after S seconds without a verified path to the "
+                        "head, e.g. waiting for an object the manifest names that never arrives (default 600)")
     add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_rebase)

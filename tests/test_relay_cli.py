@@ -111,3 +111,22 @@ def test_rebase_script(file_run, trainer, monkeypatch, capsys):
         runpy.run_path(str(ROOT / "scripts" / "rebase.py"), run_name="__main__")
     assert exc.value.code == 0
     assert "base is now step 1" in capsys.readouterr().out
+
+
+def test_rebase_gives_up_after_its_timeout_on_a_missing_object(file_run, trainer, capsys):
+    """A delta the manifest names that never arrives: `rebase` exits non-zero after --timeout, having committed
+    nothing, instead of waiting forever."""
+    import time
+
+    t = trainer(seed=34)
+    src = file_run.url.removeprefix("file://") + "-b.safetensors"
+    for step in range(3):
+        checkpoint.save(t.step(), src)
+        assert main(["publish", file_run.url, src, "--step", str(step), *(["--resume"] if step else [])]) == 0
+    store = open_store(file_run.url)
+    before = store.read_manifest().data
+    store.delete([k for k in store.list("deltas/") if k.startswith("deltas/2-")])
+    started = time.monotonic()
+    assert main(["rebase", file_run.url, "--timeout", "1"]) != 0
+    assert time.monotonic() - started < 30
+    assert store.read_manifest().data == before
