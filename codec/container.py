@@ -261,24 +261,16 @@ def _unpack(data: bytes | bytearray | memoryview, compiled: bool = True, max_ent
         beyond = f", or inflates past the {limit} bytes a decoder accepts from it" if claimed < 0 else ""
         raise DeltaError(f"index is corrupt ({exc}){beyond}") from None
     if max_entries is not None:
-        listed, _, ok = _uvarint_py(raw_index)
-        if ok and listed > max_entries:
+        try:
+            listed = Reader(raw_index, "index").uvarint()
+        except DeltaError:  # malformed: the parse below names it
+            listed = 0
+        if listed > max_entries:
             raise DeltaError(f"the index lists {listed} tensors, more than the {max_entries} this decoder accepts")
     fast = _entries_fast(raw_index, rest, index_len) if compiled else None
     if fast is not None:
         return Payload(version, *fast)
     return Payload(version, *_entries_checked(raw_index, rest, index_len))
-
-
-def _uvarint_py(raw: bytes) -> tuple[int, int, bool]:
-    """(value, end, ok) of the LEB128 varint at the start of raw (ok False if malformed or over 9 bytes)."""
-    value = shift = 0
-    for i, b in enumerate(raw[:9]):
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i + 1, True
-        shift += 7
-    return 0, 0, False
 
 
 def _entries_fast(raw_index: bytes, rest: memoryview, index_len: int) -> tuple[list[Entry], dict[int, bytes]] | None:

@@ -468,12 +468,14 @@ class Manifest:
         # replace(), not the constructor: fields the manifest gains later carry over
         return dataclasses.replace(self, steps=steps, snapshots=snaps, signatures=())
 
-    def trimmed(self, keep_snapshots: int) -> "Manifest | None":
+    def trimmed(self, keep_snapshots: int, floor: int | None = None) -> "Manifest | None":
         """This manifest keeping only the newest `keep_snapshots` snapshots and the steps from the oldest
-        of them on (trimmed_to); None if nothing would change."""
+        of them on (trimmed_to), or from snapshot `floor` if that is older; None if nothing would change."""
         if keep_snapshots < 1:
             raise ValueError("keep_snapshots must be >= 1")
         oldest = self.snapshots[-keep_snapshots:][0].step
+        if floor is not None:
+            oldest = min(oldest, floor)
         if oldest == self.snapshots[0].step and self.steps[0].step == oldest and self.steps[0].parts is None:
             return None
         return self.trimmed_to(oldest)

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from relay import announce, commit, fanout
+from relay.checkpoint import declares_compressed
 from relay.manifest import Manifest, step_of_key
 from relay.publisher import upload_snapshot
 from relay.signing import Signer, TrustedKeys
 from relay.store import ConflictError, Store, open_store
-from relay.checkpoint import declares_compressed
 from relay.watcher import Reader
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,9 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
         return {"url": url, "snapshots": None, "deleted": regional["regional_deleted"],
                 "freed_bytes": regional["regional_freed_bytes"], **regional}
     before: set[str] = set()
-    present = store.list_run()  # what this store holds: a snapshot whose objects are not all here serves nobody
+    # what this store holds: a snapshot whose objects are not all here serves nobody. Also what is deleted
+    # below: an object written after this listing is not, which only ever spares more
+    present = store.list_run()
     ann = announce.read_announcement(store)[0]
 
     def trim(m: Manifest) -> Manifest | None:
@@ -149,17 +151,12 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
             log.warning("%s: gc: no snapshot a reader of this store can start from is present; the manifest is "
                         "left as it is", url)
             return None
-        trimmed = m.trimmed(keep_snapshots)
-        if trimmed is None or trimmed.snapshots[0].step <= floor:
-            return trimmed
-        if floor == m.snapshots[0].step and m.steps[0].step == floor and m.steps[0].parts is None:
-            return None
-        return m.trimmed_to(floor)
+        return m.trimmed(keep_snapshots, floor)
 
     m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
     oldest = m.snapshots[0].step
     now = m.referenced()
-    listed = store.list_run()
+    listed = present
 
     def garbage(key: str) -> bool:
         step = step_of_key(key)

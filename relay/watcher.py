@@ -715,19 +715,21 @@ class Reader:
     @overload
     def reach(self, held_step: None, held: None, *, run: str | None = None, timeout: float | None = None,
               undo: codec.UndoLog | None = None, spool: str | os.PathLike | None = None,
-              trail: Trail | None = None) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
+              trail: Trail | None = None, accept_older_head: bool = False
+              ) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
 
     @overload
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None
+              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None
+              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
-        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older).
+        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; with
+        `accept_older_head`, an older head of the same run is reached as from nothing held).
 
         A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
         `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
@@ -744,10 +746,12 @@ class Reader:
         elif len(undo):
             raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
         trail = Trail() if trail is None else trail
-        return self._reach(held_step, held, run, timeout, undo, None if spool is None else Path(spool), trail)
+        return self._reach(held_step, held, run, timeout, undo, None if spool is None else Path(spool), trail,
+                           accept_older_head)
 
     def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
-               timeout: float | None, undo: codec.UndoLog, spool: Path | None, trail: Trail
+               timeout: float | None, undo: codec.UndoLog, spool: Path | None, trail: Trail,
+               accept_older_head: bool = False
                ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
@@ -765,6 +769,10 @@ class Reader:
                     if run is not None and held_step is not None and m.run != run:
                         raise SyncError(f"{self.store.url}: holds run {m.run}, the local step {held_step} is from run "
                                         f"{run}; refusing to mix runs")
+                    if held_step is not None and held_step > m.head and accept_older_head:
+                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head)",
+                                    self.store.url, m.head, held_step)
+                        held_step, held = None, None  # from a snapshot, as a fresh host would
                     if held_step is not None and held_step >= m.head:
                         if held_step > m.head:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
@@ -1483,18 +1491,12 @@ class Watcher:
     def _sync_once(self, timeout: float | None, spool: Path) -> None:
         undo = codec.UndoLog()
         trail = Trail()
-        held_step, held, back = self.step, self.tensors, False
-        if self.accept_older_head and held_step is not None:
-            current = self.reader.read_manifest()
-            if current is not None and current.run == self.run_id and current.head < held_step:
-                log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head, once)",
-                            self.url, current.head, held_step)
-                held_step, held, back = None, None, True  # from a snapshot, as a fresh host would
-        m, tensors, rec = self.reader.reach(held_step, held, run=self.run_id, timeout=timeout, undo=undo,
-                                            spool=spool, trail=trail)
+        m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
+                                            spool=spool, trail=trail, accept_older_head=self.accept_older_head)
         if tensors is None:
             return
         in_place = tensors is self.tensors
+        back = self.accept_older_head and rec is not None and self.step is not None and rec.step < self.step
         try:
             if rec is None:  # reach() returns the tensors with their record, or neither
                 raise SyncError("internal: tensors without a record")
