@@ -55,6 +55,9 @@ _TMP_PATTERNS = (".current.tmp-*", ".link.tmp-*")  # what a crash mid-swap leave
 _HASH_CHUNK = 8 << 20  # bytes per read when checking a downloaded file's tags
 _VERSION_NAME = re.compile(r"[0-9]+-[0-9a-f]{8}")  # .versions/<step>-<nonce>, as _persist names them
 LOCK_NAME = ".lock"  # flock'ed for a Watcher's lifetime: one watcher per DEST
+# run(): first and longest wait (s) before a held step the module, engine or on_update refused is offered
+# again with no new manifest (at least poll_interval each)
+DELIVERY_RETRY = (1.0, 60.0)
 
 
 class SyncError(RuntimeError):
@@ -1648,23 +1651,40 @@ class Watcher:
         self.engine_step = self._engine_tensors = None
         return True
 
+    def _undelivered(self) -> bool:
+        """Whether the held step has yet to reach the module, the engine or on_update (a delivery failed)."""
+        return self.step is not None and (
+            (self.module is not None and self.module_step != self.step)
+            or (self.engine is not None and self.engine_step != self.step)
+            or (self.on_update is not None and self.delivered_step != self.step))
+
     def run(self, sync_timeout: float | None = None) -> None:
         """Poll forever (until stop()): one conditional manifest read per interval, a sync when it changed.
 
         A failed sync is logged and retried at the next change or interval; with `sync_timeout`, a
-        sync that cannot finish in time raises SyncTimeout instead.
+        sync that cannot finish in time raises SyncTimeout instead. A held step that the module, the
+        engine or on_update did not take is offered again without a new manifest (after DELIVERY_RETRY,
+        doubling per failure): a trainer that stops publishing must not leave an engine on an old step.
         """
         etag = None
+        retry = Backoff(max(self.poll_interval, DELIVERY_RETRY[0]), max(self.poll_interval, DELIVERY_RETRY[1]))
+        undelivered, retry_at = 0, 0.0  # failed deliveries of the held step in a row; when to offer it again
         if self.fleet is not None:
             self.fleet.start()  # heartbeats, also while a sync hangs (a stuck host shows as behind, not dead)
         while not self._stop.is_set():
             try:
                 got = self.store.read_manifest(if_none_match=etag)
                 if got is not NOT_MODIFIED and got is not None:
-                    self.sync(timeout=sync_timeout)
-                    etag = got.etag
+                    try:
+                        self.sync(timeout=sync_timeout)
+                        etag = got.etag
+                    finally:  # the head reached, only its delivery failed: offered again below, backing off
+                        if self.step is not None and self.step == self.reader.head_seen and self._undelivered():
+                            etag = got.etag
                 elif self.engine is not None and self.step is not None and self._engine_lost():
                     self.sync(timeout=sync_timeout)  # an engine that restarted gets the held step back now
+                elif self._undelivered() and time.monotonic() >= retry_at:
+                    self.sync(timeout=sync_timeout)  # the same manifest: sync() delivers the held step again
             except SyncTimeout:
                 if sync_timeout is not None:
                     raise
@@ -1672,6 +1692,12 @@ class Watcher:
                 if exc is not self._last_failure:  # sync() counted its own
                     self.failures["poll"] += 1
                 log.error("%s: sync failed, keeping step %s: %s", self.dest, self.step, exc)
+            if self._undelivered():
+                if time.monotonic() >= retry_at:
+                    undelivered += 1
+                    retry_at = time.monotonic() + retry.delay(undelivered)
+            else:
+                undelivered, retry_at = 0, 0.0
             self._stop.wait(self.poll_interval)
         if self.fleet is not None:
             self.fleet.stop()

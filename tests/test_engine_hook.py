@@ -293,3 +293,96 @@ def test_vllm_server_down_or_hung_fails_fast_and_clearly(tmp_path):
         assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match="timeouts must be positive"):
         VLLMServer("http://127.0.0.1:1", control_timeout=0)
+
+
+class OneCallAtATimeLLM(ScriptedLLM):
+    """A ScriptedLLM whose client, like vLLM's (a ZMQ socket to the engine core in its own process), breaks
+    when two threads call it at once: an overlapping call is recorded. collective_rpc takes `rpc_s`."""
+
+    def __init__(self, rpc_s: float) -> None:
+        super().__init__()
+        self.rpc_s = rpc_s
+        self.busy = threading.Lock()
+        self.overlaps: list[str] = []
+
+    def _enter(self, what: str) -> None:
+        if not self.busy.acquire(blocking=False):
+            self.overlaps.append(what)
+            self.busy.acquire()
+
+    def get_weight_version(self) -> str:
+        self._enter("get_weight_version")
+        try:
+            return self.version
+        finally:
+            self.busy.release()
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        self._enter(method)
+        try:
+            time.sleep(self.rpc_s)
+            return super().collective_rpc(method, args)
+        finally:
+            self.busy.release()
+
+
+def test_vllm_engine_never_calls_its_llm_from_two_threads_at_once(tmp_path):
+    """The fleet heartbeat asks state() while the sync thread stages: VLLMEngine serialises its calls into the LLM
+    (vLLM's engine client garbles interleaved sends and the engine core stops taking requests), and state() does
+    not wait for a long stage: it reports the version last known, "updating"."""
+    llm = OneCallAtATimeLLM(rpc_s=0.5)
+    engine = VLLMEngine(llm)
+    engine.stage(Update(0, "r", {}, tmp_path, None))
+    engine.commit(0)
+    stager = threading.Thread(target=engine.stage, args=(Update(1, "r", {}, tmp_path, frozenset({"a"})),))
+    stager.start()
+    try:
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        states = [engine.state() for _ in range(20)]
+        assert time.monotonic() - t0 < 0.4, "state() waited for the stage"
+    finally:
+        stager.join()
+    assert not llm.overlaps, llm.overlaps
+    assert all(st["status"] == "updating" and st["weight_version"] == "0" and st["step"] == 0 for st in states)
+    engine.commit(1)
+    assert engine.state()["status"] == "serving" and engine.state()["weight_version"] == "1"
+    llm.version = "default"  # a restart is still noticed once the engine is free
+    assert engine.state()["step"] is None
+
+
+def test_poll_loop_offers_a_refused_step_again_without_a_new_manifest(tmp_path):
+    """An engine (or module, or on_update) that refused the held step gets it again from run() although no new step
+    is published: a trainer that stopped must not leave a restarted engine on its checkpoint. Offers back off."""
+    url = (tmp_path / "store").as_uri()
+    t = Trainer(seed=9)
+    engine = MemoryEngine()
+    engine.fail_commit = True
+    delivered = []
+
+    def on_update(step: int, tensors: dict) -> None:
+        delivered.append(step)
+        if len(delivered) < 3:
+            raise RuntimeError("consumer not ready")
+
+    with Publisher(url, background=False, snapshot_every=100) as pub, \
+            Watcher(url, tmp_path / "dest", engine=engine, on_update=on_update, poll_interval=0.02) as w:
+        pub.publish(s0 := t.state(), 0)
+        runner = threading.Thread(target=w.run, daemon=True)
+        runner.start()
+        try:
+            deadline = time.monotonic() + 30
+            while engine.aborts < 2:  # refused, and offered again with the manifest unchanged
+                assert time.monotonic() < deadline, "the poll loop never offered the refused step again"
+                time.sleep(0.02)
+            t_second = time.monotonic()
+            engine.fail_commit = False
+            while w.engine_step != 0 or w.delivered_step != 0:
+                assert time.monotonic() < deadline, "the engine never got the step once it could take it"
+                time.sleep(0.02)
+            assert time.monotonic() - t_second > 0.5, "offers did not back off (poll_interval is 0.02 s)"
+        finally:
+            w.stop()
+            runner.join(timeout=30)
+    assert engine.step == 0 and same_bits(engine.weights, s0)
+    assert delivered == [0, 0, 0] and w.step == 0

@@ -292,6 +292,11 @@ class _Driver:
     def weight_version(self) -> str | None:
         raise NotImplementedError
 
+    def _version_if_free(self) -> tuple[str | None, bool]:
+        """(the engine's weight version, True), or (None, False) when asking now would have to wait for
+        another thread's call: what state() reports from. A transport that takes concurrent calls asks."""
+        return self.weight_version(), True
+
     # -- relay.engines.Engine --------------------------------------------------------------------
     def stage(self, update: Update) -> None:
         whole = self.step is None or update.changed is None  # the engine's step unknown: everything moves
@@ -363,15 +368,17 @@ class _Driver:
         try:
             if self._lock.acquire(blocking=False):
                 try:
-                    version = self.weight_version()
-                    if self.step is not None and version != str(self.step):
+                    version, asked = self._version_if_free()
+                    if asked and self.step is not None and version != str(self.step):
                         self._forget("lost", f"the engine carries weight version {version!r}, not step {self.step} "
                                              f"(restarted, or relabelled): its next update is whole")
-                    status = "paused" if self._must_resume else self.status
+                    status = ("paused" if self._must_resume else self.status) if asked else "updating"
                 finally:
                     self._lock.release()
             else:  # a commit is under way (another thread): report, check the version next time
-                version, status = self.weight_version(), "updating"
+                version, status = self._version_if_free()[0], "updating"
+            if version is None and status == "updating" and self.step is not None:
+                version = str(self.step)  # busy: the version it was last known to carry
         except Exception as exc:  # noqa: BLE001 - the ledger shows an unreachable engine, it does not fail
             version, status, self.last_error = None, "unreachable", str(exc)
         return {"kind": self.kind, "step": self.step, "weight_version": version, "status": status,
@@ -395,14 +402,23 @@ class VLLMEngine(_Driver):
     """An in-process `vllm.LLM` built with worker_extension_cls="relay.engines.vllm.WorkerExtension".
 
     LLM is synchronous: sync the watcher from the thread that calls llm.generate (between batches);
-    a commit then pauses nothing in flight and its pause is the apply."""
+    a commit then pauses nothing in flight and its pause is the apply.
+
+    The LLM's engine client is not thread-safe: with the engine core in a process of its own (vLLM's
+    default) every call is a multipart ZMQ send on one socket, and two threads sending at once
+    interleave their frames; the core's input thread dies on the garbled message and every later
+    call waits forever. A watcher calls from two threads (its sync, and the fleet heartbeat's
+    state()), so every call here holds one lock, and state() never waits for it: while a stage or
+    commit is in flight it reports the version last known, with status "updating"."""
 
     def __init__(self, llm: Any) -> None:
         super().__init__()
         self.llm = llm
+        self._calls = threading.Lock()  # one call into the LLM at a time (see the class docstring)
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
-        return self.llm.collective_rpc(method, args=args)
+        with self._calls:
+            return self.llm.collective_rpc(method, args=args)
 
     def _pause(self) -> None:
         pass  # nothing is generating while this thread commits (see the class docstring)
@@ -411,13 +427,24 @@ class VLLMEngine(_Driver):
         pass
 
     def _set_version(self, version: str) -> None:
-        self.llm.llm_engine.set_weight_version(version)
+        with self._calls:
+            self.llm.llm_engine.set_weight_version(version)
 
     def _reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        with self._calls:
+            self.llm.reset_prefix_cache()
 
     def weight_version(self) -> str | None:
-        return self.llm.llm_engine.get_weight_version()
+        with self._calls:
+            return self.llm.llm_engine.get_weight_version()
+
+    def _version_if_free(self) -> tuple[str | None, bool]:
+        if not self._calls.acquire(blocking=False):
+            return None, False
+        try:
+            return self.llm.llm_engine.get_weight_version(), True
+        finally:
+            self._calls.release()
 
 
 class VLLMServer(_Driver):
