@@ -2,7 +2,8 @@
 
 Run as `python tests/vllm_reference.py OUT.json DIR...`: for each DIR in turn a new `vllm.LLM` is
 started from that checkpoint (never one engine reloaded), the fixed prompts are generated greedily,
-and the engine is shut down; OUT.json gets {DIR: {"outputs": ..., "start_s": ...}}. The helpers are
+the weights it computes with are hashed (tests/vllm_faults.py, the test extension, idle until asked),
+and the engine is shut down; OUT.json gets {DIR: {"outputs": ..., "digest": ..., "start_s": ...}}. The helpers are
 shared with the test so both sides build engines and read outputs the same way.
 """
 
@@ -42,9 +43,10 @@ def main(out: str, dirs: list[str]) -> None:
     results = {}
     for d in dirs:
         t0 = time.perf_counter()
-        llm = LLM(model=d, **ENGINE_ARGS)
+        llm = LLM(model=d, worker_extension_cls="vllm_faults.FaultyExtension", **ENGINE_ARGS)
         start = time.perf_counter() - t0
-        results[d] = {"outputs": generate(llm), "start_s": start}
+        results[d] = {"outputs": generate(llm), "digest": llm.collective_rpc("deltarelay_test_digest")[0],
+                      "start_s": start}
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
