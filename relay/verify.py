@@ -196,10 +196,8 @@ class _Checker:
         return [s for s in self.m.steps if oldest is not None and s.step >= oldest]
 
     # -- deep: rebuild every step -------------------------------------------------------------------
-    def _snapshot_state(self, step: int) -> dict[str, torch.Tensor] | None:
-        snap = self.m.snapshot(step)
-        if snap is None:  # the callers ask only for steps that have a snapshot
-            raise AssertionError(f"unreachable: step {step} has no snapshot")
+    def _snapshot_state(self, snap: Any) -> dict[str, torch.Tensor] | None:
+        step = snap.step
         if any(r.key in self.bad for r in (snap.index, *snap.files)):
             return None
         files = []
@@ -240,10 +238,12 @@ class _Checker:
             if carried is not None and not self._matches_record(s.step, carried, "the state rebuilt through its delta"):
                 carried = None
             from_snapshot = None
-            if self.m.snapshot(s.step) is not None:
-                from_snapshot = self._snapshot_state(s.step)
-                if from_snapshot is not None and not self._matches_record(s.step, from_snapshot, "the snapshot"):
-                    from_snapshot = None
+            # every snapshot of the step: a region may hold the trainer's and its own, and a reader takes either
+            for snap in (x for x in self.m.snapshots if x.step == s.step):
+                what = f"the {'regional ' if announce.is_regional(snap) else ''}snapshot"
+                got = self._snapshot_state(snap)
+                if got is not None and self._matches_record(s.step, got, what) and from_snapshot is None:
+                    from_snapshot = got
             state = carried if carried is not None else from_snapshot
             prev = s.step
             if state is None:

@@ -13,6 +13,7 @@ import json
 import logging
 
 import pytest
+import torch
 from safetensors.torch import load as st_load
 
 import relay.checkpoint
@@ -503,3 +504,37 @@ def test_verify_reports_a_region_with_no_start_and_a_delta_with_the_wrong_parent
     run.src.commit_manifest(m.to_bytes(), run.src.read_manifest().etag)
     report = verify(run.origin, deep=True)
     assert not report.ok and any("step 5: its delta's parent is step 3" in p for p in report.problems)
+
+
+def test_verify_deep_rebuilds_every_snapshot_of_a_step(tmp_path, trainer):
+    """A region that keeps the trainer's snapshots and announces its own at the same step: a reader starts from
+    either, so `verify --deep` rebuilds both (it used to rebuild only the regional one, and called a wrong trainer
+    snapshot sound)."""
+    run = start_run(tmp_path, trainer, "both")
+    run.publish(range(10))
+    for key in sorted(run.src.list_run()):  # the trainer's snapshots cross too
+        if key.startswith("snapshots/"):
+            run.dst.put_immutable(key, run.src.get(key))
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, origin_snapshots=True) as mat:
+        assert mat.sync_once(timeout=60)
+    run.pub.close()
+    ann, _ = read_announcement(run.dst)
+    m = Manifest.parse(run.dst.read_manifest().data)
+    assert ann.origin_snapshots and 9 in {s.step for s in ann.snapshots} and m.snapshot(9) is not None  # premise
+    assert verify(run.region, deep=True).ok
+    # the trainer's snapshot 9 in the region replaced by step 8's tensors, the unsigned manifest rewritten to match
+    snap = m.snapshot(9)
+    f = snap.files[0]
+    held = st_load(run.dst.get(f.key))
+    wrong = {k: run.states[8][k].clone() for k in held}
+    assert any(not torch.equal(wrong[k], held[k]) for k in held)  # premise: step 8 differs there
+    data = b"".join(bytes(c) for c in safetensors_stream(wrong, {"step": "9"}).chunks())
+    run.dst.delete([f.key])
+    run.dst.put_new(f.key, data)
+    forged = dataclasses.replace(snap, files=(ObjRef.of(f.key, data), *snap.files[1:]))
+    m.snapshots = [forged if s is snap else s for s in m.snapshots]
+    run.dst.commit_manifest(m.to_bytes(), run.dst.read_manifest().etag)
+    report = verify(run.region, deep=True)
+    assert not report.ok and any("step 9: the snapshot does not match the trainer's record" in p
+                                 for p in report.problems), report.problems
+    assert report.steps_rebuilt == len(Manifest.parse(run.dst.read_manifest().data).steps)  # the region's path holds
