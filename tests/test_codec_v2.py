@@ -689,3 +689,33 @@ def test_vote_symbols_of_a_batch_are_those_of_each_tensor_alone():
         alone = conditional.analyze(bits_of(base[n]).view(np.uint16), bits_of(target[n]).view(np.uint16),
                                     conditional.vote_columns(tuple(target[n].shape)))
         assert np.array_equal(votes[batch.first[i]:batch.first[i + 1]], alone.vote_symbols()), n
+
+
+def test_encoder_refuses_class_counts_that_disagree_with_the_changes():
+    """The coder lays out each class's gaps from the analysis's per-class counts: counts with the right total
+    but the wrong split (an internal inconsistency, never payload bytes) are refused before anything is written,
+    where they used to write past the coder's buffers."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(0, 0.05, 20_000).astype(np.float32)
+    b = (x.view(np.uint32) >> 16).astype(np.uint16)
+    t = b.copy()
+    flip = rng.random(b.size) < np.where(np.abs(x) < 0.01, 0.5, 0.01)  # small weights change more often
+    t[flip] ^= 1
+    a = conditional.analyze(b, t)
+    assert a.nclass > 1  # premise: counts to move between classes
+    model = conditional.ValueModel.fit([a])
+    conditional.encode(a, model)  # premise: the honest analysis encodes
+    counts = a.class_changes().copy()
+    moved = min(counts[0], 3)
+    assert moved > 0
+    counts[0] -= moved
+    counts[1] += moved
+    a._class_changes = counts  # same total, another split
+    with pytest.raises(ValueError, match="per-class change counts disagree"):
+        conditional.encode(a, model)
+    a._class_changes = None
+    a.classes = a.classes.copy()
+    a.classes[0] = a.nclass  # a class past the tensor's
+    a._class_changes = np.bincount(np.minimum(a.classes, a.nclass - 1), minlength=conditional.MAX_CLASSES)[: a.nclass]
+    with pytest.raises(ValueError, match="past the tensor's classes"):
+        conditional.encode(a, model)

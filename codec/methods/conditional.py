@@ -1287,6 +1287,15 @@ def _encode_many(pairs, symbols, cls, ranks, first, thr, nthr, sizes, changes, w
         a = first[i]
         b = first[i + 1]
         nclass = nthr[i] + 1
+        seen = np.zeros(MAX_CLASSES, np.int64)  # the coder lays out each class's gaps from these counts: checked
+        for j in range(a, b):
+            c = cls[j]
+            if c >= nclass:
+                raise ValueError("internal: a change's class is past the tensor's classes")
+            seen[c] += 1
+        for c in range(nclass):
+            if seen[c] != changes[i, c]:
+                raise ValueError("internal: the analysis's per-class change counts disagree with its changes' classes")
         levels = _argmin_levels(sizes[i, :nclass].astype(np.float64), changes[i, :nclass].astype(np.float64), logs)
         four = b - a >= four_from
         words, nw, x0, x1, x2, x3 = _encode(pairs[a:b], symbols[a:b], cls[a:b], ranks[a:b], changes[i, :nclass], levels,
