@@ -84,19 +84,20 @@ class _Plan:
         """The methods that may code a changed tensor of this dtype, in the order tried."""
         found = self._coders.get(dt)
         if found is None:
-            found = self._coders[dt] = [m for m in self.methods if not m.identity and m.applicable(dt)]
+            found = self._coders[dt] = [m for m in self.methods if not m.identity and m.encodes(dt, self.version)]
         return found
 
     def analyser(self, dt: tensors.DType) -> Method | None:
         """The method that analyses tensors of this dtype before they are coded, if any."""
         if dt not in self._analysers:
-            self._analysers[dt] = next((m for m in self.methods if m.analyses and m.applicable(dt)), None)
+            self._analysers[dt] = next((m for m in self.methods if m.analyses and m.encodes(dt, self.version)), None)
         return self._analysers[dt]
 
     def batcher(self, base: torch.Tensor, target: torch.Tensor) -> Method | None:
         """The analysing method that takes this pair into its batches, if any."""
+        dt = tensors.BY_TORCH.get(target.dtype)
         for m in self.methods:
-            if m.analyses and m.batch_encodable(base, target):
+            if m.analyses and dt is not None and m.encodes(dt, self.version) and m.batch_encodable(base, target):
                 return m
         return None
 

@@ -44,6 +44,7 @@ BY_CODE: dict[int, DType] = {d.code: d for d in DTYPES}
 BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES}
 BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
 BF16 = BY_TORCH[torch.bfloat16]
+F16 = BY_TORCH[torch.float16]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-size views torch has

@@ -259,6 +259,38 @@ def v4_votes(rng):
     return base, target
 
 
+# F16 bit patterns every decoder must carry exactly: NaN payloads, both zeros, infinities, subnormals, the largest
+F16_SPECIALS = [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE55, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0xFBFF,
+                0x3C00, 0xBC00, 0x3C01, 0x03FF]
+
+
+def f16(t: torch.Tensor) -> torch.Tensor:
+    """A 16-bit tensor's bit patterns as F16."""
+    return t.contiguous().view(torch.int16).view(torch.float16)
+
+
+def v4_f16(rng):
+    """v4: conditional records on F16 (method 3 takes any 2-byte element; encoders code F16 with it from v4 on),
+    with column votes (the vote tables, kind 3): column-leaning steps on a 2-D record with >= 4096 changes (four
+    states), a sparse 1-D one, transitions to and from special F16 patterns (NaN payloads, infinities, both zeros,
+    subnormals), and random bits with 90% of their elements changed."""
+    sp = np.array(F16_SPECIALS, np.uint16)
+    grid_b = np.repeat(sp, sp.size)
+    grid_t = np.tile(sp, sp.size)
+    keep = grid_b != grid_t
+    w = lambda shape, spread=0.3: weights(rng, shape, spread).float().to(torch.float16)  # noqa: E731
+    specials_b = bits16(w((32, 64)))
+    specials_t = specials_b.copy()
+    at = np.sort(rng.choice(specials_b.size, size=int(keep.sum()), replace=False))
+    specials_b[at] = grid_b[keep]
+    specials_t[at] = grid_t[keep]
+    base = {"big": w((160, 128)), "bias": w((256,), 1.0), "specials": f16(bf16(specials_b, (32, 64))),
+            "noise": random_bits(torch.float16, (64, 16), rng)}
+    target = {"big": f16(column_step(base["big"], 0.5, rng)), "bias": f16(column_step(base["bias"], 0.02, rng)),
+              "specials": f16(bf16(specials_t, (32, 64))), "noise": flip_bytes(base["noise"], 0.9, rng)}
+    return base, target
+
+
 # (name, builder, seed, format_version, effort)
 VECTORS = [
     ("v1-methods", v1_methods, 101, 1, "default"),
@@ -268,6 +300,7 @@ VECTORS = [
     ("v3-edge", v3_edge, 505, 3, "default"),
     ("v3-dense-max", v3_dense_max, 606, 3, "max"),
     ("v4-votes", v4_votes, 707, 4, "default"),
+    ("v4-f16", v4_f16, 808, 4, "default"),
 ]
 
 
@@ -450,13 +483,23 @@ def _describe(payload: bytes) -> dict:
     return {"format_version": parsed.version, "shared_kinds": sorted(parsed.shared), "tensors": tensors}
 
 
-def make(out: Path, overwrite: bool) -> dict:
-    existing = [name for name, *_ in VECTORS if (out / name).exists()]
+def make(out: Path, overwrite: bool, only: list[str] | None = None) -> dict:
+    """Write the vectors (`only`: those named, the other rows of index.json kept as they are)."""
+    chosen = [v for v in VECTORS if only is None or v[0] in only]
+    if only is not None and len(chosen) != len(set(only)):
+        raise SystemExit(f"unknown vector names in {only}; known: {[v[0] for v in VECTORS]}")
+    existing = [name for name, *_ in chosen if (out / name).exists()]
     if existing and not overwrite:
         raise SystemExit(f"{out}: vectors {', '.join(existing)} exist; pass --overwrite to replace them")
     index = {"about": "deltarelay codec test vectors (docs/FORMAT.md); made by scripts/make_codec_vectors.py",
              "libraries": _library_versions(), "vectors": []}
-    for name, build, seed, version, effort in VECTORS:
+    if only is not None:
+        index = json.loads((out / "index.json").read_text())
+        if index["libraries"] != _library_versions():
+            raise SystemExit(f"the other vectors were made with {index['libraries']}, this is "
+                             f"{_library_versions()}: write them all again (--overwrite)")
+        index["vectors"] = [v for v in index["vectors"] if v["name"] not in only]
+    for name, build, seed, version, effort in chosen:
         base, target = build(np.random.default_rng(seed))
         d = out / name
         if d.exists():
@@ -483,6 +526,8 @@ def make(out: Path, overwrite: bool) -> dict:
                             for f in ("base.safetensors", "target.safetensors", "payload.drd")}}
         entry.update(_describe(payload))
         index["vectors"].append(entry)
+        order = [v[0] for v in VECTORS]
+        index["vectors"].sort(key=lambda v: order.index(v["name"]))
         print(f"{name}: {len(payload)} bytes, " + ", ".join(f"{k}={v['method']}" for k, v in entry["tensors"].items()))
     (out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
     return index
@@ -499,12 +544,15 @@ def main() -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace existing vectors")
     ap.add_argument("--snapshots-only", action="store_true",
                     help="write only the snapshot-object vectors (index.json's other rows are kept)")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="write only these payload vectors (index.json's other rows, snapshots included, are kept)")
     args = ap.parse_args()
     if args.snapshots_only:
         index = json.loads((args.out / "index.json").read_text())
     else:
-        index = make(args.out, args.overwrite)
-    index["snapshot_vectors"] = make_snapshots(args.out, args.overwrite)
+        index = make(args.out, args.overwrite, args.only)
+    if args.only is None:
+        index["snapshot_vectors"] = make_snapshots(args.out, args.overwrite)
     (args.out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 

@@ -190,6 +190,11 @@ class Method(abc.ABC):
     def applicable(self, dtype: tensors.DType) -> bool:
         """Whether it codes tensors of this element type."""
 
+    def encodes(self, dtype: tensors.DType, version: int) -> bool:
+        """Whether an encoder of format `version` codes tensors of this element type with it (a method may
+        take a dtype from some version on, which keeps older versions' encodes, and their vectors, as they were)."""
+        return self.applicable(dtype)
+
     # ---- encoder
 
     @abc.abstractmethod

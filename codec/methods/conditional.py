@@ -62,6 +62,12 @@ trailing_zeros: Callable[..., Any] = _trailing_zeros
 ID = 3
 NAME = "conditional"
 VERSIONS = (2, 3, 4)
+# The dtypes coded: both 16-bit floats with the sign in bit 15. The model reads bit patterns only, so F16 is coded as
+# is; its key (bits 14..7) is then the 5 exponent bits and the top 3 mantissa bits, which predict a change as BF16's
+# exponent does. Every decoder since v2 takes method 3 on any 2-byte element (docs/FORMAT.md), so no version is
+# needed; encoders code F16 with it from F16_FROM on, so that v2 and v3 encodes (and their vectors) stay as they were.
+CODED = (tensors.BF16, tensors.F16)
+F16_FROM = 4
 SHARED_VALUE_TABLES = 1  # key in Payload.shared
 SHARED_INTERLEAVE = 2  # key in Payload.shared (v3): from how many changes a record uses four states
 SHARED_VOTE_TABLES = 3  # key in Payload.shared (v4): value tables keyed by (key, column vote strength)
@@ -755,7 +761,7 @@ def _decode_in_place(b, bb, words, x0, x1, x2, x3, four, thresholds, levels, cou
 _STATUS = {
     1: "entropy stream ends early", 2: "a class's changes lie beyond its elements",
     3: "a change falls under an exponent (or vote context) with no value table",
-    4: "a decoded step leaves the BF16 range",
+    4: "a decoded step leaves the 16-bit range",
     6: "a change's rank lies beyond the tensor",
     7: "entropy stream has leftover state (corrupt or forged)",
 }
@@ -1570,7 +1576,7 @@ def _checked(entry: Entry, base: np.ndarray, shared: dict) -> tuple:
     """(flat base, thresholds, levels, changes per class, words, states 0..3, four states?, value
     model, value rows and columns (`ValueModel.rows`)) of a record, every field checked."""
     if base.dtype != np.uint16:
-        raise DeltaError("`conditional` applies to BF16 tensors only", tensor=entry.name)
+        raise DeltaError("`conditional` applies to 2-byte elements only", tensor=entry.name)
     thresholds, levels, counts, still = _params(entry, shared)
     try:
         four = entry.changes >= _rule(shared)
@@ -1678,7 +1684,7 @@ def batchable(entry: Entry) -> bool:
     """Whether a record's shape lets `decode_at` take it (one raw stream of whole words); others,
     and any `decode_at` fails, are decoded alone, which names what is wrong."""
     streams = entry.streams
-    return (entry.dtype.name == "BF16" and entry.changes > 0 and len(streams) == 1 and streams[0].codec == RAW
+    return (entry.dtype in CODED and entry.changes > 0 and len(streams) == 1 and streams[0].codec == RAW
             and streams[0].raw_len == len(streams[0].stored) and not len(streams[0].stored) % 4)
 
 
@@ -1807,7 +1813,10 @@ class Conditional(Method):
     decodes_in_place = True
 
     def applicable(self, dtype: tensors.DType) -> bool:
-        return dtype is tensors.BF16
+        return dtype in CODED
+
+    def encodes(self, dtype: tensors.DType, version: int) -> bool:
+        return dtype is tensors.BF16 or (dtype is tensors.F16 and version >= F16_FROM)
 
     # ---- encoder
 
@@ -1822,7 +1831,7 @@ class Conditional(Method):
         return analyze(b, t, cols=vote_columns(tuple(target.shape)))
 
     def batch_encodable(self, base: torch.Tensor, target: torch.Tensor) -> bool:
-        return target.dtype == torch.bfloat16 and target.is_cpu and base.is_cpu
+        return target.dtype in (torch.bfloat16, torch.float16) and target.is_cpu and base.is_cpu
 
     def scratch(self) -> ec.ScanBuffers:
         return ec.ScanBuffers()
@@ -1836,7 +1845,8 @@ class Conditional(Method):
         keep: list = []  # keeps the tensors' memory for the scan
         where = np.array([(elements_at(b, keep), elements_at(t, keep)) for b, t in zip(bases, targets)],
                          np.uintp).reshape(-1, 2)
-        headers = [header_bytes(tensors.BF16.name, tuple(t.shape)) for t in targets] if hashing.KERNEL_DIGESTS else None
+        headers = ([header_bytes(tensors.BY_TORCH[t.dtype].name, tuple(t.shape)) for t in targets]
+                   if hashing.KERNEL_DIGESTS else None)
         cols = (np.array([vote_columns(tuple(t.shape)) for t in targets], np.int64) if version in VOTE_VERSIONS
                 else None)
         return analyze_at(where, sizes, headers, scratch, cols=cols,
