@@ -196,7 +196,7 @@ class _SourceCache:
     def _verified(self, ref: ObjRef) -> bytes:
         data = b""
         for attempt in range(2):
-            data = self.store.get(ref.key)
+            data = ref.read(self.store)
             with self._lock:
                 self.bytes_read += len(data)
             problem = ref.matches(data)  # size, xxh3 and, in a signed manifest, SHA-256
@@ -419,7 +419,7 @@ class Fanout:
         same_tag = held is None or (held.size, held.xxh3) == (ref.size, ref.xxh3)
         if same_tag and (region.listed or {}).get(ref.key) == ref.size:
             try:
-                data = region.store.get(ref.key)
+                data = ref.read(region.store)
             except ObjectMissing:
                 data = None
             if data is not None:

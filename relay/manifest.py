@@ -182,6 +182,8 @@ class ObjRef:
         """None if `data` is this object (size, xxh3 and, when set, SHA-256); else what differs."""
         import xxhash
 
+        if len(data) > self.size:
+            return f"more than the manifest's {self.size} bytes"
         if len(data) != self.size:
             return f"{len(data)} bytes, manifest says {self.size}"
         tag = xxhash.xxh3_128_hexdigest(data)
@@ -190,6 +192,11 @@ class ObjRef:
         if self.sha256 is not None and sha256_hex(data) != self.sha256:
             return f"sha256 {sha256_hex(data)}, manifest says {self.sha256}"
         return None
+
+    def read(self, store: Any) -> bytes:
+        """The object's bytes from `store` (a relay.store.Store), read no further than one byte past the size
+        the manifest gives: what `matches` then refuses, the store cannot make its reader hold more of."""
+        return store.get_at_most(self.key, self.size + 1)
 
     @classmethod
     def parse(cls, obj: Any, where: str, extra: Set[str] = frozenset(),

@@ -76,7 +76,7 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
     # the run's own snapshot format (its newest snapshot's): a publisher uploading the same step's snapshot
     # at the same time then writes the same bytes under the same keys, and neither sees a conflict
     newest = m.snapshots[-1]
-    compressed = declares_compressed(store.get(newest.index.key))
+    compressed = declares_compressed(newest.index.read(store))
     snap = upload_snapshot(store, rec.step, tensors, weight_map, strong=signer is not None,
                            snapshot_format="compressed" if compressed else "safetensors")
 

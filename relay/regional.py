@@ -112,6 +112,16 @@ class _Bootstrap(Store):
         self._count(len(data))
         return data
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        try:
+            return self.region.get_at_most(key, limit)
+        except ObjectMissing:
+            if self.origin is None or not self._from_origin(key):
+                raise
+        data = self.origin.get_at_most(key, limit)
+        self._count(len(data))
+        return data
+
     def iter_chunks(self, key: str) -> Iterator[bytes]:
         try:
             yield from self.region.iter_chunks(key)

@@ -201,7 +201,7 @@ def strengthen(store, m: Manifest) -> Manifest:
         if ref.sha256 is not None:
             return ref
         if ref.key not in cache:
-            data = store.get(ref.key)
+            data = ref.read(store)
             problem = ref.matches(data)
             if problem:
                 raise SignatureError(f"{store.url}/{ref.key}: {problem}; refusing to sign a manifest naming it")

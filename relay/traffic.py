@@ -78,6 +78,11 @@ class CountingStore(Store):
         self.read.add(key, len(data))
         return data
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        data = self.inner.get_at_most(key, limit)
+        self.read.add(key, len(data))
+        return data
+
     def put_new(self, key: str, data: bytes) -> None:
         self.inner.put_new(key, data)
         self.written.add(key, len(data))

@@ -93,7 +93,7 @@ class _Checker:
     def fetch(self, ref: ObjRef) -> bytes | None:
         """The object if it exists and matches its reference; else None (and the problem is noted once)."""
         try:
-            data = self.store.get(ref.key)
+            data = ref.read(self.store)
         except ObjectMissing:
             self._bad(ref.key, f"{ref.key}: missing")
             return None

@@ -369,7 +369,7 @@ class Reader:
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
             return self._cache[ref]
-        data = self.store.get(ref.key)
+        data = ref.read(self.store)
         with self._count_lock:
             self.bytes_downloaded += len(data)
         problem = ref.matches(data)  # size, xxh3 and, in a signed manifest, SHA-256: before any byte is used

@@ -322,6 +322,9 @@ def test_partial_replica_of_a_sharded_run(s3_run, tmp_path):
         get = w.reader.store.get
         download = w.reader.store.download  # snapshot files are spooled to disk, not read with get
         w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        get_at_most = w.reader.store.get_at_most  # records and deltas: read no further than their size
+        w.reader.store.get_at_most = (  # type: ignore[method-assign]
+            lambda key, limit: fetched.append(key) or get_at_most(key, limit))
         w.reader.store.download = (  # type: ignore[method-assign]
             lambda key, fd, size=None: fetched.append(key) or download(key, fd, size))
         assert w.sync(timeout=20) == 4
@@ -357,6 +360,9 @@ def test_partial_replica_of_a_single_process_run(s3_run, tmp_path):
         get = w.reader.store.get
         download = w.reader.store.download  # snapshot files are spooled to disk, not read with get
         w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        get_at_most = w.reader.store.get_at_most  # records and deltas: read no further than their size
+        w.reader.store.get_at_most = (  # type: ignore[method-assign]
+            lambda key, limit: fetched.append(key) or get_at_most(key, limit))
         w.reader.store.download = (  # type: ignore[method-assign]
             lambda key, fd, size=None: fetched.append(key) or download(key, fd, size))
         assert w.sync(timeout=20) == 4
@@ -385,6 +391,9 @@ def test_partial_replica_restarts_on_its_own_dest(file_run, tmp_path):
         fetched: list[str] = []
         get = w.reader.store.get
         w.reader.store.get = lambda key: fetched.append(key) or get(key)  # type: ignore[method-assign]
+        get_at_most = w.reader.store.get_at_most  # records and deltas: read no further than their size
+        w.reader.store.get_at_most = (  # type: ignore[method-assign]
+            lambda key, limit: fetched.append(key) or get_at_most(key, limit))
         assert w.sync(timeout=10) == 4 and same_bits(w.tensors, {k: full_state(4)[k] for k in wanted})
         # the chain from the held step: no snapshot file (snapshot indexes are read once each, to plan)
         assert not any(k.endswith(".safetensors") for k in fetched), fetched

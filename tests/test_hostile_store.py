@@ -288,6 +288,34 @@ def test_claimed_huge_sizes_do_not_allocate(tmp_path):
     assert w.step == 1
 
 
+def test_an_oversized_object_costs_a_reader_one_byte_past_its_size(tmp_path, caplog):
+    """A bucket writer replaces a step's delta and record with 64 MiB objects: the watcher reads one byte past
+    the size the manifest gives (the store's get_at_most), refuses them by size, keeps its step, and takes the
+    step once the objects are back. It used to read each whole before comparing sizes."""
+    store, m, w, states = held_dest(tmp_path, steps=2, ahead=1)
+    head = m.step(2)
+    keys = [head.record.key] + [p.ref.key for p in head.parts]
+    good = {k: store.get(k) for k in keys}
+    root = Path(f"{tmp_path}/store/run")
+    huge = bytes(64 << 20)
+    for k in keys:
+        (root / k).write_bytes(huge)
+    before = w.bytes_downloaded
+    with pytest.raises(SyncError):
+        w.sync(timeout=5)
+    assert w.step == 1
+    read = w.bytes_downloaded - before
+    declared = head.record.size + sum(p.ref.size for p in head.parts)
+    assert 0 < read <= 2 * (declared + len(keys)), f"read {read} bytes of objects declared {declared} bytes"
+    print(f"read {read} bytes for objects declared {declared} bytes")
+    assert "more than the manifest's" in caplog.text
+    for k, data in good.items():
+        (root / k).write_bytes(data)
+    w.reader._failures.clear()  # the objects' backoff: an operator's restart forgets it too
+    assert w.sync(timeout=10) == 2 and same_bits(w.tensors, states[2])
+    w.close()
+
+
 def test_dest_symlink_planted_by_another_user_is_not_followed(tmp_path):
     """A visible name in DEST that is a regular file (not the watcher's symlink) stops the persist instead of
     writing through it."""

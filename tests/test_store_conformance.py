@@ -148,6 +148,21 @@ def test_an_oversized_mutable_object_is_read_only_up_to_the_cap(store, monkeypat
     assert store.read_object(key).data == small
 
 
+def test_get_at_most_reads_no_further_than_asked(store):
+    """get_at_most(key, n): the whole object when it has at most n bytes, else its first n, without reading
+    the rest (what a reader that knows an object's size asks, size + 1, so that a huge object a bucket writer put
+    under the key costs it one byte more than the object it wanted)."""
+    big = bytes(range(256)) * 4096  # 1 MiB
+    store.put_new("deltas/7-0.drd", big)
+    store.put_new("deltas/7-1.drd", b"")
+    assert store.get_at_most("deltas/7-0.drd", len(big) + 1) == big
+    assert store.get_at_most("deltas/7-0.drd", len(big)) == big
+    assert store.get_at_most("deltas/7-0.drd", 1001) == big[:1001]
+    assert store.get_at_most("deltas/7-1.drd", 1) == b""
+    with pytest.raises(ObjectMissing):
+        store.get_at_most("deltas/8-0.drd", 10)
+
+
 def test_racing_commits_have_one_winner(store):
     """Eight writers commit from the same version at once: exactly one wins, the manifest is the winner's."""
     base = store.commit_manifest(b"base", None)
