@@ -293,6 +293,7 @@ class Reader:
         self.bytes_downloaded = 0
         self.verify_failures = 0  # objects that failed a check (each refetch or backoff counts one)
         self.head_seen: int | None = None  # the head of the last manifest read (for lag: fleet, metrics)
+        self.manifest_reads = 0  # manifests read, parsed and (with keys) verified
         self.heads_seen: dict[int, float] = {}  # head -> unix time first read (the newest 256)
         self._count_lock = threading.Lock()
         self._plan: tuple[int, int] | None = None  # while reaching: (bytes_downloaded at the plan's start, its cost)
@@ -328,6 +329,7 @@ class Reader:
         if self.trusted is not None:
             self.trusted.verify(m, where)
         self.head_seen = m.head
+        self.manifest_reads += 1
         if m.head not in self.heads_seen:
             self.heads_seen[m.head] = time.time()
             while len(self.heads_seen) > 256:
@@ -1668,22 +1670,28 @@ class Watcher:
         """
         etag = None
         retry = Backoff(max(self.poll_interval, DELIVERY_RETRY[0]), max(self.poll_interval, DELIVERY_RETRY[1]))
-        undelivered, retry_at = 0, 0.0  # failed deliveries of the held step in a row; when to offer it again
+        refused, refused_step, retry_at = 0, None, 0.0  # failed offers of the held step in a row; when to retry
         if self.fleet is not None:
             self.fleet.start()  # heartbeats, also while a sync hangs (a stuck host shows as behind, not dead)
         while not self._stop.is_set():
+            offered = False  # whether this round's sync offered the held step
             try:
                 got = self.store.read_manifest(if_none_match=etag)
                 if got is not NOT_MODIFIED and got is not None:
+                    reads = self.reader.manifest_reads
+                    offered = True
                     try:
                         self.sync(timeout=sync_timeout)
                         etag = got.etag
-                    finally:  # the head reached, only its delivery failed: offered again below, backing off
-                        if self.step is not None and self.step == self.reader.head_seen and self._undelivered():
+                    finally:  # this manifest's head reached, only its delivery failed: offered again below
+                        if (self.reader.manifest_reads != reads and self.step == self.reader.head_seen
+                                and self._undelivered()):
                             etag = got.etag
                 elif self.engine is not None and self.step is not None and self._engine_lost():
+                    offered = True
                     self.sync(timeout=sync_timeout)  # an engine that restarted gets the held step back now
                 elif self._undelivered() and time.monotonic() >= retry_at:
+                    offered = True
                     self.sync(timeout=sync_timeout)  # the same manifest: sync() delivers the held step again
             except SyncTimeout:
                 if sync_timeout is not None:
@@ -1692,12 +1700,11 @@ class Watcher:
                 if exc is not self._last_failure:  # sync() counted its own
                     self.failures["poll"] += 1
                 log.error("%s: sync failed, keeping step %s: %s", self.dest, self.step, exc)
-            if self._undelivered():
-                if time.monotonic() >= retry_at:
-                    undelivered += 1
-                    retry_at = time.monotonic() + retry.delay(undelivered)
-            else:
-                undelivered, retry_at = 0, 0.0
+            if not self._undelivered():
+                refused, refused_step, retry_at = 0, None, 0.0
+            elif offered:  # refused again (a new step starts its own count)
+                refused = refused + 1 if refused_step == self.step else 1
+                refused_step, retry_at = self.step, time.monotonic() + retry.delay(refused)
             self._stop.wait(self.poll_interval)
         if self.fleet is not None:
             self.fleet.stop()

@@ -386,3 +386,50 @@ def test_poll_loop_offers_a_refused_step_again_without_a_new_manifest(tmp_path):
             runner.join(timeout=30)
     assert engine.step == 0 and same_bits(engine.weights, s0)
     assert delivered == [0, 0, 0] and w.step == 0
+
+
+def test_a_new_step_does_not_wait_out_a_refused_step_s_backoff(tmp_path, monkeypatch):
+    """While the held step's offers back off, a new manifest whose first sync fails before the reader has read it
+    (a transient GET error) is synced again at the next poll, not at the held step's next offer."""
+    import relay.watcher
+
+    monkeypatch.setattr(relay.watcher, "DELIVERY_RETRY", (30.0, 60.0))  # a watcher that has backed off for a while
+    url = (tmp_path / "store").as_uri()
+    t = Trainer(seed=10)
+    calls = []
+
+    def on_update(step: int, tensors: dict) -> None:
+        calls.append(step)
+        if step == 0:
+            raise RuntimeError("consumer not ready for step 0")
+
+    with Publisher(url, background=False, snapshot_every=100) as pub, \
+            Watcher(url, tmp_path / "dest", on_update=on_update, poll_interval=0.02, report_interval=None) as w:
+        pub.publish(t.state(), 0)
+        runner = threading.Thread(target=w.run, daemon=True)
+        runner.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not calls:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(0.2)  # refused once: the next offer of step 0 is 30 s away
+            assert calls == [0]
+            real, failed = w.reader.read_manifest, []
+
+            def flaky():
+                if not failed:
+                    failed.append(True)
+                    raise OSError("transient GET failure")
+                return real()
+
+            w.reader.read_manifest = flaky  # type: ignore[method-assign]
+            t0 = time.monotonic()
+            pub.publish(t.step(), 1)
+            while w.step != 1:
+                assert time.monotonic() - t0 < 10, "the new step waited for the refused step's backoff"
+                time.sleep(0.01)
+            assert failed and calls[-1] == 1 and w.delivered_step == 1
+        finally:
+            w.stop()
+            runner.join(timeout=30)

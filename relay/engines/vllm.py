@@ -376,9 +376,9 @@ class _Driver:
                 finally:
                     self._lock.release()
             else:  # a commit is under way (another thread): report, check the version next time
-                version, status = self._version_if_free()[0], "updating"
-            if version is None and status == "updating" and self.step is not None:
-                version = str(self.step)  # busy: the version it was last known to carry
+                (version, asked), status = self._version_if_free(), "updating"
+            if not asked and self.step is not None:
+                version = str(self.step)  # not asked (a call in flight): the version it was last known to carry
         except Exception as exc:  # noqa: BLE001 - the ledger shows an unreachable engine, it does not fail
             version, status, self.last_error = None, "unreachable", str(exc)
         return {"kind": self.kind, "step": self.step, "weight_version": version, "status": status,
