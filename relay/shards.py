@@ -125,6 +125,26 @@ def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
     return metadata_rows(meta, ref)
 
 
+def file_names(data: bytes, ref: ObjRef) -> set[str]:
+    """The tensors a snapshot file holds, from its header alone (safetensors) or its trailer and index (a
+    compressed snapshot object): what its snapshot's index must map to it."""
+    if bytes(data[:4]) == codec.SNAPSHOT_MAGIC:
+        try:
+            return {e.name for e in codec.read_snapshot_index(bytes(data), where=ref.key)}
+        except codec.SnapshotError as exc:
+            raise ShardError([ref], f"not a snapshot file ({exc})") from None
+    if len(data) < 8:
+        raise ShardError([ref], f"{ref.key}: not a safetensors file (shorter than its header size)")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, MAX_HEADER_BYTES):
+        raise ShardError([ref], f"{ref.key}: not a safetensors file (header of {n} bytes)")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+        return {k for k in header if k != "__metadata__"}
+    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
+        raise ShardError([ref], f"{ref.key}: unreadable safetensors header ({type(exc).__name__}: {exc})") from None
+
+
 def metadata_rows(meta: Any, ref: ObjRef) -> dict[str, tuple[int, int]]:
     """The row ranges in a snapshot file's safetensors metadata (the `__metadata__` mapping, as
     relay.checkpoint's strict reader returns it): {} for a file of whole tensors."""
@@ -241,5 +261,6 @@ def index_files(data: bytes, snap: Snapshot) -> dict[str, set[str]]:
     return out
 
 
-__all__ = ["ShardError", "selector", "needs_part", "check_tiling", "part_targets", "file_rows", "metadata_rows",
+__all__ = ["ShardError", "selector", "needs_part", "check_tiling", "part_targets", "file_rows", "file_names",
+           "metadata_rows",
            "assemble", "assemble_read", "index_files", "ROWS_KEY", "SLICES_KEY"]

@@ -206,6 +206,7 @@ class _Checker:
             if data is None:
                 return None
             files.append((ref, data))
+        self._check_index_map(snap, files)
         rec = self.records.get(step)
         try:  # row slices of a sharded trainer put together (their rows fit the record's shapes)
             return shards.assemble(files, rec.tensors if rec is not None else {})
@@ -213,6 +214,28 @@ class _Checker:
             for ref in exc.refs:
                 self._bad(ref.key, str(exc))
             return None
+
+    def _check_index_map(self, snap: Any, files: list[tuple[ObjRef, bytes]]) -> None:
+        """Each file holds exactly the tensors the snapshot's index maps to it: a partial replica fetches only
+        the files its tensors map to, so a wrong map starves it though every file is sound."""
+        data = self.fetch(snap.index)
+        if data is None:
+            return
+        try:
+            mapped = shards.index_files(data, snap)
+        except ManifestError as exc:
+            self._bad(snap.index.key, str(exc))
+            return
+        for ref, blob in files:
+            try:
+                held = shards.file_names(blob, ref)
+            except shards.ShardError:
+                continue  # unreadable: assemble reports it
+            want = mapped.get(ref.key, set())
+            said = ([f"maps {sorted(want - held)[:5]} to {ref.key}, which lacks them"] if want - held else []) + \
+                ([f"does not map {sorted(held - want)[:5]} to {ref.key}, which holds them"] if held - want else [])
+            if said:
+                self.problem(f"{snap.index.key}: " + "; ".join(said))
 
     def _matches_record(self, step: int, tensors: dict[str, torch.Tensor], what: str) -> bool:
         rec = self.records.get(step)

@@ -4,6 +4,7 @@ and on S3 (moto)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 
@@ -114,3 +115,31 @@ def test_cli_exit_status_and_listing(run_store, trainer, capsys):
     assert cli_main(["verify", run_store.url, "--json", *opts]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and sorted(out["problems"]) == sorted(f"{k}: missing" for k in gone)
+
+
+def test_index_that_maps_tensors_to_the_wrong_file_is_found_by_deep(run_store, trainer, tmp_path):
+    """A snapshot index (tags recomputed in an unsigned manifest) that swaps two tensors between the snapshot's
+    files: every file is sound and the snapshot rebuilds, but a partial replica fetches only the files its tensors
+    map to, so it cannot start there (it takes another path, or none). The deep check compares each file's
+    tensors with what the index maps to it."""
+    from relay.manifest import ObjRef
+
+    store, m = publish(run_store, trainer, max_shard_bytes=20_000)
+    snap = m.snapshot(3)
+    assert len(snap.files) >= 2  # premise: tensors spread over several files
+    doc = json.loads(store.get(snap.index.key))
+    by_file: dict[str, list[str]] = {}
+    for name, file in doc["weight_map"].items():
+        by_file.setdefault(file, []).append(name)
+    (fa, na), (fb, nb) = [(f, ns[0]) for f, ns in sorted(by_file.items())[:2]]
+    doc["weight_map"][na], doc["weight_map"][nb] = fb, fa
+    data = json.dumps(doc, indent=1).encode()
+    replace(store, snap.index.key, data)
+    m.snapshots = [dataclasses.replace(s, index=ObjRef.of(s.index.key, data)) if s is snap else s
+                   for s in m.snapshots]
+    commit(store, m)
+    assert verify(run_store.url, run_store.options).ok  # shallow: every object matches the manifest
+    report = verify(run_store.url, run_store.options, deep=True)
+    assert not report.ok
+    text = "\n".join(report.problems)
+    assert f"maps ['{na}'] to {snap.index.key.rsplit('/', 1)[0]}/{fb}, which lacks them" in text, text
