@@ -2,8 +2,8 @@
 entropy-coded without a base.
 
 Snapshots are most of the bytes that cross regions, and a BF16 exponent carries ~2.6 of its 8
-bits: BF16 tensors have their exponents rANS-coded (`snapshot_rans`), every other dtype goes
-through zstd or is stored, so every dtype round-trips bit for bit.
+bits: BF16 tensors (and, from version 4, F16 ones) have their exponents rANS-coded (`snapshot_rans`),
+every other dtype goes through zstd or is stored, so every dtype round-trips bit for bit.
 
 The object streams both ways: tensor records back to back (each a checksummed head, then its
 blocks of at most 4 MiB), then an index and a fixed trailer. An encoder holds one tensor's output
@@ -34,14 +34,22 @@ from .snapshot_rans import (KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS, KIND_R
                             RESIDUAL_ZSTD)
 
 MAGIC = b"DRSN"
-VERSION = 3  # what the encoder writes; v2 adds block kind 3 (BF16 exponents, 8 states), v3 kind 4 (pairs)
-VERSIONS = (1, 2, 3)  # what the decoder reads
+VERSION = 4  # what the encoder writes; v2 adds block kind 3 (BF16 exponents, 8 states), v3 kind 4 (pairs), v4 F16
+VERSIONS = (1, 2, 3, 4)  # what the decoder reads
 PREFIX = struct.Struct("<4sHH")  # magic, version, flags
 TRAILER = struct.Struct("<QII8s8s")  # index offset, index length, reserved, index checksum, magic
 TAIL_MAGIC = b"DRSNTAIL"
 TAG_RECORD, TAG_INDEX = 1, 2
 BF16_KINDS = {1: (KIND_BF16,), 2: (KIND_BF16, KIND_BF16_GROUPS),
-              3: (KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS)}  # the BF16 block kinds of each version
+              3: (KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS),
+              4: (KIND_BF16, KIND_BF16_GROUPS, KIND_BF16_PAIRS)}  # the BF16 block kinds of each version
+F16_FROM = 4  # from this version the BF16 kinds code F16 records too (their 16-bit patterns, as BF16's)
+
+
+def exponent_coded(dt: tensors.DType, version: int) -> bool:
+    """Whether records of `dt` take the BF16 block kinds (2-4) in a `version` object: BF16 always, F16 from
+    F16_FROM (its top byte after the sign, 5 exponent and 3 mantissa bits, is coded as BF16's exponent)."""
+    return dt is tensors.BF16 or (dt is tensors.F16 and version >= F16_FROM)
 
 BF16_BLOCK_ELEMS = 1 << 18  # 512 KiB of output: per-block tables follow local statistics
 OTHER_BLOCK_BYTES = 1 << 20
@@ -198,7 +206,7 @@ def _encode_tensor(name: str, t: torch.Tensor, bf16_block: int, version: int, pa
     digest = hashing.digest_elements(dt.name, shape, elems)
     numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
     blocks: list[bytes] = []
-    if dt is tensors.BF16:
+    if exponent_coded(dt, version):
         block_elems = bf16_block
         for start in range(0, numel, block_elems):
             blocks.append(_bf16_block(elems[start:start + block_elems], version, pairs))
@@ -248,8 +256,8 @@ def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *, bf16_block_ele
     """The snapshot object of `named` (name, tensor) pairs, as chunks in order: memory holds one
     tensor's output at a time. Names must be unique (ValueError otherwise, before the index).
     `bf16_block_elems` (1 to 2**21) is for tests and vectors: decoders take any block size.
-    `version` 1 or 2 writes an older format (BF16 blocks of kind 2, or 3), for readers that predate
-    v2 or v3. `pairs` "always" (tests and vectors) writes kind 4 wherever a block allows it,
+    `version` 1, 2 or 3 writes an older format (BF16 blocks of kind 2, or 3; F16 through zstd), for
+    readers that predate v2, v3 or v4. `pairs` "always" (tests and vectors) writes kind 4 wherever a block allows it,
     rather than where it pays (`_bf16_block`)."""
     if not 1 <= bf16_block_elems <= MAX_BLOCK_BYTES // 2:
         raise ValueError(f"bf16_block_elems {bf16_block_elems} is not in 1..{MAX_BLOCK_BYTES // 2}")
@@ -668,7 +676,8 @@ def _fault(src: _Source, head: _Head, buf: np.ndarray, block: int, code: int, va
         return f"block {block}: {value} stored bytes for {n * head.dt.itemsize}"
     if code == R.F_KIND:
         defined = (f"in a version {src.version} object" if kind in (KIND_BF16_GROUPS, KIND_BF16_PAIRS)
-                   and head.dt is tensors.BF16 else f"for {head.dt.name}")
+                   and exponent_coded(head.dt, src.version) else f"for {head.dt.name}"
+                   + (f" in a version {src.version} object" if head.dt is tensors.F16 else ""))
         return f"block {block}: kind {kind} is not defined {defined}"
     if code == R.F_RESIDUAL_SIZE:
         reason = f"residual plane of {value} bytes for {n} elements"
@@ -702,7 +711,7 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
         raise src.error(f"no memory for {head.numel} elements", head.name) from None
     raw = out.view(np.uint8)
     isz = dt.itemsize
-    bf16 = dt is tensors.BF16
+    bf16 = exponent_coded(dt, src.version)  # the BF16 block kinds are defined for this record
     native = tables.functions.size != 0
     header = np.frombuffer(hashing.header_bytes(dt.name, head.shape), np.uint8) if native else _NO_BYTES
     expected = np.frombuffer(head.digest, np.uint8) if tables.finish else _NO_BYTES

@@ -376,22 +376,42 @@ def snapshot_v3(rng):
     }
 
 
+def snapshot_f16(rng):
+    """Version 4: F16 records in the BF16 block kinds (their 16-bit patterns coded as BF16's), written with
+    `pairs="always"`: F16 weights over three blocks of 1025 elements (kind 4, each ending on a half pair),
+    zeros (one pair code, a zstd-coded residual plane), special F16 patterns and random bits (kind 0); a BF16
+    tensor and an F32 one beside them."""
+    w = lambda n: weights(rng, (n,), 0.5).float().to(torch.float16)  # noqa: E731
+    return {
+        "weights": w(3067),
+        "zeros": torch.zeros(3000, dtype=torch.float16),
+        "specials": f16(bf16(F16_SPECIALS, (len(F16_SPECIALS),))),
+        "noise": random_bits(torch.float16, (300,), rng),
+        "bf16": weights(rng, (1025,)),
+        "f32.zeros": torch.zeros(512, dtype=torch.float32),
+    }
+
+
 # (name, builder, seed, bf16_block_elems, snapshot format version, pairs)
 SNAPSHOT_VECTORS = [
     ("snapshot-bf16", snapshot_bf16, 707, 1024, 1, "auto"),
     ("snapshot-dtypes", snapshot_dtypes, 808, 1 << 18, 1, "auto"),
     ("snapshot-v2", snapshot_v2, 909, 1024, 2, "auto"),
     ("snapshot-v3", snapshot_v3, 1010, 1025, 3, "always"),
+    ("snapshot-f16", snapshot_f16, 1111, 1025, 4, "always"),
 ]
 
 
-def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
-    """docs/vectors/codec/snapshot-*/{tensors.safetensors, snapshot.drsn}; their index.json rows."""
-    existing = [name for name, *_ in SNAPSHOT_VECTORS if (out / name).exists()]
+def make_snapshots(out: Path, overwrite: bool, only: list[str] | None = None,
+                   kept: list[dict] | None = None) -> list[dict]:
+    """docs/vectors/codec/snapshot-*/{tensors.safetensors, snapshot.drsn}; their index.json rows (`only`: those
+    named, the rows `kept` standing for the others)."""
+    chosen = [v for v in SNAPSHOT_VECTORS if only is None or v[0] in only]
+    existing = [name for name, *_ in chosen if (out / name).exists()]
     if existing and not overwrite:
         raise SystemExit(f"{out}: vectors {', '.join(existing)} exist; pass --overwrite to replace them")
-    rows = []
-    for name, build, seed, block, version, pairs in SNAPSHOT_VECTORS:
+    rows = [r for r in kept or [] if only is not None and r["name"] not in only]
+    for name, build, seed, block, version, pairs in chosen:
         d = out / name
         if d.exists():
             shutil.rmtree(d)
@@ -417,7 +437,8 @@ def make_snapshots(out: Path, overwrite: bool) -> list[dict]:
                      "sha256": {f: hashlib.sha256((d / f).read_bytes()).hexdigest()
                                 for f in ("tensors.safetensors", "snapshot.drsn")}})
         print(f"{name}: {len(blob)} bytes, kinds " + ", ".join(f"{k or '(empty)'}={v}" for k, v in kinds.items()))
-    return rows
+    order = [v[0] for v in SNAPSHOT_VECTORS]
+    return sorted(rows, key=lambda r: order.index(r["name"]))
 
 
 def snapshot_kinds(blob: bytes) -> dict[str, list]:
@@ -547,12 +568,15 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", metavar="NAME",
                     help="write only these payload vectors (index.json's other rows, snapshots included, are kept)")
     args = ap.parse_args()
-    if args.snapshots_only:
+    payload_only = None if args.only is None else [n for n in args.only if not n.startswith("snapshot-")]
+    snapshot_only = None if args.only is None else [n for n in args.only if n.startswith("snapshot-")]
+    if args.snapshots_only or payload_only == []:
         index = json.loads((args.out / "index.json").read_text())
     else:
-        index = make(args.out, args.overwrite, args.only)
-    if args.only is None:
-        index["snapshot_vectors"] = make_snapshots(args.out, args.overwrite)
+        index = make(args.out, args.overwrite, payload_only)
+    if snapshot_only is None or snapshot_only:
+        index["snapshot_vectors"] = make_snapshots(args.out, args.overwrite, snapshot_only,
+                                                   index.get("snapshot_vectors"))
     (args.out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
 
 

@@ -488,7 +488,7 @@ def test_snapshot_vector_decodes_bit_for_bit_and_reencodes(name):
 def test_snapshot_vectors_cover_every_block_kind():
     kinds = {str(k) for v in SNAPSHOTS.values() for t in v["tensors"].values() for k in t["block_kinds"]}
     assert kinds == {"0", "1", "2", "2+zstd", "3", "3+zstd", "4", "4+zstd"}
-    assert {v["snapshot_version"] for v in SNAPSHOTS.values()} == {1, 2, 3}  # every version still decodes
+    assert {v["snapshot_version"] for v in SNAPSHOTS.values()} == {1, 2, 3, 4}  # every version still decodes
     assert any(len(t["block_kinds"]) > 1 for v in SNAPSHOTS.values() for t in v["tensors"].values())
 
 
@@ -514,5 +514,6 @@ def test_snapshot_vector_with_a_flipped_byte_is_refused_or_harmless(name):
         data[i] ^= 0x5A
     # snapshot-bf16's, -v2's and -v3's three one-exponent (one-pair) blocks: spare symbol (spare
     # code's gap), frame descriptor; their F32 zstd block and -v3's zstd residual of "spread":
-    # its frame descriptor
-    assert harmless <= 8
+    # its frame descriptor. snapshot-f16 has six blocks with a zstd residual (three of them one-pair
+    # blocks) and an F32 zstd block
+    assert harmless <= (12 if name == "snapshot-f16" else 8), harmless
