@@ -96,6 +96,28 @@ def _time(obj: dict, key: str, where: str, nullable: bool = False) -> Any:
     return float(value)
 
 
+def _flat(state: Any) -> Any:
+    """An engine state() with its nested objects flattened to dotted fields (`last_stage.tensors`) and long
+    strings cut at 256 characters: what the ledger's engine entry holds (PROTOCOL §9.1). A list is kept
+    as its JSON text."""
+    if not isinstance(state, dict):
+        return state
+    out: dict[str, Any] = {}
+
+    def put(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                put(f"{key}.{k}", v)
+        elif isinstance(value, list):
+            out[key] = json.dumps(value)[:256]
+        else:
+            out[key] = value[:256] if isinstance(value, str) else value
+
+    for k, v in state.items():
+        put(str(k), v)
+    return out
+
+
 def _engine(value: Any, where: str) -> dict | None:
     if value is None:
         return None
@@ -274,7 +296,7 @@ class FleetReporter:
         engine = None
         try:
             engine = w._engine_state()
-            engine = None if engine is None else _engine(json.loads(json.dumps(engine, default=str)), "engine")
+            engine = None if engine is None else _engine(_flat(json.loads(json.dumps(engine, default=str))), "engine")
         except Exception as exc:  # noqa: BLE001 - an engine's report must never stop the host's
             engine = {"error": f"{type(exc).__name__}: {exc}"[:256]}
         err = w.last_error

@@ -433,3 +433,48 @@ def test_a_new_step_does_not_wait_out_a_refused_step_s_backoff(tmp_path, monkeyp
         finally:
             w.stop()
             runner.join(timeout=30)
+
+
+def test_vllm_engine_reports_a_call_that_never_returns_as_stuck(tmp_path):
+    """vLLM's engine client has no timeout: a dead engine core holds a stage forever. state() says "updating" at
+    first, then "stuck" (naming the call) once it has run for stuck_after seconds, and "serving" again after."""
+    llm = OneCallAtATimeLLM(rpc_s=0.0)
+    engine = VLLMEngine(llm, stuck_after=0.3)
+    engine.stage(Update(0, "r", {}, tmp_path, None))
+    engine.commit(0)
+    llm.rpc_s = 0.8
+    stager = threading.Thread(target=engine.stage, args=(Update(1, "r", {}, tmp_path, frozenset({"a"})),))
+    stager.start()
+    try:
+        time.sleep(0.1)
+        assert engine.state()["status"] == "updating"
+        time.sleep(0.4)
+        st = engine.state()
+        assert st["status"] == "stuck" and "deltarelay_stage has run for" in st["last_error"], st
+        assert st["weight_version"] == "0" and st["step"] == 0
+    finally:
+        stager.join()
+    st = engine.state()
+    assert st["status"] == "serving" and st["last_error"] is None and not llm.overlaps
+    with pytest.raises(ValueError, match="stuck_after"):
+        VLLMEngine(llm, stuck_after=0)
+
+
+def test_fleet_ledger_records_a_vllm_engine_s_state(tmp_path):
+    """The ledger's engine entry holds scalars only (PROTOCOL §9.1); VLLMEngine's state() nests its last stage, which
+    made every report an error ("engine.last_stage: ... got dict") instead of the engine's state. Nested fields
+    are flattened to dotted names, and the entry parses back."""
+    from relay import fleet
+
+    url = (tmp_path / "store").as_uri()
+    engine = VLLMEngine(ScriptedLLM())
+    with Publisher(url, background=False, snapshot_every=100) as pub, \
+            Watcher(url, tmp_path / "dest", engine=engine, host="h1") as w:
+        pub.publish(Trainer(seed=12).state(), 0)
+        assert w.sync() == 0
+        report = w.fleet.snapshot()
+        assert report.engine is not None and "error" not in report.engine, report.engine
+        assert report.engine["status"] == "serving" and report.engine["weight_version"] == "0"
+        assert report.engine["last_stage.tensors"] == 1
+        again = fleet.HostReport.parse(report.to_bytes(), "fleet/hosts/h1.json")
+        assert again.engine == report.engine

@@ -297,6 +297,10 @@ class _Driver:
         another thread's call: what state() reports from. A transport that takes concurrent calls asks."""
         return self.weight_version(), True
 
+    def _busy_status(self) -> tuple[str, str | None]:
+        """state()'s status while another thread's call is in flight, and what to report as its error."""
+        return "updating", None
+
     # -- relay.engines.Engine --------------------------------------------------------------------
     def stage(self, update: Update) -> None:
         whole = self.step is None or update.changed is None  # the engine's step unknown: everything moves
@@ -365,6 +369,7 @@ class _Driver:
                 log.warning("vLLM engine: dropping the staged step failed: %s", exc)
 
     def state(self) -> dict[str, Any]:
+        note = None
         try:
             if self._lock.acquire(blocking=False):
                 try:
@@ -372,18 +377,20 @@ class _Driver:
                     if asked and self.step is not None and version != str(self.step):
                         self._forget("lost", f"the engine carries weight version {version!r}, not step {self.step} "
                                              f"(restarted, or relabelled): its next update is whole")
-                    status = ("paused" if self._must_resume else self.status) if asked else "updating"
+                    status = "paused" if self._must_resume else self.status
                 finally:
                     self._lock.release()
             else:  # a commit is under way (another thread): report, check the version next time
                 (version, asked), status = self._version_if_free(), "updating"
-            if not asked and self.step is not None:
-                version = str(self.step)  # not asked (a call in flight): the version it was last known to carry
+            if not asked:
+                status, note = self._busy_status()
+                if self.step is not None:
+                    version = str(self.step)  # not asked (a call in flight): the version it was last known to carry
         except Exception as exc:  # noqa: BLE001 - the ledger shows an unreachable engine, it does not fail
             version, status, self.last_error = None, "unreachable", str(exc)
         return {"kind": self.kind, "step": self.step, "weight_version": version, "status": status,
                 "last_pause_s": self.last_pause_s, "last_apply_s": self.last_apply_s,
-                "last_stage": self.last_stage, "last_error": self.last_error}
+                "last_stage": self.last_stage, "last_error": note or self.last_error}
 
     def _forget(self, status: str, error: str) -> None:
         """The engine's weights are no longer known to be a step's: the next update is whole."""
@@ -409,15 +416,37 @@ class VLLMEngine(_Driver):
     interleave their frames; the core's input thread dies on the garbled message and every later
     call waits forever. A watcher calls from two threads (its sync, and the fleet heartbeat's
     state()), so every call here holds one lock, and state() never waits for it: while a stage or
-    commit is in flight it reports the version last known, with status "updating"."""
+    commit is in flight it reports the version last known, with status "updating", or "stuck" once
+    that call has run for `stuck_after` seconds (vLLM's client has no timeout to give up with: a dead
+    engine core holds the call forever, and the fleet ledger then says so)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, *, stuck_after: float = 900.0) -> None:
         super().__init__()
+        if stuck_after <= 0:
+            raise ValueError(f"stuck_after must be positive, got {stuck_after}")
         self.llm = llm
+        self.stuck_after = stuck_after
         self._calls = threading.Lock()  # one call into the LLM at a time (see the class docstring)
+        self._in_flight: tuple[str, float] | None = None  # the call holding _calls, and since when
+
+    @contextmanager
+    def _call(self, what: str) -> Iterator[None]:
+        with self._calls:
+            self._in_flight = (what, time.monotonic())
+            try:
+                yield
+            finally:
+                self._in_flight = None
+
+    def _busy_status(self) -> tuple[str, str | None]:
+        flight = self._in_flight
+        if flight is None or time.monotonic() - flight[1] < self.stuck_after:
+            return "updating", None
+        return "stuck", (f"{flight[0]} has run for {time.monotonic() - flight[1]:.0f} s without an answer (the "
+                         f"engine core may be dead: restart the engine)")
 
     def _rpc(self, method: str, *args: str) -> list[Any]:
-        with self._calls:
+        with self._call(method):
             return self.llm.collective_rpc(method, args=args)
 
     def _pause(self) -> None:
@@ -427,15 +456,15 @@ class VLLMEngine(_Driver):
         pass
 
     def _set_version(self, version: str) -> None:
-        with self._calls:
+        with self._call("set_weight_version"):
             self.llm.llm_engine.set_weight_version(version)
 
     def _reset_prefix_cache(self) -> None:
-        with self._calls:
+        with self._call("reset_prefix_cache"):
             self.llm.reset_prefix_cache()
 
     def weight_version(self) -> str | None:
-        with self._calls:
+        with self._call("get_weight_version"):
             return self.llm.llm_engine.get_weight_version()
 
     def _version_if_free(self) -> tuple[str | None, bool]:
