@@ -109,8 +109,8 @@ def part_targets(part: Part, tensors: Mapping[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
-    """The row ranges a snapshot file's safetensors metadata gives its slices ({} for whole tensors)."""
+def _header(data: bytes, ref: ObjRef) -> dict:
+    """A safetensors file's JSON header, parsed from its bytes; ShardError naming the file if it has none."""
     where = ref.key
     if len(data) < 8:
         raise ShardError([ref], f"{where}: not a safetensors file (shorter than its header size)")
@@ -119,10 +119,16 @@ def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
         raise ShardError([ref], f"{where}: not a safetensors file (header of {n} bytes)")
     try:
         header = json.loads(bytes(data[8:8 + n]))
-        meta = header.get("__metadata__") or {}
-    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
-        raise ShardError([ref], f"{where}: unreadable safetensors metadata ({type(exc).__name__}: {exc})") from None
-    return metadata_rows(meta, ref)
+    except (ValueError, RecursionError) as exc:
+        raise ShardError([ref], f"{where}: unreadable safetensors header ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise ShardError([ref], f"{where}: unreadable safetensors header (not an object)")
+    return header
+
+
+def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
+    """The row ranges a snapshot file's safetensors metadata gives its slices ({} for whole tensors)."""
+    return metadata_rows(_header(data, ref).get("__metadata__") or {}, ref)
 
 
 def file_names(data: bytes, ref: ObjRef) -> set[str]:
@@ -133,16 +139,7 @@ def file_names(data: bytes, ref: ObjRef) -> set[str]:
             return {e.name for e in codec.read_snapshot_index(bytes(data), where=ref.key)}
         except codec.SnapshotError as exc:
             raise ShardError([ref], f"not a snapshot file ({exc})") from None
-    if len(data) < 8:
-        raise ShardError([ref], f"{ref.key}: not a safetensors file (shorter than its header size)")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(len(data) - 8, MAX_HEADER_BYTES):
-        raise ShardError([ref], f"{ref.key}: not a safetensors file (header of {n} bytes)")
-    try:
-        header = json.loads(bytes(data[8:8 + n]))
-        return {k for k in header if k != "__metadata__"}
-    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
-        raise ShardError([ref], f"{ref.key}: unreadable safetensors header ({type(exc).__name__}: {exc})") from None
+    return {k for k in _header(data, ref) if k != "__metadata__"}
 
 
 def metadata_rows(meta: Any, ref: ObjRef) -> dict[str, tuple[int, int]]:

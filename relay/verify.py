@@ -84,6 +84,7 @@ class _Checker:
         self.bad: set[str] = set()  # keys missing or not matching their reference
         self.records: dict[int, Record] = {}
         self.regional_indexes: dict[int, bytes] = {}  # a region's own snapshots' indexes, checked against records
+        self.indexes: dict[str, bytes] = {}  # every snapshot index the shallow check read, by key (deep maps files)
         self._lock = threading.Lock()
 
     def problem(self, text: str) -> None:
@@ -155,8 +156,9 @@ class _Checker:
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             self._bad(ref.key, f"{ref.key}: not a safetensors index ({type(exc).__name__}: {exc})")
             return
-        if announce.is_regional(snap):
-            with self._lock:
+        with self._lock:
+            self.indexes[ref.key] = data
+            if announce.is_regional(snap):
                 self.regional_indexes[snap.step] = data
         listed = {f.key.rsplit("/", 1)[1] for f in snap.files}
         if files != listed:
@@ -218,8 +220,8 @@ class _Checker:
     def _check_index_map(self, snap: Any, files: list[tuple[ObjRef, bytes]]) -> None:
         """Each file holds exactly the tensors the snapshot's index maps to it: a partial replica fetches only
         the files its tensors map to, so a wrong map starves it though every file is sound."""
-        data = self.fetch(snap.index)
-        if data is None:
+        data = self.indexes.get(snap.index.key)
+        if data is None:  # missing, corrupt or no index: the shallow check reported it
             return
         try:
             mapped = shards.index_files(data, snap)
