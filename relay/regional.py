@@ -290,6 +290,8 @@ class Materialiser:
         if step in have:
             return False
         newest = max(have, default=None)
+        if newest is not None and step < newest:  # a newer one serves every reader; announcing is refused anyway
+            return False
         origin = {s.step for s in m.snapshots}
         if step in origin:
             return True
@@ -309,15 +311,29 @@ class Materialiser:
                             f"(tensors {bad[:5]}); dropped the held state")
         snap = write_snapshot(self.store, rec.step, tensors, rec, self.workers)
         run, keep, keeps = m.run, self.keep, self.origin_snapshots
+        overtaken: list[int] = []
 
         def add(cur: Announcement | None) -> Announcement | None:
+            overtaken.clear()
             base = cur if cur is not None and cur.run == run else Announcement(run, keeps)
             if base.snapshot(snap.step) == snap and base.origin_snapshots == keeps:
+                return None
+            newer = [s.step for s in base.snapshots if s.step > snap.step]
+            if newer:
+                # Another materialiser announced a newer snapshot while we wrote this one, and a collect since
+                # may have deleted our files (unnamed, below the newest): announcing now could name objects
+                # the region lacks (PROTOCOL §8.1 item 4).
+                overtaken.append(max(newer))
                 return None
             snaps = sorted([s for s in base.snapshots if s.step != snap.step] + [snap], key=lambda s: s.step)
             return Announcement(run, keeps, tuple(snaps[-keep:]))
 
         self._announced = announce.update_announcement(self.store, add)
+        if overtaken:
+            log.info("%s: step %d's snapshot not announced: step %d's was announced while it was written; its "
+                     "objects are left to the regional gc", self.store.url, snap.step, overtaken[0])
+            announce.collect(self.store, keep)
+            return
         self.snapshots_written += 1
         self.bytes_written += snap.bytes
         log.info("%s: regional snapshot of step %d written and announced (%d bytes)", self.store.url, snap.step,

@@ -25,7 +25,7 @@ from relay.manifest import Manifest, ObjRef, Record, with_blake3
 from relay.publisher import Publisher
 from relay.regional import Materialiser, write_snapshot
 from relay.signing import generate_keypair
-from relay.store import Store, open_store
+from relay.store import LocalStore, Store, open_store
 from relay.verify import verify
 from relay.watcher import Reader, SyncError, SyncTimeout, Watcher
 
@@ -538,3 +538,53 @@ def test_verify_deep_rebuilds_every_snapshot_of_a_step(tmp_path, trainer):
     assert not report.ok and any("step 9: the snapshot does not match the trainer's record" in p
                                  for p in report.problems), report.problems
     assert report.steps_rebuilt == len(Manifest.parse(run.dst.read_manifest().data).steps)  # the region's path holds
+
+
+class _AfterFirstFile(LocalStore):
+    """A real local store that runs `hook` once, right after the first object under `prefix` is written."""
+
+    def __init__(self, url: str, root: str, prefix: str, hook) -> None:
+        super().__init__(url, root)
+        self.prefix, self.hook = prefix, hook
+
+    def put_new_stream(self, key, chunks, size, *, xxh3=None) -> None:  # type: ignore[no-untyped-def]
+        super().put_new_stream(key, chunks, size, xxh3=xxh3)
+        if key.startswith(self.prefix) and self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+
+
+def test_a_lagging_materialiser_never_announces_a_snapshot_a_collect_deleted(tmp_path, trainer, bits_equal):
+    """Two materialisers on one region and an operator's gc. The lagging one writes its snapshot of step 6;
+    meanwhile the other announces 9 and gc (keep 1) deletes every regional object no announced snapshot names
+    at or below 9, the lagging one's files among them. It must not announce 6 then: the announcement would
+    name objects the region lacks. Its leftovers are collected, and readers start from 9."""
+    run = start_run(tmp_path, trainer, "two")
+    run.publish(range(4))  # trainer snapshots 0, 3
+    lead = Materialiser(run.region, tmp_path / "lead", bootstrap_from=run.origin, keep=2)
+
+    def overtaken() -> None:
+        run.publish(range(7, 10))  # trainer snapshot 9
+        assert lead.sync_once(timeout=60)
+        assert [s.step for s in read_announcement(run.dst)[0].snapshots][-1] == 9
+        ops.gc(run.region, 1, regional_only=True)
+
+    root = tmp_path / "two-region"
+    lagging = Materialiser(_AfterFirstFile(run.region, str(root), "regional/snapshots/6/", overtaken),
+                           tmp_path / "lag", bootstrap_from=run.origin, keep=2)
+    assert lagging.sync_once(timeout=60)  # bootstraps at 3 and announces it
+    run.publish(range(4, 7))  # trainer snapshot 6; the lead materialises only once overtaken() runs
+    lagging.sync_once(timeout=60)  # reaches 6, writes its snapshot; overtaken meanwhile; then reaches 9
+    ann = read_announcement(run.dst)[0]
+    held = run.dst.list("regional/")
+    for snap in ann.snapshots:
+        for ref in (snap.index, *snap.files):
+            assert held.get(ref.key) == ref.size, f"announced {snap.step} names {ref.key}, the region lacks it"
+    assert 6 not in [s.step for s in ann.snapshots] and ann.snapshots[-1].step == 9
+    ops.gc(run.region, 1, regional_only=True)
+    assert not run.dst.list("regional/snapshots/6/")  # the leftovers of the refused announcement
+    assert verify(run.region, deep=True).ok
+    with Watcher(run.region, tmp_path / "dest") as w:
+        assert w.sync(timeout=30) == 9 and bits_equal(w.tensors, run.states[9])
+    lead.close()
+    lagging.close()
