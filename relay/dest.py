@@ -15,6 +15,7 @@ streams a version's head into a plain shard directory for tools that need files.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -55,9 +56,20 @@ def read_state(version: Path) -> DestState:
         raise BadVersion(f"{STATE_NAME} is not valid ({exc})") from None
 
 
+def _not_a_link(path: Path, exc: OSError) -> None:
+    """Raise BadVersion when `exc` is O_NOFOLLOW meeting a symlink: the watcher writes only regular files in a
+    version, so a link there proves the version is not its own (deleting it unlinks the link, never its target)."""
+    if exc.errno == errno.ELOOP:
+        raise BadVersion(f"{path.name} is a symlink, not a file the watcher wrote") from None
+
+
 def _read_small(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
     """A small file's bytes (no links followed), refused over `limit` before it is read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        _not_a_link(path, exc)
+        raise
     with os.fdopen(fd, "rb") as f:
         if os.fstat(f.fileno()).st_size > limit:
             raise BadVersion(f"{path.name}: over {limit} bytes")
@@ -89,6 +101,9 @@ def load_base(version: Path, expected: dict[str, TensorInfo]) -> dict[str, torch
             raise BadVersion(f"missing file ({exc})") from None
         except checkpoint.SafetensorsError as exc:
             raise BadVersion(f"unreadable shard ({exc})") from None
+        except OSError as exc:
+            _not_a_link(version / shard, exc)
+            raise
         if set(part) != {k for k, s in wm.items() if s == shard}:
             raise BadVersion(f"{shard} holds other tensors than the index places there")
         tensors.update(part)
@@ -202,9 +217,11 @@ def open_head(dest: str | os.PathLike, *, workers: int = 1, attempts: int = 20) 
         try:
             state, tensors = load_version(version, workers=workers)
         except BadVersion:
-            if version.exists():
+            if current_version(dest) == version:
                 raise
-            continue  # superseded under the read: resolve again
+            # superseded under the read (the watcher removes the old version right after a swap, its files
+            # before the directory itself): resolve again
+            continue
         return state.step, tensors
     raise DestError(f"{dest}: the version kept vanishing under the read ({attempts} attempts)")
 
@@ -243,8 +260,12 @@ def materialize_into(version: Path, state: DestState, out: Path, *, workers: int
                         state.base, base_tensors, journal)
     wm = weight_map(version, set(base_tensors))
     for shard in sorted(set(wm.values())):
-        with checkpoint.SafetensorsFile(version / shard) as src, \
-                checkpoint.StreamedWriter(out / shard, src.spans, {"step": str(partial.step)}) as dst:
+        try:
+            source = checkpoint.SafetensorsFile(version / shard)
+        except OSError as exc:
+            _not_a_link(version / shard, exc)
+            raise
+        with source as src, checkpoint.StreamedWriter(out / shard, src.spans, {"step": str(partial.step)}) as dst:
             if {s.name for s in src.spans} != {k for k, f in wm.items() if f == shard}:
                 raise BadVersion(f"{shard} holds other tensors than the index places there")
             for group in _batches(src.spans, STREAM_BYTES):
@@ -287,8 +308,8 @@ def materialize(dest: str | os.PathLike, out: str | os.PathLike, *, workers: int
             fsync_dir(target.parent)
             return state.step
         except (BadVersion, FileNotFoundError):
-            if version.exists():
-                raise
+            if current_version(dest) == version:
+                raise  # still DEST's version: damaged, not superseded
         finally:
             if tmp.exists():
                 import shutil

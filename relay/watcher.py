@@ -1095,6 +1095,9 @@ class Watcher:
         for pattern in _TMP_PATTERNS:
             for p in self.dest.glob(pattern):
                 _remove_entry(p)
+        if keep is not None:  # a state file's temporary (a crash inside _commit_state, before its rename)
+            for p in (versions / keep).glob(f".{STATE_NAME}.*.tmp"):
+                _remove_entry(p)
         shown = None
         if keep is not None and self._state is not None:
             journal = self._state.persist == "journal"
@@ -1107,12 +1110,18 @@ class Watcher:
         written but not committed (a crash, a failed persist). Never follows a link."""
         state = dest_mod.read_state(version)
         journal = version / JOURNAL_DIR
-        if state.persist != "journal" or not os.path.lexists(journal):
+        if state.persist != "journal":
             return
-        if journal.is_symlink() or not journal.is_dir():
+        if os.path.lexists(journal) and (journal.is_symlink() or not journal.is_dir()):
             _remove_entry(journal)
             if state.journal:
                 raise dest_mod.BadVersion(f"{JOURNAL_DIR} is not a directory")
+        if not os.path.lexists(journal):
+            if state.journal:
+                return  # its entries are missing: loading the version proves it bad
+            # empty, and gone (a copy of DEST that skips empty directories): made again, or no step could append
+            journal.mkdir()
+            fsync_dir(version)
             return
         named = {e.file for e in state.journal}
         for f in journal.iterdir():
@@ -1161,7 +1170,7 @@ class Watcher:
         """The names DEST shows for a version: its files (full mode), or the state file alone (journal)."""
         return [STATE_NAME] if journal else sorted(f.name for f in version.iterdir() if not f.is_dir())
 
-    def _link_visible(self, version: Path, strict: bool = True, journal: bool = False) -> None:
+    def _link_visible(self, version: Path, strict: bool = True, journal: bool = False, create: bool = True) -> None:
         """Make each visible name of `version` exactly the link the watcher creates: .current/<name>.
 
         Visible are the version's files (full mode) or relay-state.json alone (journal mode: the base's
@@ -1169,6 +1178,7 @@ class Watcher:
         it). A missing name is created; a symlink pointing anywhere else (a Hugging Face hub download links
         into its blob cache) is replaced atomically (temporary link + rename), its target never touched; a
         name that is not a symlink stops the update (SyncError) when `strict`, else it is only logged.
+        Without `create`, only that check is made.
         """
         names = self._visible_names(version, journal)
         for name in names:
@@ -1178,6 +1188,8 @@ class Watcher:
                 if strict:
                     raise SyncError(message)
                 log.warning("%s; readers of this name do not see the held step", message)
+        if not create:
+            return
         for name in names:
             link = self.dest / name
             want = os.path.join(".current", name)
@@ -1215,7 +1227,8 @@ class Watcher:
         with self._dest_lock:
             if (self.persist == "journal" and in_place and trail.parts and self._version is not None
                     and self._state is not None and self._state.persist == "journal"
-                    and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)):
+                    and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)
+                    and self._journal_takes_appends(self._version, self._state)):
                 self._append_journal(m, rec, trail)
                 return
             versions = self._versions_dir()
@@ -1278,19 +1291,38 @@ class Watcher:
         final = versions / name
         os.rename(tmp, final)
         fsync_dir(versions)
-        self._link_visible(final, journal=journal)  # visible names: symlinks through .current (dangling until the swap)
+        # Visible names are symlinks through .current, dangling until the swap. Except when the held version
+        # is a journal one: .current then leads into its base, an older step's safetensors under the very
+        # names a full version shows, so a full version's links would show that step at once (and keep
+        # showing it if the swap failed). Those are made after the swap; before it, only checked.
+        after = not journal and self._state is not None and self._state.persist == "journal"
+        self._link_visible(final, journal=journal, create=not after)
         if journal:  # links to a full version's shards must be gone before .current can lead into a base
             self._drop_dangling([STATE_NAME], dangling=False)
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
-        fsync_dir(self.dest)
         self._state, self._version = state, final
-        self._drop_dangling(self._visible_names(final, journal))
         engine_version = None if self._engine_version is None else self._engine_version.name
-        for v in versions.iterdir():
-            if v.name not in (name, self._compacting, engine_version):
+        self._after_swap(final, journal, lambda: [v for v in versions.iterdir()
+                                                  if v.name not in (name, self._compacting, engine_version)],
+                         link=after)
+
+    def _after_swap(self, version: Path, journal: bool, old: Callable[[], list[Path]], link: bool = False) -> None:
+        """After a .current swap, the commit point: fsync DEST, make the visible names `version`'s (`link`: create
+        them now), drop the others, remove the `old` versions. The step is DEST's already, so a failure here
+        is logged, never raised: raising would make the caller undo a step DEST shows (or keep appending to
+        a version .current no longer names). What it leaves, the next swap or a restart tidies."""
+        try:
+            fsync_dir(self.dest)
+            if link:
+                self._link_visible(version, strict=False, journal=journal)
+            self._drop_dangling(self._visible_names(version, journal))
+            for v in old():
                 _remove_entry(v)
+        except OSError as exc:
+            log.warning("%s: step %s committed, but tidying after the swap failed (%s); the next swap or a restart "
+                        "finishes it", self.dest, None if self._state is None else self._state.step, exc)
 
     def _write_journal_file(self, version: Path, s: Step, part: Part, data: bytes) -> JournalEntry:
         """Write one verified payload as version/journal/<step>-<part>.drd (temporary, fsync, rename)."""
@@ -1302,6 +1334,20 @@ class Watcher:
                 f.flush()
                 os.fsync(f.fileno())
         return JournalEntry(s.step, file, len(data), xxhash.xxh3_128_hexdigest(data), part.tensors)
+
+    def _journal_takes_appends(self, version: Path, state: DestState) -> bool:
+        """Whether the held journal version's journal/ is the watcher's directory. An empty one that went
+        missing is made again; a link, a non-directory, or a directory gone with the entries it held is not
+        appended to: the step is persisted as a new version (a base written from memory) instead."""
+        journal = version / JOURNAL_DIR
+        if not os.path.lexists(journal) and not state.journal:
+            journal.mkdir()
+            fsync_dir(version)
+        if journal.is_symlink() or not journal.is_dir():
+            log.warning("%s: %s is not the watcher's journal directory; writing step as a new version", self.dest,
+                        journal)
+            return False
+        return True
 
     def _append_journal(self, m: Manifest, rec: Record, trail: Trail) -> None:
         """Journal mode, a chain applied to the held state: write the steps' payloads into the held version's
@@ -1445,10 +1491,8 @@ class Watcher:
         swap = self.dest / f".current.tmp-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join(".versions", name), swap)
         os.replace(swap, self.dest / ".current")  # the commit point
-        fsync_dir(self.dest)
         self._state, self._version = state, final
-        self._drop_dangling([STATE_NAME])
-        _remove_entry(version)
+        self._after_swap(final, True, lambda: [version])
         log.info("%s: compacted: base is now step %d (%d journal entries carried over)", self.dest, base.step,
                  len(extra))
         return True

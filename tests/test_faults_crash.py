@@ -98,7 +98,7 @@ COMPACTION_KILL_POINTS = [
     ("compaction: rename of the new version", "c_call", "rename", "_swap_compacted", 1, "new"),
     ("compaction: just before the .current swap", "c_call", "replace", "_swap_compacted", 1, "new"),
     ("compaction: just after the .current swap", "c_return", "replace", "_swap_compacted", 1, "new"),
-    ("compaction: removing the old version", "call", "_remove_entry", "_swap_compacted", 1, "new"),
+    ("compaction: removing the old version", "call", "_remove_entry", "_after_swap", 1, "new"),
 ]
 
 
