@@ -51,7 +51,7 @@ lint: venv
 demo: venv-demo
 	$(PY) -m relay.cli demo --chart out/demo.png
 
-CORPORA := fp32-lr1e-6 fp32-lr5e-6-wd bf16-lr3e-6 fp32-lr1e-6-grpo-b95-wd fp32-lr1e-6-untied-subvocab fp32-lr1e-6-4step
+CORPORA := fp32-lr1e-6 fp32-lr5e-6-wd bf16-lr3e-6 fp32-lr1e-6-grpo-b95-wd fp32-lr1e-6-untied-subvocab fp32-lr1e-6-4step fp32-lr1e-6-f16
 corpora: venv-demo
 	for r in $(CORPORA); do $(PY) scripts/make_corpus.py --regime $$r --steps 6 --out corpus/minilm-$$r --overwrite || exit 1; done
 

@@ -303,7 +303,7 @@ def _bench_corpus(directory: Path, repeat: int, pairs: int | None, slow: bool, l
     bound_bytes = med([b["bytes"] for b in bounds])
     bound_row = {
         "key": "bound", "method": "entropy bound (mask|exponent + ULP step)", "bytes": bound_bytes,
-        "percent": med([b["percent_of_bf16"] for b in bounds]),
+        "percent": med([b["percent"] for b in bounds]),
         "bytes_per_changed": med([b["bits_per_changed"] / 8 for b in bounds]),
         "vs_arcv3": bound_bytes / ref["bytes"], "vs_bound": 1.0,
         "mask_bits_per_changed": med([b["mask_bits_per_changed"] for b in bounds]),

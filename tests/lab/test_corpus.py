@@ -1,5 +1,5 @@
-"""relay.lab.corpus (scripts/make_corpus.py wraps it) in tiny mode: valid consecutive BF16 snapshots that look
-like RL steps."""
+"""relay.lab.corpus (scripts/make_corpus.py wraps it) in tiny mode: valid consecutive BF16 (or F16) snapshots
+that look like RL steps."""
 
 from __future__ import annotations
 
@@ -62,6 +62,24 @@ def test_pure_bf16_parameters_change_between_snapshots(tmp_path):
     a, b = (load_file(str(tmp_path / f"step_{i:04d}.safetensors")) for i in range(2))
     assert any(not torch.equal(_bits_t(a[k]), _bits_t(b[k])) for k in a if a[k].dtype == torch.bfloat16)
 
+
+
+def test_f16_snapshots_of_the_same_training_change_more_elements(tmp_path):
+    # The same seed and updates, snapshotted in F16: three more mantissa bits make smaller updates
+    # visible, so more elements change than in the BF16 corpus, and the statistics describe F16 bits.
+    for name, regime in (("bf16", "fp32-lr1e-6"), ("f16", "fp32-lr1e-6-f16")):
+        mc.make_corpus(tmp_path / name, regime=regime, steps=1, warmup=1, tiny=True, seed=3)
+    meta = {n: json.loads((tmp_path / n / "corpus.json").read_text()) for n in ("bf16", "f16")}
+    assert meta["f16"]["snapshot"] == "f16" and meta["bf16"]["snapshot"] == "bf16"
+    a, b = (load_file(str(tmp_path / "f16" / f"step_{i:04d}.safetensors")) for i in range(2))
+    assert all(v.dtype == torch.float16 for k, v in a.items() if k != "position_ids")
+    changed = sum(int(np.count_nonzero(_bits(a[k]) != _bits(v))) for k, v in b.items() if v.dtype == torch.float16)
+    pair = meta["f16"]["pairs"][0]
+    assert pair["changed"] == changed and pair["elements16"] == meta["bf16"]["pairs"][0]["elements16"]
+    assert changed > 2 * meta["bf16"]["pairs"][0]["changed"]
+    assert abs(pair["mantissa_only_share"] + pair["exponent_share"] + pair["sign_share"] - 1) < 1e-9
+    with pytest.raises(ValueError, match="snapshot must be"):
+        mc.make_corpus(tmp_path / "x", snapshot="fp8", tiny=True)
 
 def _bits_t(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
