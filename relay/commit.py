@@ -156,6 +156,23 @@ def extend_run(cur: Manifest | None, unsure: bool, *, url: str, run: str, writer
 __all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "UnsignedWriteError", "ATTEMPTS"]
 
 
+def leftovers_message(store: Store, keys: list[str]) -> str:
+    """Why a run cannot start at a prefix that holds objects but no manifest, and what to do."""
+    return (f"{store.url}: no manifest, but the run layout holds {len(keys)} object(s) ({', '.join(keys[:3])}"
+            f"{', ...' if len(keys) > 3 else ''}): a publisher died before its first commit, or another one is "
+            f"starting a run here now. No manifest names them; remove them (every key under records/, deltas/ and "
+            f"snapshots/ of this prefix) before starting a run here, or start it at another prefix")
+
+
+def require_no_leftovers(store: Store) -> None:
+    """Refuse to start a run where objects of the run layout exist without a manifest (ConflictError): their
+    keys collide with the new run's (records/0.json first), and no publisher may replace them, since only a
+    manifest proves whose they are (create_owned). One listing, at start only."""
+    left = sorted(store.list_run())
+    if left:
+        raise ConflictError(leftovers_message(store, left))
+
+
 def create_owned(store: Store, key: str, write: Callable[[], None], *, run: str, writer: str,
                  head: int | None) -> None:
     """Create an immutable object with `write` for a publisher that owns `run` as `writer` at `head`.
@@ -173,7 +190,9 @@ def create_owned(store: Store, key: str, write: Callable[[], None], *, run: str,
             raise
     got = store.read_manifest()
     m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
-    if m is None or m.run != run or m.writer != writer or m.head != head:
+    if m is None:
+        raise ConflictError(leftovers_message(store, [key]))
+    if m.run != run or m.writer != writer or m.head != head:
         raise ConflictError(f"{store.url}/{key}: already exists with other content, and another publisher "
                             f"owns the run (writer {m.writer if m else None}, head {m.head if m else None})")
     log.warning("%s/%s: replacing a leftover of an uncommitted step (a crashed or fenced publisher, or a failed "

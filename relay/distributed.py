@@ -38,7 +38,7 @@ import codec
 from codec.hashing import digest_elements
 from codec.tensors import dtype_of, element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
-from relay.commit import create_owned, extend_run, update_manifest
+from relay.commit import create_owned, extend_run, require_no_leftovers, update_manifest
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, safe_shard_name, sliced_blake3, sliced_digest, snapshot_prefix,
                             tensor_blake3)
@@ -50,7 +50,20 @@ log = logging.getLogger(__name__)
 
 
 class ShardedPublishError(RuntimeError):
-    """A step some rank could not publish (its error, a dead or late rank, a failed commit): not visible."""
+    """A step some rank could not publish (its error, a dead or late rank, a failed commit). `committed`: False
+    when the step is not visible; True when rank 0 committed it but a rank lost the others before all heard
+    (the step is visible, the publisher unusable); None when this rank cannot tell (it stopped waiting while
+    rank 0's commit may still land)."""
+
+    def __init__(self, message: str, committed: bool | None = False) -> None:
+        super().__init__(message)
+        self.committed = committed
+
+
+# The settings every rank must share: each decides from them alike (a snapshot is due, a wait has ended) or
+# writes where they say; a rank that differs would leave the ranks in different collectives, or its
+# objects in another store than the manifest that names them.
+SHARED_SETTINGS = ("store", "snapshot_every", "snapshot_fraction", "keep_snapshots", "timeout", "world")
 
 
 @dataclass(frozen=True)
@@ -246,12 +259,24 @@ class ShardedPublisher:
         # signed runs: name -> (xxh3 digest, rows, BLAKE3) of what this rank published last (and is publishing)
         self._strong_local: dict[str, tuple[str, tuple[int, int] | None, str]] = {}
         self._next_strong: dict[str, tuple[str, tuple[int, int] | None, str]] = {}
+        mine = {"store": _store_identity(self.store.url, storage_options), "snapshot_every": snapshot_every,
+                "snapshot_fraction": snapshot_fraction, "keep_snapshots": keep_snapshots, "timeout": timeout,
+                "world": self.world}
+        everyone = self._gather("start: comparing the ranks' settings", mine)
+        differ = [(r, k, rep.get(k)) for r, rep in enumerate(everyone) for k in SHARED_SETTINGS
+                  if rep.get(k) != everyone[0].get(k)]
+        if differ:  # every rank sees the same gathered settings, so all refuse alike
+            raise ShardedPublishError(
+                f"{url}: the ranks' settings differ from rank 0's ("
+                + "; ".join(f"rank {r} {k}={v!r}, rank 0 {everyone[0].get(k)!r}" for r, k, v in differ[:5])
+                + "): give every rank the same store, snapshot_every, snapshot_fraction, keep_snapshots and timeout")
         hello: list[Any] = [None, None, None, False]
         if self.rank == 0:
             try:
                 if self.store.read_manifest() is not None:
                     raise ValueError(f"{url}: the run already has steps; a sharded run starts empty (resume is "
                                      f"not supported)")
+                require_no_leftovers(self.store)
                 hello = [None, uuid.uuid4().hex, uuid.uuid4().hex, self.signer is not None]
             except Exception as exc:  # noqa: BLE001 - handed to every rank, raised below
                 hello = [f"{type(exc).__name__}: {exc}", None, None, False]
@@ -337,8 +362,11 @@ class ShardedPublisher:
             except Exception as exc:  # noqa: BLE001 - handed to every rank, raised below
                 log.error("%s: commit of step %d failed: %s", self.url, step, exc)
                 outcome = [f"{type(exc).__name__}: {exc}"]
-        self._collective(f"step {step}: waiting for rank 0's commit",
-                         lambda: dist.broadcast_object_list(outcome, src=self._src(), group=self.group))
+        try:
+            self._collective(f"step {step}: waiting for rank 0's commit",
+                             lambda: dist.broadcast_object_list(outcome, src=self._src(), group=self.group))
+        except ShardedPublishError as exc:
+            raise self._outcome_lost(step, exc, committed_here=self.rank == 0 and outcome[0] is None) from exc
         if outcome[0] is not None:
             raise ShardedPublishError(f"{self.url}: step {step} not published: rank 0's commit failed: {outcome[0]}")
         self._chain_bytes += delta_bytes if delta else 0
@@ -431,6 +459,26 @@ class ShardedPublisher:
             layout.update({k: (file, local[k].rows) for k in part})
         return {"files": refs, "layout": layout}
 
+    def _outcome_lost(self, step: int, exc: ShardedPublishError, committed_here: bool) -> ShardedPublishError:
+        """The error for a rank that lost the others while rank 0's outcome was broadcast: the commit may have
+        landed (a commit slower than the timeout does), so say what the manifest shows, never "nothing was
+        committed" unless that is known."""
+        reason = self._broken or str(exc)
+        committed: bool | None = True if committed_here else None
+        if not committed_here:
+            try:
+                got = self.store.read_manifest()
+                m = None if got is None else Manifest.parse(got.data, f"{self.store.url}/manifest.json")
+                if m is not None and m.run == self.run and m.writer == self.writer and m.step(step) is not None:
+                    committed = True
+            except Exception as read_exc:  # noqa: BLE001 - only the message depends on it
+                log.warning("%s: cannot read the manifest to learn step %d's fate: %s", self.url, step, read_exc)
+        if committed:
+            return ShardedPublishError(f"{self.url}: step {step} was committed (it is visible), but {reason}; this "
+                                       f"publisher is unusable", committed=True)
+        return ShardedPublishError(f"{self.url}: step {step}: {reason}; not in the manifest when this rank looked, "
+                                   f"but rank 0's commit may still land", committed=None)
+
     def _put(self, key: str, data: bytes) -> None:
         """Create an immutable object. Other bytes under the key of a step above our head are what a failed
         attempt at that step left (a rank's error, then a retry with other tensors): replaced while this run
@@ -488,6 +536,15 @@ class ShardedPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _store_identity(url: str, options: dict | None) -> tuple[str, str | None]:
+    """What tells two ranks' stores apart: the normalised URL and the endpoint an S3 client is pointed at
+    (credentials are left out)."""
+    opts = options or {}
+    client = opts.get("client_kwargs")
+    endpoint = opts.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, dict) else None)
+    return url, None if endpoint is None else str(endpoint)
 
 
 __all__ = ["ShardedPublisher", "ShardedPublishError", "RowSlice", "local_tensors", "whole_infos"]

@@ -36,7 +36,7 @@ import codec
 from codec.tensors import element_view
 from relay.checkpoint import (DEFAULT_SHARD_BYTES, SNAPSHOT_FORMATS, SpooledSnapshot, StreamedFile, index_bytes,
                               safetensors_stream, shard_plan, spool_compressed_snapshot)
-from relay.commit import check_writable, create_owned, extend_run, update_manifest, writer_keys
+from relay.commit import check_writable, create_owned, extend_run, require_no_leftovers, update_manifest, writer_keys
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, snapshot_prefix, tensor_blake3, tensor_infos)
 from relay.retry import Backoff
@@ -361,6 +361,8 @@ class Publisher:
             raise ValueError(f"{url}: the run already has steps (head {m.head}); pass resume=True to continue it")
         if existing is not None:
             self._attach(Manifest.parse(existing.data, f"{url}/manifest.json"))
+        else:
+            require_no_leftovers(self.store)  # a dead first attempt's objects would collide at step 0, unreplaceable
 
     def _attach(self, m: Manifest) -> None:
         """Read the head back (as a watcher would), then take the run over with one commit."""

@@ -290,3 +290,25 @@ def test_transient_background_snapshot_failure_is_retried(file_run, trainer, mon
             pub.publish(t.step(), step)
     assert pub.snapshot_failures == 0 and calls["n"] == 1
     assert [s.step for s in Manifest.parse(open_store(file_run.url).read_manifest().data).snapshots] == [0, 2]
+
+
+def test_a_fresh_publisher_refuses_a_prefix_holding_a_dead_first_attempts_objects(tmp_path, trainer):
+    """A publisher killed inside its first manifest commit leaves records/0.json (and snapshot files) and no
+    manifest. A new run there used to fail at step 0 on every retry, blaming "another publisher owns the run
+    (writer None, head None)": only a manifest proves a leftover replaceable. It is refused at construction,
+    the leftovers named; once they are removed, a run starts."""
+    url = f"file://{tmp_path}/run"
+    dead = Publisher(url, background=False)
+    dead.store.commit_manifest = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())  # killed mid-commit
+    with pytest.raises(KeyboardInterrupt):
+        dead.publish(trainer(seed=71).state(), 0)
+    store = open_store(url)
+    assert store.read_manifest() is None and "records/0.json" in store.list_run()
+    with pytest.raises(ConflictError, match=r"records/0\.json.*died before its first commit"):
+        Publisher(url, background=False)
+    store.delete(sorted(store.list_run()))
+    t = trainer(seed=72)
+    with Publisher(url, background=False) as pub:
+        pub.publish(t.state(), 0)
+    w = Watcher(url, tmp_path / "w")
+    assert w.sync() == 0 and same_bits(w.tensors, t.state())
