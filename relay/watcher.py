@@ -959,6 +959,9 @@ class Watcher:
         self._compacting: str | None = None  # the compaction's temporary version name (cleanup spares it)
         self.compactions = 0
         self.last_compaction_error: BaseException | None = None
+        # the held journal version proved damaged on disk (a compaction's read of it failed its checks): the
+        # next step is persisted as a new version from the verified tensors in memory, not appended to it
+        self._version_damaged: Path | None = None
         self.failures: Counter[str] = Counter()  # failed syncs by reason (failure_counts() adds the reader's)
         self.last_error: str | None = None
         self._last_failure: BaseException | None = None
@@ -1228,6 +1231,7 @@ class Watcher:
             if (self.persist == "journal" and in_place and trail.parts and self._version is not None
                     and self._state is not None and self._state.persist == "journal"
                     and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)
+                    and self._version_damaged != self._version
                     and self._journal_takes_appends(self._version, self._state)):
                 self._append_journal(m, rec, trail)
                 return
@@ -1454,6 +1458,13 @@ class Watcher:
                 dest_mod.materialize_into(version, state, tmp, progress=progress)
             except _Abandoned:
                 return False
+            except dest_mod.BadVersion as exc:
+                # its files no longer hold what its state file says: appending to it again would only grow a
+                # journal no compaction can fold (nor a restart load); the next step replaces it from memory
+                self._version_damaged = version
+                log.error("%s: the held version is damaged on disk (%s); the next step is written as a new "
+                          "version from the verified state in memory", self.dest, exc)
+                raise
             with self._dest_lock:
                 current = self._state
                 if self._version != version or current is None or current.journal[:len(state.journal)] != \

@@ -219,3 +219,34 @@ def test_open_head_racing_the_removal_of_a_compacted_version_resolves_again(run,
     finally:
         w.close()
     assert step == 2 and same_bits(tensors, run.states[2])
+
+
+def test_a_held_version_damaged_on_disk_is_replaced_from_memory_not_appended_to(run, file_run, tmp_path):
+    """The journal version's base shard is damaged on disk after start-up (the watcher holds verified tensors
+    in memory). A compaction reads the version's files, finds the damage, and fails; it used to be retried at
+    every sync while every step was still appended to the damaged version, its journal growing without bound
+    (and a restart would find nothing loadable). The next step is written as a new version from memory."""
+    run.step()
+    d = tmp_path / "dest"
+    w = Watcher(file_run.url, d, persist="journal", **NO_AUTO_COMPACT)
+    assert w.sync() == 0
+    for step in (1, 2):
+        run.step()
+        assert w.sync() == step
+    damaged = version_of(d)
+    shard = next(p for p in damaged.iterdir() if p.name.endswith(".safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # a tensor byte, not the header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(dest.BadVersion):
+        w.compact()
+    run.step()
+    assert w.sync() == 3 and same_bits(w.tensors, run.states[3])
+    assert version_of(d) != damaged and not damaged.exists()
+    state = json.loads((d / STATE_NAME).read_bytes())
+    assert state["step"] == 3 and state["base"]["step"] == 3 and state["journal"] == []
+    step, tensors = dest.open_head(d)
+    assert step == 3 and same_bits(tensors, run.states[3])
+    run.step()
+    assert w.sync() == 4 and len(json.loads((d / STATE_NAME).read_bytes())["journal"]) == 1  # appending again
+    w.close()
