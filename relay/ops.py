@@ -25,6 +25,21 @@ def _signer(signing_key: Any) -> Signer | None:
     return None if signing_key is None or isinstance(signing_key, Signer) else Signer(signing_key)
 
 
+def _run_snapshot_format(store: Store, m: Manifest) -> str:
+    """The format of the run's newest snapshot whose index reads and matches (a region that keeps only its own
+    snapshots, or a damaged index the reader routed around, has none readable): "safetensors" failing all."""
+    for snap in reversed(m.snapshots):
+        try:
+            data = snap.index.read(store)
+        except Exception as exc:  # noqa: BLE001 - another snapshot decides
+            log.info("%s: snapshot %d's index unreadable (%s); the format is taken from an older one", store.url,
+                     snap.step, exc)
+            continue
+        if snap.index.matches(data) is None:
+            return "compressed" if declares_compressed(data) else "safetensors"
+    return "safetensors"
+
+
 def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None], signer: Signer | None = None,
                     *, trusted: Any = None, adopt_unsigned: bool = False) -> Manifest:
     """Apply `change` to the current manifest and commit it conditionally (relay.commit.update_manifest).
@@ -47,12 +62,13 @@ def update_manifest(store: Store, change: Callable[[Manifest], Manifest | None],
 
 
 def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: int | None = None,
-           timeout: float | None = None, signing_key: Any = None, trusted_keys: Any = None,
+           timeout: float | None = 600.0, signing_key: Any = None, trusted_keys: Any = None,
            adopt_unsigned: bool = False) -> int:
     """Materialise the head from the base and its chain (verified), store it as a snapshot, make it the base.
 
     Returns the step that now has a snapshot. The snapshot keeps the layout the trainer recorded
-    for that step unless `max_shard_bytes` asks for another cap.
+    for that step unless `max_shard_bytes` asks for another cap. `timeout`: how long to wait for objects
+    the manifest names that are not there yet (None: for ever), as `deltarelay rebase --timeout`.
     """
     store = open_store(url, storage_options)
     signer = _signer(signing_key)
@@ -75,10 +91,8 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
         weight_map = shard_plan(tensors, max_shard_bytes)
     # the run's own snapshot format (its newest snapshot's): a publisher uploading the same step's snapshot
     # at the same time then writes the same bytes under the same keys, and neither sees a conflict
-    newest = m.snapshots[-1]
-    compressed = declares_compressed(newest.index.read(store))
     snap = upload_snapshot(store, rec.step, tensors, weight_map, strong=signer is not None,
-                           snapshot_format="compressed" if compressed else "safetensors")
+                           snapshot_format=_run_snapshot_format(store, m))
 
     def add(cur: Manifest) -> Manifest | None:
         if cur.run != m.run:
@@ -95,14 +109,30 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
     return snap.step
 
 
+def _start_present(m: Manifest, snap: Any, present: Mapping[str, int]) -> bool:
+    """Whether every object a reader starting from trainer snapshot `snap` needs is `present`: the snapshot's
+    index and files, its step's record (a start is checked against it), and, when a chain leads from it to
+    the head, the chain's deltas and the head's record (intermediate records are never read)."""
+    step = m.step(snap.step)
+    if step is None or step.record.key not in present:
+        return False
+    if not all(r.key in present for r in (snap.index, *snap.files)):
+        return False
+    chain = m.chain(snap.step)
+    if not chain:
+        return True
+    return chain[-1].record.key in present and all(p.ref.key in present for s in chain for p in s.parts or ())
+
+
 def servable_floor(m: Manifest, keep: int, present: Mapping[str, int], ann: announce.Announcement | None
                    ) -> int | None:
     """The newest snapshot step of `m` that gc may trim to while keeping `keep` starting points that readers of
-    this store can use: the trainer's snapshots whose objects are all `present` (unless the store's
+    this store can use: the trainer's snapshots whose objects, and those of their chain to the head, are all
+    `present` (_start_present; unless the store's
     announcement says it keeps none of them: a region that serves only its own), and the region's announced
     snapshots that a reader can start from. The manifest starts at a trainer snapshot, so the floor is the
     newest one at or before the oldest start kept; None if no start is servable at all."""
-    own = {s.step for s in m.snapshots if all(r.key in present for r in (s.index, *s.files))}
+    own = {s.step for s in m.snapshots if _start_present(m, s, present)}
     if ann is not None and ann.run == m.run and not ann.origin_snapshots:
         own = set()
     starts = sorted(own | set(fanout.servable_from(m, ann)))

@@ -562,8 +562,13 @@ class Publisher:
         if self.prev is None:
             return  # prev was lost to a failure: the next step is a snapshot anyway
         if self._pool is None or self.snapshot_format != "safetensors":
-            self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers, strong,
-                                               put=self._put_stream, snapshot_format=self.snapshot_format))
+            try:
+                self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers,
+                                                   strong, put=self._put_stream, snapshot_format=self.snapshot_format))
+            except Exception as exc:  # noqa: BLE001 - the step is committed: its snapshot's failure is not the step's
+                if not (isinstance(exc, ConflictError) and self._snapshot_elsewhere(step)):
+                    self._snapshot_failed(step, exc)
+                    return
         else:
             try:
                 job = _SnapshotJob(step, self.prev, weight_map)
@@ -613,7 +618,8 @@ class Publisher:
                     log.info("%s: snapshot %d committed", self.url, job.step)
                     return
                 except ConflictError as exc:  # fenced, or the step was collected: retrying cannot help
-                    self._snapshot_failed(job.step, exc)
+                    if not self._snapshot_elsewhere(job.step):
+                        self._snapshot_failed(job.step, exc)
                     return
                 except Exception as exc:  # noqa: BLE001 - reported below, never lost
                     if attempt == self.snapshot_attempts:
@@ -625,6 +631,21 @@ class Publisher:
                     time.sleep(delay)
         finally:
             self._cow.finish(job)
+
+    def _snapshot_elsewhere(self, step: int) -> bool:
+        """After a conflict on a snapshot of `step`: whether the run already holds a snapshot of it, written by
+        another writer (a rebase racing this upload, in another format than ours, holds the keys): then ours
+        is not needed, and nothing failed."""
+        try:
+            got = self.store.read_manifest()
+            m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
+        except Exception:  # noqa: BLE001 - unknown: counted as a failure, the next step snapshots
+            return False
+        if m is None or m.run != self.run or m.snapshot(step) is None:
+            return False
+        log.info("%s: step %d's snapshot was written by another writer (a rebase) while this publisher uploaded "
+                 "its own; keeping that one", self.url, step)
+        return True
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         self.snapshot_failures += 1

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import codec
-from relay import announce, shards
+from relay import announce, checkpoint, shards
 from relay.checkpoint import index_bytes_of
 from relay.manifest import INDEX_NAME, Manifest, ManifestError, ObjRef, Record, mismatches, step_of_key
 from relay.signing import SignatureError, TrustedKeys
@@ -79,8 +79,9 @@ class Report:
 
 
 class _Checker:
-    def __init__(self, store: Store, m: Manifest, report: Report, workers: int) -> None:
+    def __init__(self, store: Store, m: Manifest, report: Report, workers: int, trusting: bool = False) -> None:
         self.store, self.m, self.report, self.workers = store, m, report, workers
+        self.trusting = trusting  # checked as a reader with trusted keys reads (regional snapshots need BLAKE3)
         self.bad: set[str] = set()  # keys missing or not matching their reference
         self.records: dict[int, Record] = {}
         self.regional_indexes: dict[int, bytes] = {}  # a region's own snapshots' indexes, checked against records
@@ -164,10 +165,47 @@ class _Checker:
         if files != listed:
             self.problem(f"{ref.key}: names shard files {sorted(files)[:5]}, the manifest lists {sorted(listed)[:5]}")
 
+    def _oversized(self) -> set[str]:
+        """Files of snapshots declaring more bytes than their record's tensors and a header each, reported and
+        never downloaded: a reader refuses them so, before a byte (a region's announcement is unsigned, so a
+        bucket writer may name a file of any size there)."""
+        skip: set[str] = set()
+        for snap in self.m.snapshots:
+            rec = self.records.get(snap.step)
+            if rec is None:
+                continue
+            budget = checkpoint.tensor_bytes(rec.tensors)
+            declared = sum(f.size for f in snap.files)
+            if declared > budget + len(snap.files) * checkpoint.MAX_HEADER_BYTES:
+                what = "regional snapshot" if announce.is_regional(snap) else "snapshot"
+                for f in snap.files:
+                    self._bad(f.key, f"{what} {snap.step}: its files declare {declared} bytes, for {budget} bytes of "
+                                     f"tensors in its record; not downloaded")
+                    skip.add(f.key)
+        return skip
+
+    def _untrusted_regional(self) -> None:
+        """With trusted keys: a region's own snapshot whose record lacks a BLAKE3 digest is refused by every reader
+        that trusts keys (nobody vouches for its bytes but those digests), so it is no start for them."""
+        for snap in self.m.snapshots:
+            rec = self.records.get(snap.step)
+            if rec is None or not announce.is_regional(snap):
+                continue
+            lacking = sorted(k for k, t in rec.tensors.items() if t.blake3 is None)
+            if lacking:
+                self.problem(f"regional snapshot {snap.step}: the record of step {snap.step} carries no BLAKE3 for "
+                             f"tensors {lacking[:5]}, so readers with trusted keys refuse it")
+
     def shallow(self) -> None:
         refs = list({r.key: r for r in self.m.refs()}.values())
+        records = [r for r in refs if r.key.startswith("records/")]
         with ThreadPoolExecutor(max(1, min(self.workers, len(refs)))) as pool:
-            list(pool.map(self.check_object, refs))
+            list(pool.map(self.check_object, records))  # first: they bound what the snapshots may be
+            skip = self._oversized()
+            skip.update(r.key for r in records)
+            list(pool.map(self.check_object, [r for r in refs if r.key not in skip]))
+        if self.trusting:
+            self._untrusted_regional()
         for step, data in sorted(self.regional_indexes.items()):
             rec = self.records.get(step)
             if rec is not None and data != index_bytes_of(rec.tensors, rec.weight_map, step=step):
@@ -373,7 +411,7 @@ def verify(url: str, storage_options: dict | None = None, *, deep: bool = False,
         report.signature = "present, not checked (give --trusted-key)"
     else:
         report.signature = "unsigned"
-    checker = _Checker(store, _regional_view(store, m, report), report, workers)
+    checker = _Checker(store, _regional_view(store, m, report), report, workers, trusting=trusted is not None)
     checker.shallow()
     if deep:
         checker.deep()
