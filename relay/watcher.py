@@ -46,7 +46,7 @@ from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, 
 from relay.files import atomic_path, fsync_dir, temporary_sibling
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
-from relay.store import NOT_MODIFIED, ObjectMissing, Store, open_store
+from relay.store import NOT_MODIFIED, ManifestRead, ObjectMissing, Store, Unchanged, open_store
 
 log = logging.getLogger(__name__)
 
@@ -950,7 +950,9 @@ class Watcher:
         self._engine_version: Path | None = None  # that step's version directory, kept for the engine's rollback
         self._module_tensors: dict[str, torch.Tensor] | None = None  # the dict the module took its step from
         # ... and the undo logs of the in-place syncs that have moved that dict on since (restore = revert them)
-        self._module_logs: list[codec.UndoLog] = []
+        # the in-place syncs since the module's step, to rebuild it on a failed hot-load; None once they would
+        # outgrow a copy of the model (the next hot-load then keeps a copy of what it replaces instead)
+        self._module_logs: list[codec.UndoLog] | None = []
         self._held_partial = False  # the loaded version's relay-state.json says "partial"
         self._state: DestState | None = None  # the held version's state file, and the version itself
         self._version: Path | None = None
@@ -1524,6 +1526,21 @@ class Watcher:
         self._notify()
         return step
 
+    def redeliver(self) -> None:
+        """Offer the held step again to the module, the engine and on_update, where one has not taken it. It
+        reads DEST's held state only, never the store: an engine that restarts during a store outage still
+        gets the step this host holds. Failures are counted and heard of as sync()'s are."""
+        try:
+            self._deliver()
+        except Exception as exc:
+            self.failures[_failure_reason(exc)] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._last_failure = exc
+            self._notify()
+            raise
+        self.last_error = None
+        self._notify()
+
     def _sync(self, timeout: float | None = None) -> int:
         """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError).
 
@@ -1572,8 +1589,13 @@ class Watcher:
         except BaseException:
             undo.revert()  # the held tensors are back at self.step, which DEST still shows
             raise
-        if self.module is not None and in_place and self._module_tensors is tensors and self.module_step != rec.step:
+        if (self.module is not None and in_place and self._module_tensors is tensors and self.module_step != rec.step
+                and self._module_logs is not None):
             self._module_logs.append(undo)  # the module's step is this dict before these logs: kept to restore it
+            if sum(u.nbytes for u in self._module_logs) > self._model_bytes():
+                # a module refusing step after step: restoring from the logs would cost more than a copy of the
+                # model, and they would grow with every step; the next hot-load keeps a copy of what it replaces
+                self._module_logs = None
         floor = self._floor
         if back or (floor is not None and self.accept_older_head and rec.step < floor[0]):
             log.warning("%s: moved back from step %d to %d", self.dest, floor[0] if floor else self.step, rec.step)
@@ -1616,8 +1638,8 @@ class Watcher:
     def _module_previous(self, name: str) -> torch.Tensor:
         """The module's step of tensor `name`: the dict it took it from, with the in-place syncs since undone
         in a copy (the dict itself is the live held state)."""
-        if self._module_tensors is None:
-            raise SyncError("internal: no step the module took")
+        if self._module_tensors is None or self._module_logs is None:
+            raise SyncError("internal: no step the module took, or no logs to rebuild it from")
         previous = self._module_tensors[name]
         if not self._module_logs:
             return previous
@@ -1648,9 +1670,12 @@ class Watcher:
         if problems:
             raise HotLoadError(f"{where}: {'; '.join(problems[:5])}")
         done: list[str] = []
+        kept: dict[str, torch.Tensor] | None = {} if self._module_logs is None else None  # what each copy replaced
         try:
             with torch.no_grad():
                 for k in live:
+                    if kept is not None:
+                        kept[k] = live[k].detach().clone()
                     live[k].copy_(new[k])
                     done.append(k)
         except Exception as exc:
@@ -1660,7 +1685,7 @@ class Watcher:
                                    f"already copied cannot be restored") from exc
             with torch.no_grad():
                 for d in done:
-                    live[d].copy_(self._module_previous(d))
+                    live[d].copy_(kept[d] if kept is not None else self._module_previous(d))
             raise HotLoadError(f"{where} (copying {k} failed: {exc}; {len(done)} copied tensors restored)") from exc
         self.module_step, self._module_tensors, self._module_logs = self.step, new, []
 
@@ -1678,9 +1703,11 @@ class Watcher:
             pause = self.engine.commit(self.step)
         except EngineError:
             self.engine.abort()
+            self._engine_lost()  # a commit whose outcome is unknown leaves the engine on no step it can name
             raise
         except Exception as exc:  # an adapter's own failure: a refused step
             self.engine.abort()
+            self._engine_lost()
             raise EngineError(f"engine did not take step {self.step}: {exc}") from exc
         old, self._engine_version = self._engine_version, self._version
         self.engine_step, self._engine_tensors = self.step, self._state.tensors
@@ -1731,7 +1758,13 @@ class Watcher:
         while not self._stop.is_set():
             offered = False  # whether this round's sync offered the held step
             try:
-                got = self.store.read_manifest(if_none_match=etag)
+                got: ManifestRead | None | Unchanged
+                try:
+                    got = self.store.read_manifest(if_none_match=etag)
+                except Exception as exc:  # noqa: BLE001 - the store is down: the held step may still be delivered
+                    self.failures["poll"] += 1
+                    log.error("%s: reading the manifest failed, keeping step %s: %s", self.dest, self.step, exc)
+                    got = NOT_MODIFIED
                 if got is not NOT_MODIFIED and got is not None:
                     reads = self.reader.manifest_reads
                     offered = True
@@ -1744,10 +1777,10 @@ class Watcher:
                             etag = got.etag
                 elif self.engine is not None and self.step is not None and self._engine_lost():
                     offered = True
-                    self.sync(timeout=sync_timeout)  # an engine that restarted gets the held step back now
+                    self.redeliver()  # an engine that restarted gets the held step back now, from DEST
                 elif self._undelivered() and time.monotonic() >= retry_at:
                     offered = True
-                    self.sync(timeout=sync_timeout)  # the same manifest: sync() delivers the held step again
+                    self.redeliver()  # no new manifest (or no store): the held step offered again, from DEST
             except SyncTimeout:
                 if sync_timeout is not None:
                     raise

@@ -244,6 +244,8 @@ def test_engine_core_in_its_own_process_follows_and_survives_a_restart(run, monk
             held = MP_STEPS - 1
             llm.collective_rpc("reload_weights")  # vLLM reloads the checkpoint it started from (step 0)
             llm.llm_engine.set_weight_version("default")
+            llm.reset_prefix_cache()  # a restarted engine has no KV cache of the weights it served before
+            assert digest(llm) == digests[0], "premise: the engine holds its checkpoint's weights, as restarted"
             assert same(generate(llm), refs[0]), "premise: the engine serves its checkpoint, as restarted"
             before = engine.last_stage
             runner = threading.Thread(target=w.run, daemon=True)

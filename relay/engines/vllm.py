@@ -249,6 +249,26 @@ def _check_fits(step: int, files: Path, load: list[str], previous: Path | None, 
 CHECKPOINT_VERSION = "default"  # vLLM's weight version of an engine as started from its checkpoint
 
 
+def _agreed(step: int, got: list[Any]) -> dict:
+    """The one outcome of a commit every worker reports: with tensor parallelism each worker applies (or rolls
+    back) its own shard, and workers that disagree leave the engine on a mix of two steps. RuntimeError (the
+    engine's weights unknown) when a worker's answer is missing, malformed, or differs from the others'."""
+    if not got or not all(isinstance(r, dict) for r in got):
+        raise RuntimeError(f"the workers answered {got!r} to the commit of step {step}, not one result each")
+    outcomes = {(bool(r.get("error")), r.get("rolled_back_to")) for r in got}
+    if len(outcomes) != 1:
+        raise RuntimeError(f"the workers disagree on step {step}: " + "; ".join(
+            f"worker {i}: {r.get('error') or 'applied'}" for i, r in enumerate(got)) + ": the engine holds a mix")
+    errors = [r["error"] for r in got if r.get("error")]
+    apply_s = [r["apply_s"] for r in got if isinstance(r.get("apply_s"), (int, float))]
+    out = dict(got[0])
+    if errors:
+        out["error"] = errors[0] if len(set(errors)) == 1 else "; ".join(sorted(set(errors)))
+    if apply_s:
+        out["apply_s"] = max(apply_s)
+    return out
+
+
 class _Driver:
     """The engine-side protocol of relay.engines.Engine over vLLM's collective_rpc; subclasses say how
     to reach the engine (in-process LLM, HTTP).
@@ -265,6 +285,7 @@ class _Driver:
         self.files: Path | None = None  # that step's version directory: what a failed commit rolls back to
         self.staged: int | None = None
         self._staged_files: Path | None = None
+        self._staged_partial = False  # the staged update moves only the tensors changed since self.step
         self.status = "starting"
         self.last_pause_s: float | None = None
         self.last_apply_s: float | None = None
@@ -318,6 +339,7 @@ class _Driver:
             raise EngineError(f"vLLM engine refused to stage step {update.step} ({exc}); it serves step "
                               f"{self.step}") from exc
         self.staged, self._staged_files, self.last_stage = update.step, update.files, (got[0] if got else None)
+        self._staged_partial = not whole
 
     def commit(self, step: int) -> float:
         if self.staged != step:
@@ -333,10 +355,11 @@ class _Driver:
                 self.last_error = f"pause for step {step}: {exc}"
                 raise EngineError(f"vLLM engine did not pause for step {step} ({exc}); it serves step "
                                   f"{self.step}") from exc
+            if self._staged_partial:
+                self._check_still_serving(step)
             try:
                 try:
-                    got = self._rpc(RPC_COMMIT, json.dumps({"step": step}))
-                    result = got[0] if got and isinstance(got[0], dict) else {}
+                    result = _agreed(step, self._rpc(RPC_COMMIT, json.dumps({"step": step})))
                     if not result.get("error") or result.get("rolled_back_to") == "checkpoint":
                         self._reset_prefix_cache()  # cached KV of the old weights must not serve the new ones
                         self._set_version(CHECKPOINT_VERSION if result.get("error") else str(step))
@@ -359,6 +382,26 @@ class _Driver:
                               f"serves step {self.step}")
         self.step, self.files, self.status, self.last_error = step, files, "serving", None
         return self.last_pause_s
+
+    def _check_still_serving(self, step: int) -> None:
+        """(Paused, under the lock) before a partial update: the engine must still carry the step it was staged
+        against. One that restarted meanwhile (unnoticed: a probe that failed reads as "unreachable" and keeps
+        the step) serves its checkpoint, and the changed tensors alone would leave it a mix of both."""
+        try:
+            version = self.weight_version()
+        except Exception as exc:  # noqa: BLE001 - unknown counts as not serving it
+            version = f"unknown ({exc})"
+        if version == str(self.step):
+            return
+        try:
+            self._rpc(RPC_ABORT)
+        except Exception as exc:  # noqa: BLE001 - nothing staged is committed either way
+            log.warning("vLLM engine: dropping the staged step failed: %s", exc)
+        self._resume_after(RuntimeError("a refused partial update"))
+        self._forget("lost", f"the engine carries weight version {version!r}, not step {self.step} (restarted, or "
+                             f"relabelled): step {step}'s changed tensors alone would leave it a mix")
+        raise EngineError(f"vLLM engine no longer serves step {self.step} (weight version {version!r}); step "
+                          f"{step} is not applied, the next update reloads it whole")
 
     def abort(self) -> None:
         if self.staged is not None:
