@@ -1514,24 +1514,19 @@ class Watcher:
     def sync(self, timeout: float | None = None) -> int:
         """Bring `dest` to the head once and return the step held (_sync); a failure is counted by reason
         (failure_counts), and the fleet ledger and listeners hear of every attempt."""
-        try:
-            step = self._sync(timeout)
-        except Exception as exc:
-            self.failures[_failure_reason(exc)] += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            self._last_failure = exc
-            self._notify()
-            raise
-        self.last_error = None
-        self._notify()
-        return step
+        return self._attempt(lambda: self._sync(timeout))
 
     def redeliver(self) -> None:
         """Offer the held step again to the module, the engine and on_update, where one has not taken it. It
         reads DEST's held state only, never the store: an engine that restarts during a store outage still
         gets the step this host holds. Failures are counted and heard of as sync()'s are."""
+        self._attempt(self._deliver)
+
+    def _attempt(self, call: Callable[[], Any]) -> Any:
+        """Run one sync or delivery: a failure is counted by reason and kept (last_error), and the fleet
+        ledger and listeners hear of every attempt."""
         try:
-            self._deliver()
+            out = call()
         except Exception as exc:
             self.failures[_failure_reason(exc)] += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -1540,6 +1535,7 @@ class Watcher:
             raise
         self.last_error = None
         self._notify()
+        return out
 
     def _sync(self, timeout: float | None = None) -> int:
         """Bring `dest` to the head once and return the step held (raises SyncTimeout / SyncError).
