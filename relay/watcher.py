@@ -40,7 +40,8 @@ from relay import announce, checkpoint, fleet, shards
 from relay import dest as dest_mod
 from relay.dest import JOURNAL_DIR
 from relay.engines import Engine, EngineError, Update, changed_names
-from relay.manifest import (INDEX_NAME, PERSIST_MODES, DestState, JournalEntry, Manifest, ManifestError, ObjRef,
+from relay.manifest import (INDEX_NAME, MAX_RECORD_BYTES, PERSIST_MODES, DestState, JournalEntry, Manifest,
+                            ManifestError, ObjRef,
                             Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name,
                             strong_mismatches)
 from relay.files import atomic_path, fsync_dir, temporary_sibling
@@ -95,6 +96,13 @@ class _VerifyError(Exception):
         self.refs = refs
 
 
+def _blame(snap: Snapshot, files: tuple[ObjRef, ...] | None) -> list[ObjRef]:
+    """What a snapshot that fails a check is blamed for: its index and the files the plan fetched (`files`, a
+    partial replica's; None: all). Never empty, and always objects the plan fetches: blaming only others
+    would leave the same plan to be chosen again, and again."""
+    return [snap.index, *(snap.files if files is None else files)]
+
+
 @dataclass
 class Plan:
     """Start from `snapshot` (or from the held step when None), then apply `steps` in order.
@@ -145,13 +153,13 @@ class Trail:
 
 def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *,
               want: shards.Selector | None = None,
-              snapshot_files: Mapping[int, tuple[ObjRef, ...]] | None = None) -> Plan | None:
+              snapshot_files: Mapping[ObjRef, tuple[ObjRef, ...]] | None = None) -> Plan | None:
     """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
 
     Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
     cannot stall the reader: trying m.chain() from every snapshot would be quadratic. Ties go to
     the held step, then to the oldest snapshot. A partial replica (`want`) counts only the parts
-    covering tensors it selects and, per snapshot step, the files `snapshot_files` gives (default all).
+    covering tensors it selects and, per snapshot (by its index), the files `snapshot_files` gives (default all).
     """
     steps = m.steps
     n = len(steps)
@@ -173,7 +181,7 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *
         nonlocal best, best_i
         if i < lowest:
             return
-        files = None if snap is None or snapshot_files is None else snapshot_files.get(snap.step)
+        files = None if snap is None or snapshot_files is None else snapshot_files.get(snap.index)
         refs = [] if snap is None else [snap.index, *(snap.files if files is None else files), steps[i].record]
         if i < n - 1:
             refs.append(head)
@@ -512,8 +520,8 @@ class Reader:
         # from the verified tensors instead
         direct = direct and not (self.trusted is not None and announce.is_regional(snap))
         if not sharded and sorted(names) != sorted(layout):
-            raise _VerifyError(list(snap.files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
-                                                 f"record's layout {sorted(layout)[:5]}")
+            raise _VerifyError(_blame(snap, files), f"snapshot {snap.step}: files {sorted(names)[:5]} are not the "
+                                                    f"record's layout {sorted(layout)[:5]}")
         fetch = snap.files if files is None else files
         paths: list[Path] = []
         streamed: list[tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]] = []
@@ -572,8 +580,8 @@ class Reader:
         if bad:
             # Blame the snapshot alone: a bad record fails again on whichever path checks it next, but a
             # good one (typically the head's) must stay usable for the chain from another snapshot.
-            raise _VerifyError(list(snap.files), f"snapshot {snap.step} does not match its record "
-                                                 f"(tensors {bad[:5]})")
+            raise _VerifyError(_blame(snap, files), f"snapshot {snap.step} does not match its record "
+                                                    f"(tensors {bad[:5]})")
         trail.snapshot, trail.snapshot_record = snap, rec
         if direct and spool is not None:
             trail.files = paths
@@ -587,7 +595,7 @@ class Reader:
         if index != checkpoint.index_bytes_of(rec.tensors, rec.weight_map, step=snap.step):
             raise _VerifyError([snap.index], f"{snap.index.key}: not the index of the record of step {snap.step}")
         if self.trusted is not None and any(info.blake3 is None for info in self.expected(rec).values()):
-            raise _VerifyError(list(snap.files), f"regional snapshot {snap.step}: record {rec.step} of this signed "
+            raise _VerifyError(_blame(snap, None), f"regional snapshot {snap.step}: record {rec.step} of this signed "
                                                  f"run carries no BLAKE3 digests, so a snapshot nobody signed "
                                                  f"cannot be checked; refused")
 
@@ -676,11 +684,14 @@ class Reader:
                             f"{missing[:5] if missing else 'this replica selects'}")
         return picked
 
-    def _snapshot_files(self, m: Manifest) -> dict[int, tuple[ObjRef, ...]]:
-        """Per snapshot, the files holding a tensor this partial replica selects, from the snapshot's index
-        (fetched and checked once per index). A snapshot whose index cannot be read yet counts all files."""
+    def _snapshot_files(self, m: Manifest, excluded: Set[str]) -> dict[ObjRef, tuple[ObjRef, ...]]:
+        """Per snapshot (by its index: a region may list its own and the trainer's at one step), the files holding
+        a tensor this partial replica selects, from the snapshot's index (fetched and checked once per index).
+        A snapshot whose index cannot be read yet counts all files. An index that is `excluded` is not fetched;
+        one over the parser's cap, or that fails its checks, is backed off like any failed object (an unsigned
+        announcement may name one of any size: it must cost bounded egress, once per backoff)."""
         want = self.want
-        out: dict[int, tuple[ObjRef, ...]] = {}
+        out: dict[ObjRef, tuple[ObjRef, ...]] = {}
         if want is None:
             return out
         live = {snap.index for snap in m.snapshots}
@@ -688,14 +699,24 @@ class Reader:
             del self._indexes[ref]
         for snap in m.snapshots:
             if snap.index not in self._indexes:
+                if snap.index.key in excluded:
+                    continue
                 try:
+                    if snap.index.size > MAX_RECORD_BYTES:
+                        raise _VerifyError([snap.index], f"{snap.index.key}: {snap.index.size} bytes, over the "
+                                                         f"{MAX_RECORD_BYTES} an index may have; not downloaded")
                     self._indexes[snap.index] = shards.index_files(self._fetch_one(snap.index), snap)
-                except (ObjectMissing, _VerifyError, ManifestError) as exc:
+                except ObjectMissing as exc:
                     log.info("%s: cannot read yet (%s); counting every file of snapshot %d", snap.index.key, exc,
                              snap.step)
                     continue
+                except (_VerifyError, ManifestError) as exc:
+                    backoff = self._failed([snap.index], time.monotonic())
+                    log.warning("%s: refused (%s); snapshot %d is not planned for %.0fs", snap.index.key, exc,
+                                snap.step, backoff)
+                    continue
             holds = self._indexes[snap.index]
-            out[snap.step] = tuple(f for f in snap.files if any(want(n) for n in holds.get(f.key, ())))
+            out[snap.index] = tuple(f for f in snap.files if any(want(n) for n in holds.get(f.key, ())))
         return out
 
     def _backed_off(self, m: Manifest, now: float) -> set[str]:
@@ -787,7 +808,8 @@ class Reader:
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     kw: dict[str, Any] = {}
                     if self.want is not None:
-                        kw = {"want": self.want, "snapshot_files": self._snapshot_files(m)}
+                        kw = {"want": self.want, "snapshot_files": self._snapshot_files(m, excluded)}
+                        excluded |= self._backed_off(m, time.monotonic())  # indexes refused just now
                     plan = (plan_path(m, held_step, excluded | rerouted, **kw)
                             or plan_path(m, held_step, excluded, **kw))
                     if plan is None:
@@ -820,10 +842,16 @@ class Reader:
                             refetched.update(exc.refs)
                             log.warning("verification failed, discarding and refetching: %s", exc)
                         else:
+                            if not set(exc.refs) & set(plan.keys(m)):  # excluding them leaves this same plan
+                                raise SyncError(f"{self.store.url}: verification failed ({exc}), blaming objects "
+                                                f"the path to head {m.head} does not fetch") from None
                             failed_here.update(exc.refs)
                             backoff = self._failed(exc.refs, time.monotonic())
                             log.warning("verification failed again, planning around %s for %.0fs (snapshot "
                                         "fallback): %s", [r.key for r in exc.refs], backoff, exc)
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise SyncTimeout(f"gave up after {timeout:g}s: verification kept failing "
+                                              f"({exc})") from None
                         continue
                     else:
                         for ref in plan.keys(m):
