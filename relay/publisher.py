@@ -225,6 +225,20 @@ class _CopyOnWrite:
                 self.jobs.remove(job)
             self.cond.notify_all()
 
+    def untake(self, name: str, current: torch.Tensor) -> None:
+        """Undo `take` when prev keeps `current` after all (the copy or apply that was to replace it failed):
+        the tensor is shared with the snapshots again, no longer counted as superseded."""
+        with self.cond:
+            tokens: dict[int, _Superseded] = {}
+            for j in self.jobs:
+                token = j.owned.get(name)
+                if token is not None and j.unwritten.get(name) is current:
+                    del j.owned[name]
+                    tokens[id(token)] = token
+            for token in tokens.values():
+                self.held -= token.size
+            self.cond.notify_all()
+
     def take(self, name: str, current: torch.Tensor, budget: int) -> bool:
         """Called before prev's `current` tensor for `name` is overwritten in place: True if a pending
         snapshot still has to write it (the snapshot keeps it; the caller gives prev a new tensor), False
@@ -513,7 +527,11 @@ class Publisher:
             raise AssertionError("internal: no base to advance")
         current = self.prev[name]
         if self._cow.take(name, current, budget):
-            self.prev[name] = _private_copy(src)
+            try:
+                self.prev[name] = _private_copy(src)
+            except BaseException:
+                self._cow.untake(name, current)
+                raise
         else:
             current.copy_(src)  # torch's copy runs on its intra-op threads (measured: as fast as numpy's on 2)
 
@@ -523,12 +541,21 @@ class Publisher:
         if self.prev is None:
             raise AssertionError("internal: no base to advance")
         target = {}
-        for name, d in found.items():
-            current = self.prev[name]
-            changed = d.base != d.target
-            target[name] = current.clone() if changed and self._cow.take(name, current, budget) else current
-        options: dict[str, Any] = {"workers": self.workers} if _APPLY_TAKES_WORKERS else {}
-        codec.apply_(target, payload, **options)
+        taken: list[tuple[str, torch.Tensor]] = []  # handed to pending snapshots: given back if this fails
+        try:
+            for name, d in found.items():
+                current = self.prev[name]
+                if d.base != d.target and self._cow.take(name, current, budget):
+                    taken.append((name, current))
+                    target[name] = current.clone()
+                else:
+                    target[name] = current
+            options: dict[str, Any] = {"workers": self.workers} if _APPLY_TAKES_WORKERS else {}
+            codec.apply_(target, payload, **options)
+        except BaseException:
+            for name, current in taken:  # prev keeps them, still shared with the snapshots
+                self._cow.untake(name, current)
+            raise
         self.prev.update(target)
 
     def _publish_snapshot(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> None:
@@ -542,9 +569,14 @@ class Publisher:
         self._blake3 = {k: v.blake3 for k, v in infos.items() if v.blake3 is not None}
         record_bytes = Record(self.run, step, infos, weight_map).to_bytes()
         rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
-        self._put(rec_ref.key, record_bytes)
-        snap = upload_snapshot(self.store, step, prev, weight_map, self.upload_workers, strong, put=self._put_stream,
-                               snapshot_format=self.snapshot_format)
+        # the files first: a state no snapshot can hold (a dtype safetensors cannot store) is refused before
+        # anything is written, not after its record, which would block the step (and a first step, the prefix)
+        files = snapshot_files(step, prev, weight_map, self.snapshot_format)
+        try:
+            self._put(rec_ref.key, record_bytes)
+            snap = _snapshot_entry(step, store_files(files, self._put_stream, self.upload_workers, strong))
+        finally:
+            close_files(files)
         self._commit(Step(step, rec_ref), snap)
         self.prev, self.step = prev, step
         self._digests = {k: v.digest for k, v in infos.items()}
@@ -651,7 +683,8 @@ class Publisher:
         self.snapshot_failures += 1
         self.last_snapshot_error = f"snapshot {step}: {type(exc).__name__}: {exc}"
         self._snapshot_retry = True  # the next publish snapshots its own step instead
-        self._errors.append(exc)
+        # kept for flush() without its traceback: the frames of the failed upload hold its files and tensors
+        self._errors.append(exc.with_traceback(None))
         log.error("%s: background snapshot of step %d failed: %s; the next step will be snapshotted instead "
                   "(watchers keep using the previous snapshot and the chain)", self.url, step, exc)
 
@@ -756,5 +789,11 @@ def close_publishers() -> None:
     with _PUBLISHERS_LOCK:
         pubs = list(_PUBLISHERS.values())
         _PUBLISHERS.clear()
-    for pub in pubs:
-        pub.close()
+    errors: list[BaseException] = []
+    for pub in pubs:  # every one, whatever another raised: each has its snapshots to wait for
+        try:
+            pub.close()
+        except Exception as exc:  # noqa: BLE001 - raised below, after the others closed
+            errors.append(exc)
+    if errors:
+        raise errors[0]
