@@ -336,6 +336,7 @@ class Fanout:
         self._origin_data: bytes | None = None  # the origin manifest's bytes: a signed one is mirrored as is
         self._seen: dict[int, tuple[float, float]] = {}  # origin head -> (monotonic, wall) when first seen
         self._source_error: str | None = None
+        self._refused_origin: str | None = None  # ETag of the origin manifest last refused (not read again)
         self._last_sig: tuple | None = None
         self.fleet = None if fleet_interval is None else fleet.RegionGatherer(
             self.source, {name: r.store for name, r in self.regions.items()}, fleet_interval)
@@ -352,15 +353,21 @@ class Fanout:
     def poll_source(self) -> bool:
         """One conditional read of the origin manifest; True when a new version was taken in."""
         try:
-            got = self.source.read_manifest(if_none_match=self._origin_etag)
+            # a version refused already is not downloaded again until it changes (its size is a writer's)
+            got = self.source.read_manifest(if_none_match=self._refused_origin or self._origin_etag)
         except Exception as exc:  # noqa: BLE001 - the regions keep what they have; try again next poll
             text = f"{type(exc).__name__}: {exc}"
             if text != self._source_error:
                 log.warning("%s: cannot read the origin manifest (%s); regions keep their step", self.source.url, text)
             self._source_error = text
             return False
+        if got is NOT_MODIFIED:  # the version last accepted, or the one last refused (its error stays shown)
+            if self._refused_origin is None:
+                self._source_error = None
+            return False
         self._source_error = None
-        if got is NOT_MODIFIED or got is None:
+        if got is None:
+            self._refused_origin = None
             return False
         try:
             m = Manifest.parse(got.data, f"{self.source.url}/manifest.json")
@@ -368,7 +375,9 @@ class Fanout:
                 self.trusted.verify(m, f"{self.source.url}/manifest.json")
         except ManifestError as exc:  # SignatureError included: a forged origin goes no further
             log.error("%s: refusing the origin manifest: %s", self.source.url, exc)
+            self._refused_origin, self._source_error = got.etag, f"refused the origin manifest: {exc}"
             return False
+        self._refused_origin = None
         now = (time.monotonic(), time.time())
         with self._cond:
             if self._origin is not None and m.run == self._origin.run and m.head < self._origin.head:
@@ -527,6 +536,8 @@ class Fanout:
             log.warning("%s: regional manifest is gone (bucket emptied or recreated?); re-seeding from step %d's "
                         "snapshot", region.dest.name, m.base)
             region.listed = None
+            with self._cond:  # it mirrors nothing now: behind until a re-seed lands (and retried as such)
+                region.synced_etag = region.synced_head = None
         with self._cond:
             region.head, region.run = (None, None) if current is None else (current.head, current.run)
         if current is not None and current.run != m.run:
@@ -781,7 +792,7 @@ class Fanout:
                 delays = [d for _, d in r.delays]
                 out["regions"][name] = {
                     "url": r.store.url, "head": r.head, "lag_steps": lag_steps, "lag_seconds": lag_seconds,
-                    "synced": origin is not None and r.synced_etag == self._origin_etag,
+                    "synced": origin is not None and r.synced_etag == self._origin_etag and r.head is not None,
                     "bytes_copied": r.bytes_copied, "objects_copied": r.objects_copied,
                     "bytes_read_back": r.bytes_read_back,
                     # written into the region, by kind (deltas, records, snapshots, manifests, ...)
