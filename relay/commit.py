@@ -153,7 +153,6 @@ def extend_run(cur: Manifest | None, unsure: bool, *, url: str, run: str, writer
     return m
 
 
-__all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "UnsignedWriteError", "ATTEMPTS"]
 
 
 def leftovers_message(store: Store, keys: list[str]) -> str:
@@ -194,8 +193,12 @@ def create_owned(store: Store, key: str, write: Callable[[], None], *, run: str,
         raise ConflictError(leftovers_message(store, [key]))
     if m.run != run or m.writer != writer or m.head != head:
         raise ConflictError(f"{store.url}/{key}: already exists with other content, and another publisher "
-                            f"owns the run (writer {m.writer if m else None}, head {m.head if m else None})")
+                            f"owns the run (writer {m.writer}, head {m.head})")
     log.warning("%s/%s: replacing a leftover of an uncommitted step (a crashed or fenced publisher, or a failed "
                 "attempt at this step, wrote it)", store.url, key)
     store.delete([key])
     write()
+
+
+__all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "require_no_leftovers", "create_owned",
+           "UnsignedWriteError", "ATTEMPTS"]
