@@ -246,7 +246,11 @@ def test_engine_core_in_its_own_process_follows_and_survives_a_restart(run, monk
             llm.llm_engine.set_weight_version("default")
             llm.reset_prefix_cache()  # a restarted engine has no KV cache of the weights it served before
             assert digest(llm) == digests[0], "premise: the engine holds its checkpoint's weights, as restarted"
-            assert same(generate(llm), refs[0]), "premise: the engine serves its checkpoint, as restarted"
+            # vLLM's own reload (not deltarelay's) gives the checkpoint's weights bit for bit (the digest), but
+            # its first outputs after it have differed from a fresh engine's in a logprob by ~1e-5 (seen in 4
+            # of 10 runs here, at one token): the premise is the weights, the outputs only near
+            off = differences(generate(llm), refs[0], tol=1e-4)
+            assert not off, f"premise: the engine serves its checkpoint, as restarted: {off[:3]}"
             before = engine.last_stage
             runner = threading.Thread(target=w.run, daemon=True)
             runner.start()
