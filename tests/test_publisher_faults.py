@@ -29,8 +29,10 @@ def _bumped(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor
     return state
 
 
-class GatedSnapshots:
-    """Wraps a store: streamed puts of snapshot files (not step 0's) wait for `release`, then fail."""
+class HeldSnapshots:
+    """Wraps a store: streamed puts of snapshot files (not step 0's) wait for `release` (then fail, with `fail`)."""
+
+    fail = False
 
     def __init__(self, store) -> None:
         self.inner = store
@@ -44,8 +46,15 @@ class GatedSnapshots:
         if key.startswith("snapshots/") and not key.startswith("snapshots/0/"):
             self.entered.set()
             assert self.release.wait(30), "never released"
-            raise OSError(f"{key}: injected failure")
+            if self.fail:
+                raise OSError(f"{key}: injected failure")
         return self.inner.put_immutable_stream(key, chunks, size, xxh3)
+
+
+class GatedSnapshots(HeldSnapshots):
+    """HeldSnapshots whose held puts then fail."""
+
+    fail = True
 
 
 def test_failed_snapshots_do_not_pin_superseded_tensors(file_run):
@@ -135,22 +144,6 @@ def test_close_publishers_closes_every_publisher_when_one_fails(tmp_path, monkey
                 pass
 
 
-class HeldSnapshots:
-    """Wraps a store: streamed puts of snapshot files (not step 0's) wait for `release`."""
-
-    def __init__(self, store) -> None:
-        self.inner = store
-        self.release = threading.Event()
-        self.entered = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put_immutable_stream(self, key, chunks, size, xxh3):
-        if key.startswith("snapshots/") and not key.startswith("snapshots/0/"):
-            self.entered.set()
-            assert self.release.wait(30), "never released"
-        return self.inner.put_immutable_stream(key, chunks, size, xxh3)
 
 
 @pytest.mark.parametrize("budget", [1.0, 2.0], ids=["retry-waits", "held-leaks"])
