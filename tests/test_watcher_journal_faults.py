@@ -32,6 +32,17 @@ def run(file_run):
     r.close()
 
 
+def _journal_watcher_at_step_2(run, url: str, d: Path) -> Watcher:
+    """A journal-mode watcher (no automatic compaction) that took snapshot 0 and then the chain to step 2."""
+    run.step()
+    w = Watcher(url, d, persist="journal", **NO_AUTO_COMPACT)
+    assert w.sync() == 0
+    for step in (1, 2):
+        run.step()
+        assert w.sync() == step
+    return w
+
+
 def _shown_full(d: Path) -> tuple[int, dict]:
     """What a reader of the visible names gets: (relay-state.json's step, the visible shards' tensors)."""
     state = json.loads((d / STATE_NAME).read_bytes())
@@ -84,13 +95,8 @@ def test_compaction_whose_swap_is_committed_but_fsync_fails_keeps_dest_and_watch
     *old* version, which .current no longer names: DEST would stay on the compacted step while the watcher
     (on_update, fleet) moved on, and a restart would remove the old version with every step journaled
     since. Like _commit_state after its rename, a .current swap is committed once made."""
-    run.step()
     d = tmp_path / "dest"
-    w = Watcher(file_run.url, d, persist="journal", **NO_AUTO_COMPACT)
-    assert w.sync() == 0
-    for step in (1, 2):
-        run.step()
-        assert w.sync() == step
+    w = _journal_watcher_at_step_2(run, file_run.url, d)
     real = watcher_mod.fsync_dir
     failed = []
 
@@ -189,13 +195,8 @@ def test_open_head_racing_the_removal_of_a_compacted_version_resolves_again(run,
     """open_head resolves .current to V and reads it; the watcher compacts meanwhile and removes V, whose
     rmtree unlinks V's files before V itself. A read failing in that window used to see V still existing
     and report DEST damaged; what decides is whether .current still names V (in materialize too)."""
-    run.step()
     d = tmp_path / "dest"
-    w = Watcher(file_run.url, d, persist="journal", **NO_AUTO_COMPACT)
-    assert w.sync() == 0
-    for step in (1, 2):
-        run.step()
-        assert w.sync() == step
+    w = _journal_watcher_at_step_2(run, file_run.url, d)
     real_payload, real_remove = dest.journal_payload, watcher_mod._remove_entry
     raced = []
 
@@ -226,13 +227,8 @@ def test_a_held_version_damaged_on_disk_is_replaced_from_memory_not_appended_to(
     in memory). A compaction reads the version's files, finds the damage, and fails; it used to be retried at
     every sync while every step was still appended to the damaged version, its journal growing without bound
     (and a restart would find nothing loadable). The next step is written as a new version from memory."""
-    run.step()
     d = tmp_path / "dest"
-    w = Watcher(file_run.url, d, persist="journal", **NO_AUTO_COMPACT)
-    assert w.sync() == 0
-    for step in (1, 2):
-        run.step()
-        assert w.sync() == step
+    w = _journal_watcher_at_step_2(run, file_run.url, d)
     damaged = version_of(d)
     shard = next(p for p in damaged.iterdir() if p.name.endswith(".safetensors"))
     data = bytearray(shard.read_bytes())
