@@ -22,6 +22,7 @@ from relay.watcher import HotLoadError, Watcher
 
 from conftest import Trainer, same_bits
 from fake_engine import FakeEngine
+from test_engine_hook import ScriptedLLM
 
 
 def _read_dir(files: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
@@ -33,23 +34,13 @@ def _read_dir(files: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
 
 
 # -- 1. tensor parallelism: the driver reads only the first worker's answer ------------------------------------
-class TwoWorkerLLM:
+class TwoWorkerLLM(ScriptedLLM):
     """What VLLMEngine calls on a vllm.LLM with tensor_parallel_size=2: collective_rpc answers one result per
     worker (vLLM's LLM.collective_rpc and `vllm serve`'s /collective_rpc both return the list)."""
 
     def __init__(self) -> None:
-        self.version = "default"
-        self.llm_engine = self
-        self.commit_results: list | None = None
-
-    def set_weight_version(self, v: str) -> None:
-        self.version = v
-
-    def get_weight_version(self) -> str:
-        return self.version
-
-    def reset_prefix_cache(self) -> bool:
-        return True
+        super().__init__()
+        self.commit_results: list | str | None = None
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         spec = json.loads(args[0]) if args else {}
