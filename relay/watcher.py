@@ -312,6 +312,9 @@ class Reader:
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
         self._hidden = ""  # what the announcement took out of the last planning view, for a failure to plan
+        # key -> monotonic time it was first found missing, across reach() calls: a host that syncs with
+        # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
+        self._missing_since: dict[str, float] = {}
 
     def progress(self) -> tuple[int, int] | None:
         """(bytes downloaded, bytes planned) of the reach in progress, None between reaches: for progress bars
@@ -783,7 +786,7 @@ class Reader:
         waits = 0
         refetched: set[ObjRef] = set()
         failed_here: set[ObjRef] = set()  # failed twice in this call: out for the rest of it, whatever the backoff
-        missing_since: dict[str, float] = {}
+        missing_since = self._missing_since
         rerouted: set[str] = set()  # missing for longer than reroute_after: try another complete path
         try:
             while True:
@@ -803,6 +806,7 @@ class Reader:
                         if held_step > m.head:
                             log.warning("%s: head %d is older than the held step %d; keeping %d", self.store.url,
                                         m.head, held_step, held_step)
+                        missing_since.clear()
                         return m, None, None
                     as_read, m = m, self._planning_view(m)  # with a region's own snapshots (§8.1); as_read is returned
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
@@ -856,6 +860,7 @@ class Reader:
                     else:
                         for ref in plan.keys(m):
                             self._failures.pop(ref, None)
+                        missing_since.clear()  # at the head: what was missing is either here or not needed
                         return as_read, tensors, rec
                 waits += 1
                 delay = self.waiting.delay(waits)

@@ -175,3 +175,29 @@ def test_long_missing_object_reroutes_through_a_snapshot(file_run, trainer, bits
     assert w.sync(timeout=10) == 4  # snapshot 3 and delta 4, after waiting reroute_after for step 2
     assert bits_equal(w.tensors, t.state())
     assert "looking for another complete path" in caplog.text
+
+
+def test_short_syncs_still_reroute_once_an_object_has_been_missing_long_enough(file_run, trainer, bits_equal,
+                                                                                tmp_path):
+    """A host that syncs with a timeout shorter than reroute_after (between rollouts, say) counts the
+    time an object has been missing across its calls: it must not wait for it forever."""
+    t = trainer(seed=27)
+    with relay.Publisher(file_run.url, snapshot_every=3, background=False) as pub:
+        for step in range(2):
+            pub.publish(t.step(), step)
+        w = relay.Watcher(file_run.url, tmp_path / "w", retry_initial=0.02, retry_max=0.05, reroute_after=0.4)
+        assert w.sync() == 1
+        for step in range(2, 5):
+            pub.publish(t.step(), step)
+    open_store(file_run.url).delete(["deltas/2-0.drd"])  # a replication that failed for good
+    timeouts = 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            assert w.sync(timeout=0.15) == 4
+            break
+        except relay.SyncTimeout:
+            timeouts += 1
+            assert w.step == 1
+    assert w.step == 4 and timeouts >= 2  # it did time out before reroute_after, then rerouted
+    assert bits_equal(w.tensors, t.state())
