@@ -215,3 +215,54 @@ def test_a_state_no_snapshot_can_hold_is_refused_before_anything_is_written(file
         retried = f"ConflictError: {str(exc)[-90:]}"
     pub.close()
     assert (left, retried) == ([], "ok")
+
+
+@pytest.mark.parametrize("advance", ["copy", "apply"])
+@pytest.mark.parametrize("kind", ["delta", "snapshot"])
+@pytest.mark.parametrize("retry", [False, True])
+def test_a_commit_that_landed_but_raised_does_not_wedge_the_next_step(file_run, trainer, bits_equal, tmp_path,
+                                                                     monkeypatch, advance, kind, retry):
+    """The store applies a manifest commit, then the publisher loses the outcome (every re-read fails too, the
+    store is down): publish raises. A trainer that logs it and moves on to the next step was refused at that
+    step and at every later one ("another publisher extended the run"): the publisher still believed the head
+    was the step before. The next publish learns what landed first, and builds on it."""
+    t = trainer(seed=31)
+    pub = relay.Publisher(file_run.url, background=False, advance=advance, snapshot_every=100)
+    real = publisher_mod.update_manifest
+    lose = {"n": 0}
+
+    def landed_then_lost(*a, **kw):
+        out = real(*a, **kw)
+        if lose["n"]:
+            lose["n"] -= 1
+            raise OSError("injected: the connection dropped after the store applied the commit")
+        return out
+
+    monkeypatch.setattr(publisher_mod, "update_manifest", landed_then_lost)
+    try:
+        pub.publish(t.step(), 0)
+        pub.publish(t.step(), 1)
+        lose["n"] = 1
+        state = t.step()
+        if kind == "snapshot":  # a step that changes the tensor set is published as a snapshot
+            state = dict(state)
+            state["extra"] = torch.zeros(8, dtype=torch.bfloat16)
+        with pytest.raises(OSError, match="injected"):
+            pub.publish(state, 2)
+        assert Manifest.parse(open_store(file_run.url).read_manifest().data).head == 2  # it did land
+        if retry:  # the trainer retries the step instead: it is there already, nothing more is written
+            before = sorted(open_store(file_run.url).list_run())
+            pub.publish(state, 2)
+            assert pub.step == 2 and sorted(open_store(file_run.url).list_run()) == before
+        for step in (3, 4):
+            state = t.step()
+            if kind == "snapshot":
+                state = dict(state)
+                state["extra"] = torch.zeros(8, dtype=torch.bfloat16)
+            pub.publish(state, step)
+        assert pub.step == 4
+    finally:
+        pub.close()
+    w = relay.Watcher(file_run.url, tmp_path / "w")
+    assert w.sync() == 4
+    assert bits_equal(w.tensors, state)
