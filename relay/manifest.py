@@ -193,6 +193,29 @@ class ObjRef:
             return f"sha256 {sha256_hex(data)}, manifest says {self.sha256}"
         return None
 
+    def matches_chunks(self, chunks: Iterable[Buffer]) -> str | None:
+        """`matches` for an object read as a stream of chunks: hashed as they come, never joined, and refused
+        at the first chunk that takes it past the manifest's size."""
+        import xxhash
+
+        tag = xxhash.xxh3_128()
+        sha = hashlib.sha256() if self.sha256 is not None else None
+        size = 0
+        for chunk in chunks:
+            size += memoryview(chunk).nbytes
+            if size > self.size:
+                return f"more than the manifest's {self.size} bytes"
+            tag.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
+        if size != self.size:
+            return f"{size} bytes, manifest says {self.size}"
+        if tag.hexdigest() != self.xxh3:
+            return f"xxh3 {tag.hexdigest()}, manifest says {self.xxh3}"
+        if sha is not None and sha.hexdigest() != self.sha256:
+            return f"sha256 {sha.hexdigest()}, manifest says {self.sha256}"
+        return None
+
     def read(self, store: Any) -> bytes:
         """The object's bytes from `store` (a relay.store.Store), read no further than one byte past the size
         the manifest gives: what `matches` then refuses, the store cannot make its reader hold more of."""

@@ -165,27 +165,37 @@ def assemble(files: list[tuple[ObjRef, bytes]], infos: Mapping[str, TensorInfo],
              want: Selector | None = None) -> dict[str, torch.Tensor]:
     """assemble_read over files given as their bytes (safetensors, or compressed snapshot objects: whole
     tensors, each checked against its own digest as it is decoded)."""
+    budget = Budget(tensor_bytes(infos))
+    return assemble_read([read_bytes(ref, data, budget) for ref, data in files], infos, want)
+
+
+class Budget:
+    """What the compressed files of one snapshot may still decode to: the record's tensors, all files together."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+
+def read_bytes(ref: ObjRef, data: bytes, budget: Budget
+               ) -> tuple[ObjRef, dict[str, tuple[int, int]], dict[str, torch.Tensor]]:
+    """One snapshot file given as its bytes, read as assemble_read takes it. The tensors own their memory,
+    so a caller can let the bytes go before it fetches the next file (one file's bytes at a time)."""
     from safetensors.torch import load as st_load
 
-    read: list[tuple[ObjRef, dict[str, tuple[int, int]], dict[str, torch.Tensor]]] = []
-    budget = tensor_bytes(infos)  # what a compressed file may decode to: the record's tensors, all files together
-    for ref, data in files:
-        if bytes(data[:4]) == codec.SNAPSHOT_MAGIC:
-            try:
-                held = dict(codec.decode_snapshot(data, where=ref.key, max_bytes=max(budget, 0)))
-            except codec.SnapshotError as exc:
-                raise ShardError([ref], f"not a snapshot file ({exc})") from None
-            budget -= sum(t.nbytes for t in held.values())
-            read.append((ref, {}, held))
-            continue
-        rows = file_rows(data, ref)
+    if bytes(data[:4]) == codec.SNAPSHOT_MAGIC:
         try:
-            held = st_load(bytes(data))
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
-            raise ShardError([ref], f"{ref.key}: not a safetensors file ({exc})") from None
-        budget -= sum(t.nbytes for t in held.values())
-        read.append((ref, rows, held))
-    return assemble_read(read, infos, want)
+            held = dict(codec.decode_snapshot(data, where=ref.key, max_bytes=max(budget.left, 0)))
+        except codec.SnapshotError as exc:
+            raise ShardError([ref], f"not a snapshot file ({exc})") from None
+        budget.left -= sum(t.nbytes for t in held.values())
+        return ref, {}, held
+    rows = file_rows(data, ref)
+    try:
+        held = st_load(bytes(data))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes
+        raise ShardError([ref], f"{ref.key}: not a safetensors file ({exc})") from None
+    budget.left -= sum(t.nbytes for t in held.values())
+    return ref, rows, held
 
 
 def assemble_read(files: list[tuple[ObjRef, dict[str, tuple[int, int]], dict[str, torch.Tensor]]],
@@ -259,5 +269,5 @@ def index_files(data: bytes, snap: Snapshot) -> dict[str, set[str]]:
 
 
 __all__ = ["ShardError", "selector", "needs_part", "check_tiling", "part_targets", "file_rows", "file_names",
-           "metadata_rows",
+           "metadata_rows", "Budget", "read_bytes",
            "assemble", "assemble_read", "index_files", "ROWS_KEY", "SLICES_KEY"]

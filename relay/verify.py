@@ -111,6 +111,30 @@ class _Checker:
             return None
         return data
 
+    def check_streamed(self, ref: ObjRef) -> None:
+        """`fetch` for an object nothing here parses (a snapshot file, up to gigabytes): hashed as it streams,
+        never held whole, so a shallow check's memory is a chunk per worker whatever the shard size."""
+        seen = [0]
+
+        def counted() -> Any:
+            for chunk in self.store.iter_chunks(ref.key):
+                seen[0] += memoryview(chunk).nbytes
+                yield chunk
+
+        try:
+            problem = ref.matches_chunks(counted())
+        except ObjectMissing:
+            self._bad(ref.key, f"{ref.key}: missing")
+            return
+        except Exception as exc:  # noqa: BLE001 - an unreadable object is a finding, not a crash
+            self._bad(ref.key, f"{ref.key}: unreadable ({type(exc).__name__}: {exc})")
+            return
+        with self._lock:
+            self.report.objects_checked += 1
+            self.report.bytes_checked += seen[0]
+        if problem:
+            self._bad(ref.key, f"{ref.key}: corrupt ({problem})")
+
     def _bad(self, key: str, text: str) -> None:
         with self._lock:
             if key not in self.bad:
@@ -119,10 +143,13 @@ class _Checker:
 
     # -- shallow: every object, and what each says about the others ---------------------------------
     def check_object(self, ref: ObjRef) -> None:
+        kind = ref.key.split("/")[0]
+        if kind == "snapshots" and not ref.key.endswith("/" + INDEX_NAME):
+            self.check_streamed(ref)  # a deep check parses it later, one file at a time
+            return
         data = self.fetch(ref)
         if data is None:
             return
-        kind = ref.key.split("/")[0]
         if kind == "records":
             step = step_of_key(ref.key)
             try:
@@ -237,45 +264,59 @@ class _Checker:
 
     # -- deep: rebuild every step -------------------------------------------------------------------
     def _snapshot_state(self, snap: Any) -> dict[str, torch.Tensor] | None:
+        """The snapshot's tensors, read one file at a time: each file's bytes go once its tensors are read."""
         step = snap.step
         if any(r.key in self.bad for r in (snap.index, *snap.files)):
             return None
-        files = []
+        rec = self.records.get(step)
+        infos = rec.tensors if rec is not None else {}
+        mapped = self._index_map(snap)
+        budget = shards.Budget(checkpoint.tensor_bytes(infos))
+        read = []
         for ref in snap.files:
             data = self.fetch(ref)
             if data is None:
                 return None
-            files.append((ref, data))
-        self._check_index_map(snap, files)
-        rec = self.records.get(step)
+            if mapped is not None:
+                self._check_file_map(snap, mapped, ref, data)
+            try:
+                read.append(shards.read_bytes(ref, data, budget))
+            except shards.ShardError as exc:
+                for bad in exc.refs:
+                    self._bad(bad.key, str(exc))
+                return None
+            del data
         try:  # row slices of a sharded trainer put together (their rows fit the record's shapes)
-            return shards.assemble(files, rec.tensors if rec is not None else {})
+            return shards.assemble_read(read, infos)
         except shards.ShardError as exc:
             for ref in exc.refs:
                 self._bad(ref.key, str(exc))
             return None
 
-    def _check_index_map(self, snap: Any, files: list[tuple[ObjRef, bytes]]) -> None:
-        """Each file holds exactly the tensors the snapshot's index maps to it: a partial replica fetches only
-        the files its tensors map to, so a wrong map starves it though every file is sound."""
+    def _index_map(self, snap: Any) -> dict[str, set[str]] | None:
+        """The tensors the snapshot's index maps to each of its files; None if there is no readable index
+        (missing or corrupt: the shallow check reported it)."""
         data = self.indexes.get(snap.index.key)
-        if data is None:  # missing, corrupt or no index: the shallow check reported it
-            return
+        if data is None:
+            return None
         try:
-            mapped = shards.index_files(data, snap)
+            return shards.index_files(data, snap)
         except ManifestError as exc:
             self._bad(snap.index.key, str(exc))
-            return
-        for ref, blob in files:
-            try:
-                held = shards.file_names(blob, ref)
-            except shards.ShardError:
-                continue  # unreadable: assemble reports it
-            want = mapped.get(ref.key, set())
-            said = ([f"maps {sorted(want - held)[:5]} to {ref.key}, which lacks them"] if want - held else []) + \
-                ([f"does not map {sorted(held - want)[:5]} to {ref.key}, which holds them"] if held - want else [])
-            if said:
-                self.problem(f"{snap.index.key}: " + "; ".join(said))
+            return None
+
+    def _check_file_map(self, snap: Any, mapped: dict[str, set[str]], ref: ObjRef, blob: bytes) -> None:
+        """The file holds exactly the tensors the snapshot's index maps to it: a partial replica fetches only
+        the files its tensors map to, so a wrong map starves it though every file is sound."""
+        try:
+            held = shards.file_names(blob, ref)
+        except shards.ShardError:
+            return  # unreadable: read_bytes reports it
+        want = mapped.get(ref.key, set())
+        said = ([f"maps {sorted(want - held)[:5]} to {ref.key}, which lacks them"] if want - held else []) + \
+            ([f"does not map {sorted(held - want)[:5]} to {ref.key}, which holds them"] if held - want else [])
+        if said:
+            self.problem(f"{snap.index.key}: " + "; ".join(said))
 
     def _matches_record(self, step: int, tensors: dict[str, torch.Tensor], what: str) -> bool:
         rec = self.records.get(step)
@@ -320,7 +361,9 @@ class _Checker:
                                      f"{_ranges(unbuilt)}")
 
     def _apply(self, s: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        tensors = {k: v.clone() for k, v in state.items()}
+        """The state of step s: `state` (its parent's, which deep() never reads again) moved in place, no copy
+        of the model; None if a part is missing or does not apply (`state` is then partly moved: dropped)."""
+        tensors = state
         covered: set[str] = set()
         try:
             shards.check_tiling(s.step, s.parts, tensors)

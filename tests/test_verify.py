@@ -143,3 +143,67 @@ def test_index_that_maps_tensors_to_the_wrong_file_is_found_by_deep(run_store, t
     assert not report.ok
     text = "\n".join(report.problems)
     assert f"maps ['{na}'] to {snap.index.key.rsplit('/', 1)[0]}/{fb}, which lacks them" in text, text
+
+
+class _Live(bytes):
+    """Bytes of a snapshot file handed to verify, counted while anything holds them."""
+
+    live = 0
+    peak = 0
+
+    def __new__(cls, data: bytes) -> "_Live":
+        out = super().__new__(cls, data)
+        cls.live += 1
+        cls.peak = max(cls.peak, cls.live)
+        return out
+
+    def __del__(self) -> None:
+        type(self).live -= 1
+
+
+def test_verify_never_holds_a_whole_snapshot_of_serialized_bytes(file_run, trainer, monkeypatch):
+    """A shallow check hashes snapshot files as they stream (a 1 TB policy's shards are gigabytes each, four
+    workers at a time); a deep one reads a snapshot one file at a time, letting each file's bytes go once its
+    tensors are read."""
+    import relay.verify as verify_mod
+
+    store, m = publish(file_run, trainer, max_shard_bytes=4096)
+    files = [f.key for s in m.snapshots for f in s.files]
+    assert len(m.snapshots[0].files) >= 3, "the test needs snapshots of several files"
+    whole: list[str] = []
+    real_open = verify_mod.open_store
+
+    def opened(url, options=None):
+        s = real_open(url, options)
+        real_get = s.get_at_most
+
+        def get_at_most(key, limit):
+            data = real_get(key, limit)
+            if key in files:
+                whole.append(key)
+                return _Live(data)
+            return data
+
+        s.get_at_most = get_at_most
+        return s
+
+    monkeypatch.setattr(verify_mod, "open_store", opened)
+    shallow = verify(file_run.url, file_run.options)
+    assert shallow.ok, shallow.text()
+    assert whole == [] and shallow.bytes_checked >= sum(f.size for s in m.snapshots for f in s.files)
+    _Live.live = _Live.peak = 0
+    deep = verify(file_run.url, file_run.options, deep=True)
+    assert deep.ok and deep.steps_rebuilt == 6, deep.text()
+    assert sorted(set(whole)) == sorted(files)  # deep read every file ...
+    assert _Live.peak == 1  # ... one at a time
+
+
+def test_streamed_snapshot_check_finds_a_longer_or_shorter_file(file_run, trainer):
+    store, m = publish(file_run, trainer, max_shard_bytes=4096)
+    longer, shorter = m.snapshot(3).files[0].key, m.snapshot(3).files[1].key
+    replace(store, longer, store.get(longer) + b"\0" * 64)
+    replace(store, shorter, store.get(shorter)[:-1])
+    report = verify(file_run.url, file_run.options)
+    text = "\n".join(report.problems)
+    assert f"{longer}: corrupt (more than the manifest's" in text
+    assert f"{shorter}: corrupt (" in text and "bytes, manifest says" in text
