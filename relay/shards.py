@@ -17,14 +17,12 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 import codec
-from relay.checkpoint import tensor_bytes
-
+from relay.checkpoint import MAX_HEADER_BYTES, tensor_bytes
 from relay.manifest import (MAX_RECORD_BYTES, ManifestError, ObjRef, Part, Snapshot, TensorInfo, _load_json,
                             safe_shard_name)
 
 ROWS_KEY = "rows"  # safetensors metadata of a snapshot file holding row slices: JSON {name: [start, stop]}
 SLICES_KEY = "slices"  # the snapshot index's metadata: {name: [[start, stop, file], ...]} for sliced tensors
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own cap on a header
 
 Selector = Callable[[str], bool]
 
