@@ -979,6 +979,8 @@ class Watcher:
         self.module_step: int | None = None  # the step `module` holds (set by a successful hot-load)
         self.delivered_step: int | None = None  # the last step on_update accepted
         self.engine_step: int | None = None  # the step `engine` serves (set by a successful commit)
+        self._engine_losses = 0  # times in a row the engine was found no longer serving the step it took
+        self._engine_lost_next = 0.0  # run() looks for a lost engine again from this monotonic time
         self._engine_tensors: dict[str, TensorInfo] | None = None  # that step's record entries (what changed)
         self._engine_version: Path | None = None  # that step's version directory, kept for the engine's rollback
         self._module_tensors: dict[str, torch.Tensor] | None = None  # the dict the module took its step from
@@ -1758,11 +1760,19 @@ class Watcher:
             log.warning("%s: engine state() failed: %s", self.dest, exc)
             return False
         if now == self.engine_step:
+            self._engine_losses = 0
             return False
-        log.warning("%s: the engine no longer serves step %d (it reports %s); it gets the held step %s whole",
-                    self.dest, self.engine_step, now, self.step)
+        self._engine_losses += 1  # in a row: each whole re-push it lost again counts one more
+        self._engine_lost_next = time.monotonic() + self._offer_backoff().delay(self._engine_losses)
+        log.warning("%s: the engine no longer serves step %d (it reports %s); it gets the held step %s whole%s",
+                    self.dest, self.engine_step, now, self.step,
+                    f" (lost {self._engine_losses} times in a row)" if self._engine_losses > 1 else "")
         self.engine_step = self._engine_tensors = None
         return True
+
+    def _offer_backoff(self) -> Backoff:
+        """The waits between offers of a held step the module, engine or on_update did not keep."""
+        return Backoff(max(self.poll_interval, DELIVERY_RETRY[0]), max(self.poll_interval, DELIVERY_RETRY[1]))
 
     def _undelivered(self) -> bool:
         """Whether the held step has yet to reach the module, the engine or on_update (a delivery failed)."""
@@ -1778,9 +1788,11 @@ class Watcher:
         sync that cannot finish in time raises SyncTimeout instead. A held step that the module, the
         engine or on_update did not take is offered again without a new manifest (after DELIVERY_RETRY,
         doubling per failure): a trainer that stops publishing must not leave an engine on an old step.
+        An engine found no longer serving the held step (it restarted) gets it back whole at once; one that
+        loses it again after each re-push is looked at with the same doubling waits.
         """
         etag = None
-        retry = Backoff(max(self.poll_interval, DELIVERY_RETRY[0]), max(self.poll_interval, DELIVERY_RETRY[1]))
+        retry = self._offer_backoff()
         refused, refused_step, retry_at = 0, None, 0.0  # failed offers of the held step in a row; when to retry
         if self.fleet is not None:
             self.fleet.start()  # heartbeats, also while a sync hangs (a stuck host shows as behind, not dead)
@@ -1804,9 +1816,12 @@ class Watcher:
                         if (self.reader.manifest_reads != reads and self.step == self.reader.head_seen
                                 and self._undelivered()):
                             etag = got.etag
-                elif self.engine is not None and self.step is not None and self._engine_lost():
+                elif (self.engine is not None and self.step is not None
+                      and time.monotonic() >= self._engine_lost_next and self._engine_lost()):
+                    # an engine that restarted gets the held step back now, from DEST; one that loses it again
+                    # after each re-push (flapping) is looked at, and re-pushed, less and less often
                     offered = True
-                    self.redeliver()  # an engine that restarted gets the held step back now, from DEST
+                    self.redeliver()
                 elif self._undelivered() and time.monotonic() >= retry_at:
                     offered = True
                     self.redeliver()  # no new manifest (or no store): the held step offered again, from DEST

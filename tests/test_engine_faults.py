@@ -22,7 +22,7 @@ from relay.watcher import HotLoadError, Watcher
 
 from conftest import Trainer, same_bits
 from fake_engine import FakeEngine
-from test_engine_hook import ScriptedLLM
+from test_engine_hook import MemoryEngine, ScriptedLLM
 
 
 def _read_dir(files: Path, names: set[str] | None) -> dict[str, torch.Tensor]:
@@ -311,3 +311,31 @@ def test_watcher_engine_step_after_a_commit_with_an_unknown_outcome(tmp_path):
         assert engine.state()["step"] is None  # premise: the adapter knows it does not know
         assert w.engine_step == engine.state()["step"], (
             f"watcher reports the engine on step {w.engine_step}; the engine's state: {engine.state()}")
+
+
+def test_an_engine_that_reports_a_lost_step_after_every_reload_is_backed_off(tmp_path):
+    """An engine whose state() no longer reports the step right after each whole reload (a flapping engine, or
+    an adapter that loses its version) was handed the whole model again at every poll (poll_interval 0.02 s:
+    dozens of full reloads a second, for a 1 TB policy a pause that never ends). Re-pushes after a loss back
+    off like refused offers; a real restart is still answered at once."""
+    class Flapping(MemoryEngine):
+        def state(self) -> dict:
+            out = super().state()
+            out["step"] = None  # forgets at once what it took
+            return out
+
+    url = (tmp_path / "store").as_uri()
+    t = Trainer(seed=12)
+    engine = Flapping()
+    with Publisher(url, background=False, snapshot_every=100) as pub, \
+            Watcher(url, tmp_path / "dest", engine=engine, poll_interval=0.02) as w:
+        pub.publish(t.state(), 0)
+        assert w.sync() == 0 and len(engine.loaded) == 1
+        runner = threading.Thread(target=w.run, daemon=True)
+        runner.start()
+        try:
+            time.sleep(1.5)
+        finally:
+            w.stop()
+            runner.join(timeout=30)
+    assert 2 <= len(engine.loaded) <= 3, f"{len(engine.loaded)} whole reloads in 1.5 s"
