@@ -533,7 +533,7 @@ def declares_compressed(index: bytes) -> bool:
     try:
         meta = json.loads(index).get("metadata", {})
         return isinstance(meta, dict) and meta.get("snapshot_format") == "compressed"
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False
 
 

@@ -83,8 +83,8 @@ def weight_map(version: Path, names: set[str]) -> dict[str, str]:
         wm = doc["weight_map"]
     except FileNotFoundError:
         raise BadVersion(f"no {INDEX_NAME}") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BadVersion(f"{INDEX_NAME} is not valid ({exc!r})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise BadVersion(f"{INDEX_NAME} is not valid ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(wm, dict) or set(wm) != names or not all(safe_shard_name(v) for v in wm.values()):
         raise BadVersion(f"{INDEX_NAME}: its weight_map does not place exactly the state's tensors in safe names")
     return dict(wm)

@@ -48,6 +48,7 @@ MAX_INTERVAL = 3600.0  # a host claiming a longer heartbeat is reported bad: it 
 MAX_SKEW = 300.0  # a report time further in the future than this is absurd (bad), not merely skewed
 MAX_ENTRY_BYTES = 64 << 10
 MAX_REGION_BYTES = 64 << 20
+GATHER_HORIZON = 6 * 3600.0  # a relay's gathering leaves out entries older than this (3 x MAX_INTERVAL + margin)
 MAX_HOSTS = 100_000  # entries read from one prefix; more are reported, not read
 READ_THREADS = 16  # entries read at once (a GET costs a round trip: 1000 hosts one by one take ~30 s on S3)
 HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -213,8 +214,8 @@ class HostReport:
             raise FleetError(f"{where}: {len(data)} bytes, over the {MAX_ENTRY_BYTES} an entry may have")
         try:
             obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise FleetError(f"{where}: not JSON ({exc})") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
+            raise FleetError(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
         return cls.from_json(obj, where)
 
 
@@ -412,12 +413,13 @@ class Fleet:
 def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, tuple[str, bytes]] | None = None
                 ) -> list[tuple[str, bytes]]:
     """(key, bytes) of every host entry under `store`'s HOSTS_PREFIX (bounded), appending bad ones to
-    `fleet`; `etags` (key -> (etag, bytes)) lets a repeated reader skip unchanged entries (conditional GET)."""
+    `fleet`; `etags` (key -> (etag, bytes)) lets a repeated reader skip unchanged entries (conditional GET),
+    and an entry it read before that cannot be read now (a throttled GET) counts by its last bytes. A store
+    that cannot be listed raises (ListingFailed): what it holds is unknown, not empty."""
     try:
         listed = store.list(HOSTS_PREFIX)
-    except Exception as exc:  # noqa: BLE001 - one unreadable store must not hide the others
-        fleet.problems.append(f"{store.url}/{HOSTS_PREFIX}: cannot list ({type(exc).__name__}: {exc})")
-        return []
+    except Exception as exc:  # noqa: BLE001 - the caller says what an unlisted store means to it
+        raise ListingFailed(f"{store.url}/{HOSTS_PREFIX}: cannot list ({type(exc).__name__}: {exc})") from None
     keys = sorted(k for k in listed if k.endswith(".json") and not k.rsplit("/", 1)[-1].startswith("."))
     if len(keys) > MAX_HOSTS:
         fleet.problems.append(f"{store.url}/{HOSTS_PREFIX}: {len(keys)} entries, reading the first {MAX_HOSTS}")
@@ -442,6 +444,11 @@ def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, 
         got = answers[key]
         old = None if etags is None else etags.get(key)
         if isinstance(got, Exception):
+            if old is not None:  # read before: it still says what it said (it ages out by its own time)
+                fleet.problems.append(f"{where}: unreadable now ({type(got).__name__}: {got}); its last "
+                                      f"report counts")
+                out.append((key, old[1]))
+                continue
             fleet.entries.append(Entry(label or store.url, where, error=f"unreadable ({type(got).__name__}: {got})"))
             continue
         if got is None:
@@ -479,8 +486,11 @@ def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = 
     else the store URL) and the regions a relay gathered there (labelled by region). Never raises for
     what the store holds: bad entries and unreadable objects are reported in the result."""
     fleet = Fleet() if fleet is None else fleet
-    for key, data in _read_hosts(store, label, fleet):
-        fleet.entries.append(_host_entry(data, key, f"{store.url}/{key}", label, store.url))
+    try:
+        for key, data in _read_hosts(store, label, fleet):
+            fleet.entries.append(_host_entry(data, key, f"{store.url}/{key}", label, store.url))
+    except ListingFailed as exc:  # one unreadable store must not hide the others
+        fleet.problems.append(str(exc))
     try:
         regions = store.list(REGIONS_PREFIX)
     except Exception as exc:  # noqa: BLE001 - reported
@@ -503,8 +513,8 @@ def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = 
 def _read_region(data: bytes, key: str, where: str, fleet: Fleet) -> None:
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FleetError(f"not JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
+        raise FleetError(f"not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(doc, dict) or doc.get("format") != REGION_FORMAT or doc.get("version") != VERSION:
         raise FleetError(f"not a {REGION_FORMAT} version {VERSION} document")
     extra = set(doc) - {"format", "version", "region", "url", "updated", "interval", "hosts", "bad", "truncated"}
@@ -685,6 +695,35 @@ def _held(row: dict) -> str:
 
 
 # -- the relay's side -------------------------------------------------------------------------------
+class ListingFailed(OSError):
+    """A store's fleet/hosts/ could not be listed: what it holds is unknown (not: it holds nobody)."""
+
+
+def _fit(hosts: list[dict], bad: list[dict], budget: int) -> tuple[list[dict], int]:
+    """The newest hosts whose JSON, with `bad`'s, fits in `budget` bytes, and how many entries were cut (bad
+    ones beyond a quarter of the budget, in place): a region's document over its readers' cap would be
+    refused whole, live hosts included."""
+    def size(obj: Any) -> int:
+        return len(json.dumps(obj, sort_keys=True, allow_nan=False)) + 2
+
+    left, cut = budget, 0
+    for i, b in enumerate(bad):
+        n = size(b)
+        if n > left - 3 * budget // 4:
+            cut = len(bad) - i
+            del bad[i:]
+            break
+        left -= n
+    kept = []
+    for h in sorted(hosts, key=lambda h: -float(h.get("updated") or 0.0)):
+        n = size(h)
+        if n > left:
+            break
+        left -= n
+        kept.append(h)
+    return kept, cut + len(hosts) - len(kept)
+
+
 class RegionGatherer:
     """Copies each region's host entries into the origin store as `fleet/regions/<region>.json`, every
     `interval` seconds, on its own thread (a slow region delays only the gathering, never the copies).
@@ -706,19 +745,30 @@ class RegionGatherer:
         self._lock = threading.Lock()
 
     def gather(self, name: str) -> None:
-        """One region, now: read its entries, write its document to the origin (compare-and-swap)."""
+        """One region, now: read its entries, write its document to the origin (compare-and-swap). A region
+        that cannot be listed keeps its previous document (its hosts age out by their own reports, never
+        vanish at once); entries not updated for GATHER_HORIZON are left out, and the document is kept
+        under MAX_REGION_BYTES (the oldest hosts go first), with `truncated` set when anything was left out."""
         store = self.regions[name]
         fleet = Fleet()
         hosts, bad = [], []
-        for key, data in _read_hosts(store, name, fleet, self._cache[name]):
+        now = time.time()
+        old_entries = 0
+        for key, data in _read_hosts(store, name, fleet, self._cache[name]):  # ListingFailed: nothing written
             e = _host_entry(data, key, f"{store.url}/{key}", name, name)
-            if e.report is not None:
+            if e.report is not None and now - e.report.updated > GATHER_HORIZON:
+                old_entries += 1  # a host gone for hours (pods come and go; nothing removes their entries)
+            elif e.report is not None:
                 hosts.append(e.report.to_json())
             else:
                 bad.append({"where": e.where, "error": e.error})
         bad += [{"where": e.where, "error": e.error} for e in fleet.entries]
-        doc = {"format": REGION_FORMAT, "version": VERSION, "region": name, "url": store.url, "updated": time.time(),
-               "interval": self.interval, "hosts": hosts, "bad": bad, "truncated": bool(fleet.problems)}
+        hosts, cut = _fit(hosts, bad, MAX_REGION_BYTES - (64 << 10))
+        if old_entries or cut:
+            log.info("%s: gathered %d host entries, left out %d not updated for %.0f h and %d over the %d-byte "
+                     "document cap", name, len(hosts), old_entries, GATHER_HORIZON / 3600, cut, MAX_REGION_BYTES)
+        doc = {"format": REGION_FORMAT, "version": VERSION, "region": name, "url": store.url, "updated": now,
+               "interval": self.interval, "hosts": hosts, "bad": bad, "truncated": bool(fleet.problems or cut)}
         data = json.dumps(doc, sort_keys=True, allow_nan=False).encode()
         key = region_key(name)
         for _ in range(3):

@@ -181,7 +181,7 @@ class _Checker:
             files = set(weight_map.values())
             sliced = (index.get("metadata") or {}).get(shards.SLICES_KEY, {})  # a sharded trainer's row slices
             files |= {item[2] for slices in sliced.values() for item in slices}
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
             self._bad(ref.key, f"{ref.key}: not a safetensors index ({type(exc).__name__}: {exc})")
             return
         with self._lock:
