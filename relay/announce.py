@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from relay.manifest import (INDEX_NAME, MAX_MANIFEST_BYTES, ManifestError, ObjRef, Snapshot, _hex32, _load_json,
-                            _need, _only, _step_int, safe_file_name)
+from relay.manifest import (INDEX_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError, ObjRef, Snapshot, _hex32,
+                            _load_json, _need, _only, _step_int, safe_file_name)
 from relay.store import ConflictError, ObjectMissing, Store
 
 log = logging.getLogger(__name__)
@@ -142,21 +142,31 @@ def update_announcement(store: Store, change: Callable[[Announcement | None], An
 def collect(store: Store, keep: int) -> dict:
     """Regional gc: keep the newest `keep` announced snapshots (dropped from the announcement first, by
     compare-and-swap), then delete every regional/snapshots/ object that no announced snapshot names, except
-    at steps above the newest announced one (a snapshot being written). Without a readable announcement
-    nothing is deleted. Returns what was done."""
+    at steps above the newest announced one (a snapshot being written). Entries past the head of the region's
+    manifest (or of another run) count for neither: they stay announced, take no place among the `keep`, and
+    do not raise that line (a forged far-future entry would otherwise push out every real snapshot). Without
+    a readable announcement nothing is deleted. Returns what was done."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
+    head = _head(store)
+
+    def credible(cur: Announcement) -> list[Snapshot]:
+        # an entry past the region's head is nobody's snapshot yet (in flight, or a bucket writer's): it
+        # neither takes one of the `keep` places nor moves the line below which unnamed files are deleted
+        return [s for s in cur.snapshots if head is None or (cur.run == head[1] and s.step <= head[0])]
 
     def trim(cur: Announcement | None) -> Announcement | None:
-        if cur is None or len(cur.snapshots) <= keep:
+        if cur is None or len(credible(cur)) <= keep:
             return None
-        return Announcement(cur.run, cur.origin_snapshots, cur.snapshots[-keep:])
+        kept = credible(cur)[-keep:]
+        return Announcement(cur.run, cur.origin_snapshots,
+                            tuple(s for s in cur.snapshots if s in kept or s not in credible(cur)))
 
     now = update_announcement(store, trim)
     if now is None:
         return {"regional_snapshots": [], "regional_deleted": 0, "regional_freed_bytes": 0}
     named = {r.key for s in now.snapshots for r in (s.index, *s.files)}
-    newest = max((s.step for s in now.snapshots), default=-1)
+    newest = max((s.step for s in credible(now)), default=-1)
     listed = store.list(REGIONAL_PREFIX)
     doomed = sorted(k for k in listed if k not in named and (m := _REGIONAL_KEY.fullmatch(k)) is not None
                     and int(m.group(1)) <= newest)
@@ -166,6 +176,17 @@ def collect(store: Store, keep: int) -> dict:
         pass
     return {"regional_snapshots": [s.step for s in now.snapshots],
             "regional_deleted": len(doomed), "regional_freed_bytes": sum(listed[k] for k in doomed)}
+
+
+def _head(store: Store) -> tuple[int, str] | None:
+    """(head, run) of the region's manifest, None if it has none or it cannot be read."""
+    try:
+        got = store.read_manifest()
+        m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
+    except Exception as exc:  # noqa: BLE001 - unknown: every announced entry counts, as before a manifest exists
+        log.debug("%s: manifest unreadable (%s)", store.url, exc)
+        return None
+    return None if m is None else (m.head, m.run)
 
 
 __all__ = ["ANNOUNCE_KEY", "REGIONAL_PREFIX", "Announcement", "regional_prefix", "is_regional", "read_announcement",

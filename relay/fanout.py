@@ -60,7 +60,7 @@ from typing import Any, overload
 
 from relay import fleet
 from relay.announce import Announcement, read_announcement
-from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot
+from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, step_of_key
 from relay.regional import Materialiser
 from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
@@ -260,6 +260,8 @@ class _Region:
     manifest: ManifestRead | None = None  # the regional manifest as last read or committed by us
     last_commit: float | None = None  # wall clock
     delays: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds from seen at origin to here)
+    # origin key -> monotonic time a copy first found it missing there (lost for good once reroute_after passes)
+    lost: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
 
 
@@ -295,7 +297,7 @@ class Fanout:
                  workdir: str | os.PathLike | None = None, materialise_every: int | None = None,
                  materialise_keep: int = 2, fleet_interval: float | None = fleet.DEFAULT_AGGREGATE_INTERVAL,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
-                 metrics_registry: Any = None) -> None:
+                 metrics_registry: Any = None, reroute_after: float | None = 300.0) -> None:
         if not destinations:
             raise ValueError("the relay needs at least one destination")
         names = [d.name for d in destinations]
@@ -311,6 +313,7 @@ class Fanout:
         self.retry_max = retry_max
         self.backoff = Backoff(retry_initial, retry_max)  # per region, after each failure in a row
         self.recheck_interval = recheck_interval
+        self.reroute_after = reroute_after
         self.trusted = TrustedKeys.from_option(trusted_keys)
         self.replace_runs = self.trusted is None if replace_runs is None else bool(replace_runs)
         self._cache = _SourceCache(self.source, cache_bytes)
@@ -443,6 +446,25 @@ class Fanout:
                 log.warning("%s/%s: %s; replacing it from the origin", region.store.url, ref.key, problem)
         self._copy(region, ref)
 
+    def _past_lost(self, region: _Region, m: Manifest) -> int:
+        """The lowest floor that leaves out every origin object missing for `reroute_after` (a PUT that never
+        landed, a replication that failed for good, when the origin is itself a region): the newest snapshot
+        past the highest such object's step, if there is one. Watchers route around such an object through a
+        snapshot; a region kept at a floor below it could never be committed again."""
+        if self.reroute_after is None:
+            return -1
+        now = time.monotonic()
+        steps = [step_of_key(k) for k, t in region.lost.items() if now - t >= self.reroute_after]
+        worst = max((st for st in steps if st is not None), default=None)
+        if worst is None:
+            return -1
+        past = [s.step for s in m.snapshots if s.step >= worst]
+        if not past:
+            return -1
+        log.warning("%s: origin objects %s have been missing for over %.0fs; the region starts at snapshot %d "
+                    "instead", region.dest.name, sorted(region.lost)[:3], self.reroute_after, past[0])
+        return past[0]
+
     def _ensure(self, region: _Region, refs: list[ObjRef]) -> None:
         """Make every ref verified present in the region (in parallel); returns once all are."""
         missing = [r for r in refs if not _covers(region.known.get(r.key), r)]
@@ -566,12 +588,18 @@ class Fanout:
             with self._cond:
                 region.synced_etag, region.synced_head, region.refused_etag = origin_etag, m.head, None
             return True
-        target = trim(m, choose_floor(m, current))
+        target = trim(m, max(choose_floor(m, current), self._past_lost(region, m)))
         floor = target.snapshots[0].step
         extra = {s.step for s in target.snapshots
                  if s.step != floor and not all(self._held(region, r) for r in snapshot_refs(s))}
         first = dataclasses.replace(target, snapshots=[s for s in target.snapshots if s.step not in extra])
-        self._ensure(region, _manifest_refs(first))
+        try:
+            self._ensure(region, _manifest_refs(first))
+        except ObjectMissing as exc:
+            if exc.key is not None:
+                region.lost.setdefault(exc.key, time.monotonic())
+            raise
+        region.lost.clear()
         etag = self._commit(region, first, data, etag)
         data = first.to_bytes()
         for snap in target.snapshots:

@@ -180,14 +180,16 @@ class Materialiser:
     regional snapshots kept (older ones leave the announcement, then their objects are deleted).
     `trusted_keys`: only manifests signed by one of these are followed (the materialiser signs nothing).
     `origin_snapshots`: what the announcement says about the trainer's snapshots/ objects in this region
-    (False: the region does not keep them, readers never wait for them there).
+    (False: the region does not keep them, readers never wait for them there). `reroute_after`: seconds an
+    object the region's chain needs may be missing (a replication that failed for good, an expired regional
+    snapshot) before the materialiser bootstraps past it from the origin's newest snapshot.
     """
 
     def __init__(self, region: str | Store, workdir: str | os.PathLike, *, bootstrap_from: str | Store | None = None,
                  every: int | None = None, keep: int = 2, trusted_keys: Any = None,
                  storage_options: dict | None = None, bootstrap_options: dict | None = None,
                  origin_snapshots: bool = False, workers: int = 4, retry_initial: float = 0.2,
-                 retry_max: float = 5.0) -> None:
+                 retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
         if every is not None and every < 1:
             raise ValueError("every must be >= 1")
         if keep < 1:
@@ -200,8 +202,9 @@ class Materialiser:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.every, self.keep, self.origin_snapshots, self.workers = every, keep, origin_snapshots, workers
+        self.reroute_after = reroute_after
         options = {"trusted_keys": trusted_keys, "workers": workers, "retry_initial": retry_initial,
-                   "retry_max": retry_max}
+                   "retry_max": retry_max, "reroute_after": reroute_after}
         self._reader = _StepReader(self.store, **options)
         self._boot_store = _Bootstrap(self.store, self.origin)
         self._boot = _StepReader(self._boot_store, **options)
@@ -240,18 +243,23 @@ class Materialiser:
         ann = self._announcement(m)
         listed = {s.step for s in m.steps}
         regional = [s.step for s in (ann.snapshots if ann is not None else ()) if s.step in listed]
-        if regional:
+        if regional and not self._rerouted(m, None):
             try:
                 self._reach(self._reader, m, regional[-1], deadline)
                 return
             except SyncTimeout:
-                raise
+                if not self._rerouted(m, None):
+                    raise
+                log.warning("%s: the region's snapshot %d has had an object missing for over %.0fs; "
+                            "bootstrapping from a trainer's snapshot", self.store.url, regional[-1],
+                            self.reroute_after)
             except SyncError as exc:
                 log.warning("%s: no regional snapshot to start from (%s); bootstrapping from a trainer's snapshot",
                             self.store.url, exc)
         before = self._boot_store.origin_bytes
         self._reach(self._boot, m, m.snapshots[-1].step, deadline)
         self.bootstraps += 1
+        self._reader.forget_missing()  # what was missing below the snapshot is not needed any more
         log.info("%s: bootstrapped at step %d (%d bytes read from the origin %s)", self.store.url, self.step,
                  self._boot_store.origin_bytes - before, None if self.origin is None else self.origin.url)
 
@@ -260,11 +268,17 @@ class Materialiser:
         from the region's snapshots or, failing that, a trainer's snapshot (as in a bootstrap)."""
         held = self.step
         nxt = next(s for s in m.steps if held is None or s.step > held)
+        if self._rerouted(m, held):
+            self._bootstrap_past(m, deadline)
+            return
         try:
             self._reach(self._reader, m, nxt.step, deadline)
             return
         except SyncTimeout:
-            raise
+            if not self._rerouted(m, held):
+                raise
+            self._bootstrap_past(m, deadline)
+            return
         except SyncError as exc:
             if nxt.parts is not None and nxt.parent == held:
                 raise
@@ -272,6 +286,30 @@ class Materialiser:
         self.step = self.tensors = self.run_id = None
         self._reach(self._boot, m, nxt.step, deadline)
         self.bootstraps += 1
+
+    def _rerouted(self, m: Manifest, held: int | None) -> bool:
+        """Whether an object the region's path needs has been missing for reroute_after (across syncs) and the
+        origin's newest snapshot lies past the held step: then only a bootstrap gets past it."""
+        since = self._reader.missing_since()
+        return (since is not None and self.reroute_after is not None and self.origin is not None
+                and time.monotonic() - since >= self.reroute_after
+                and (held is None or m.snapshots[-1].step > held))
+
+    def _bootstrap_past(self, m: Manifest, deadline: float | None) -> None:
+        """A held step the region's chain cannot leave (an object missing for good): the origin's newest
+        snapshot, as in a bootstrap. The held state stays if that fails."""
+        target = m.snapshots[-1].step
+        log.warning("%s: an object the chain from step %s needs has been missing for over %.0fs; bootstrapping "
+                    "at the trainer's snapshot %d", self.store.url, self.step, self.reroute_after, target)
+        held = self.step, self.tensors, self.run_id
+        self.step = self.tensors = self.run_id = None
+        try:
+            self._reach(self._boot, m, target, deadline)
+        except BaseException:
+            self.step, self.tensors, self.run_id = held
+            raise
+        self.bootstraps += 1
+        self._reader.forget_missing()
 
     # -- the region's snapshots ---------------------------------------------------------------
     def _announcement(self, m: Manifest) -> Announcement | None:
@@ -286,7 +324,9 @@ class Materialiser:
         if step is None:
             return False
         ann = self._announced
-        have = [] if ann is None else [s.step for s in ann.snapshots]
+        # an announced step past the head is no region's snapshot yet (a bucket writer's entry, say): it
+        # must not count as the newest, or nothing would ever be due again
+        have = [] if ann is None else [s.step for s in ann.snapshots if s.step <= m.head]
         if step in have:
             return False
         newest = max(have, default=None)
@@ -313,10 +353,17 @@ class Materialiser:
         run, keep, keeps = m.run, self.keep, self.origin_snapshots
         overtaken: list[int] = []
 
+        head = max(m.head, self._fresh_head(run))
+
         def add(cur: Announcement | None) -> Announcement | None:
             overtaken.clear()
             base = cur if cur is not None and cur.run == run else Announcement(run, keeps)
-            if base.snapshot(snap.step) == snap and base.origin_snapshots == keeps:
+            past = [s.step for s in base.snapshots if s.step > head]
+            if past:  # entries past the region's head: nobody's snapshot (a forgery); dropped with this commit
+                log.warning("%s: the announcement names steps %s past the head %d; dropping them", self.store.url,
+                            past[:5], head)
+                base = Announcement(run, base.origin_snapshots, tuple(s for s in base.snapshots if s.step <= head))
+            elif base.snapshot(snap.step) == snap and base.origin_snapshots == keeps:
                 return None
             newer = [s.step for s in base.snapshots if s.step > snap.step]
             if newer:
@@ -339,6 +386,17 @@ class Materialiser:
         log.info("%s: regional snapshot of step %d written and announced (%d bytes)", self.store.url, snap.step,
                  snap.bytes)
         announce.collect(self.store, keep)  # objects of snapshots that left the announcement
+
+    def _fresh_head(self, run: str) -> int:
+        """The head of the region's manifest now (-1 if unreadable or another run's): what bounds the steps an
+        announcement may credibly name, read again since a materialiser behind works from an older one."""
+        try:
+            got = self.store.read_manifest()
+            m = None if got is None else Manifest.parse(got.data, f"{self.store.url}/manifest.json")
+        except Exception as exc:  # noqa: BLE001 - the manifest this materialiser works from still bounds it
+            log.debug("%s: manifest unreadable (%s)", self.store.url, exc)
+            return -1
+        return m.head if m is not None and m.run == run else -1
 
     # -- driving ------------------------------------------------------------------------------
     def sync_once(self, timeout: float | None = None) -> bool:

@@ -316,6 +316,15 @@ class Reader:
         # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
         self._missing_since: dict[str, float] = {}
 
+    def missing_since(self) -> float | None:
+        """The monotonic time the longest-missing object was first found missing, across reach() calls since
+        the last one that reached the head; None if nothing is missing."""
+        return min(self._missing_since.values(), default=None)
+
+    def forget_missing(self) -> None:
+        """Forget what was found missing (the caller got past it another way: a bootstrap from elsewhere)."""
+        self._missing_since.clear()
+
     def progress(self) -> tuple[int, int] | None:
         """(bytes downloaded, bytes planned) of the reach in progress, None between reaches: for progress bars
         (relay.progress). Snapshot files count as they land (their allocated blocks), other objects when read."""
