@@ -92,8 +92,10 @@ def update_manifest(store: Store, change: Change, *, signer: Signer | None = Non
         new = change(current, unsure > 0)
         if new is None:
             return current
-        if signer is not None:
-            new = strengthen(store, new)  # a run signed from now on: vouch for its older objects too
+        if signer is not None:  # a run signed from now on: vouch for its older objects too, and for no
+            # sha256 an unsigned manifest claimed (a bucket writer may have put it there)
+            unverified = {r.key for r in current.refs()} if current is not None and not current.signatures else set()
+            new = strengthen(store, new, unverified)
         try:
             store.commit_manifest(new.to_bytes(signer=signer), None if got is None else got.etag)
             return new

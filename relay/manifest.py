@@ -196,25 +196,32 @@ class ObjRef:
     def matches_chunks(self, chunks: Iterable[Buffer]) -> str | None:
         """`matches` for an object read as a stream of chunks: hashed as they come, never joined, and refused
         at the first chunk that takes it past the manifest's size."""
+        return self.check_chunks(chunks)[0]
+
+    def check_chunks(self, chunks: Iterable[Buffer], strong: bool = False) -> tuple[str | None, "ObjRef | None"]:
+        """(what differs or None, the reference to the bytes read): `matches_chunks`, and with `strong` the
+        returned reference carries the SHA-256 of those bytes, computed in the same pass (a claimed sha256
+        is checked too)."""
         import xxhash
 
         tag = xxhash.xxh3_128()
-        sha = hashlib.sha256() if self.sha256 is not None else None
+        sha = hashlib.sha256() if strong or self.sha256 is not None else None
         size = 0
         for chunk in chunks:
             size += memoryview(chunk).nbytes
             if size > self.size:
-                return f"more than the manifest's {self.size} bytes"
+                return f"more than the manifest's {self.size} bytes", None
             tag.update(chunk)
             if sha is not None:
                 sha.update(chunk)
         if size != self.size:
-            return f"{size} bytes, manifest says {self.size}"
+            return f"{size} bytes, manifest says {self.size}", None
         if tag.hexdigest() != self.xxh3:
-            return f"xxh3 {tag.hexdigest()}, manifest says {self.xxh3}"
-        if sha is not None and sha.hexdigest() != self.sha256:
-            return f"sha256 {sha.hexdigest()}, manifest says {self.sha256}"
-        return None
+            return f"xxh3 {tag.hexdigest()}, manifest says {self.xxh3}", None
+        digest = None if sha is None else sha.hexdigest()
+        if self.sha256 is not None and digest != self.sha256:
+            return f"sha256 {digest}, manifest says {self.sha256}", None
+        return None, ObjRef(self.key, size, self.xxh3, digest if strong else self.sha256)
 
     def read(self, store: Any) -> bytes:
         """The object's bytes from `store` (a relay.store.Store), read no further than one byte past the size

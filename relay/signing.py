@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import stat
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence, Union
@@ -190,27 +191,29 @@ class TrustedKeys:
         return Verified(good)
 
 
-def strengthen(store, m: Manifest) -> Manifest:
-    """`m` with a SHA-256 in every object reference, reading (and tag-checking) the objects that lack one:
-    the first signed commit of a run that was published unsigned vouches only for bytes it has seen."""
+def strengthen(store, m: Manifest, unverified: Set[str] = frozenset()) -> Manifest:
+    """`m` with a SHA-256 in every object reference, reading (and tag-checking) the objects that lack one, and
+    those whose key is in `unverified` (their sha256 came from an unsigned manifest: nobody vouched for it):
+    the first signed commit of a run that was published unsigned vouches only for bytes it has seen. Objects
+    are streamed through the hashes, never held whole (snapshot files are gigabytes)."""
     from relay.manifest import Snapshot, Step
 
     cache: dict[str, ObjRef] = {}
 
     def strong(ref: ObjRef) -> ObjRef:
-        if ref.sha256 is not None:
+        if ref.sha256 is not None and ref.key not in unverified:
             return ref
         if ref.key not in cache:
-            data = ref.read(store)
-            problem = ref.matches(data)
-            if problem:
+            problem, got = ref.check_chunks(store.iter_chunks(ref.key), strong=True)
+            if problem or got is None:
                 raise SignatureError(f"{store.url}/{ref.key}: {problem}; refusing to sign a manifest naming it")
-            cache[ref.key] = ObjRef.of(ref.key, data, strong=True)
+            cache[ref.key] = got
         return cache[ref.key]
 
-    if all(r.sha256 is not None for r in m.refs()):
+    if all(r.sha256 is not None and r.key not in unverified for r in m.refs()):
         return m
-    log.info("%s: adding SHA-256s of the run's earlier objects before its first signed commit", store.url)
+    log.info("%s: adding SHA-256s of the run's earlier objects (read and checked) before its first signed commit",
+             store.url)
     steps = [Step(s.step, strong(s.record), s.parent,
                   None if s.parts is None else tuple(dataclasses.replace(p, ref=strong(p.ref)) for p in s.parts))
              for s in m.steps]
