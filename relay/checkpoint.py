@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import shutil
 import struct
 import tempfile
@@ -338,14 +339,21 @@ def _preadinto(fd: int, buf: memoryview, offset: int, where: str) -> None:
         done += got
 
 
+class NotARegularFile(SafetensorsError):
+    """A path that should be a safetensors file is a directory, a FIFO, a device: never opened for reading."""
+
+
 class SafetensorsFile:
     """An open safetensors file (no links followed) with its strictly parsed header (`read_header`): `spans`
     in file order, `metadata`; `read(span)` reads one tensor with plain chunked reads into a new tensor."""
 
     def __init__(self, path: str | os.PathLike, where: str | None = None) -> None:
         self.where = where or str(path)
-        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in place of a file must not block the open (no effect on a regular file)
+        self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
+                raise NotARegularFile(f"{self.where}: not a regular file")
             self.spans, self.metadata, self.start = read_header(self.fd, os.fstat(self.fd).st_size, self.where)
         except BaseException:
             os.close(self.fd)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,12 +66,14 @@ def _not_a_link(path: Path, exc: OSError) -> None:
 
 def _read_small(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
     """A small file's bytes (no links followed), refused over `limit` before it is read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # O_NONBLOCK: a FIFO planted here must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         _not_a_link(path, exc)
         raise
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise BadVersion(f"{path.name} is not a regular file (the watcher writes only those)")
         if os.fstat(f.fileno()).st_size > limit:
             raise BadVersion(f"{path.name}: over {limit} bytes")
         return f.read()
@@ -99,6 +102,8 @@ def load_base(version: Path, expected: dict[str, TensorInfo]) -> dict[str, torch
             part, _ = checkpoint.read_file_into(version / shard)
         except FileNotFoundError as exc:
             raise BadVersion(f"missing file ({exc})") from None
+        except checkpoint.NotARegularFile as exc:
+            raise BadVersion(f"{exc} (the watcher writes only regular files)") from None
         except checkpoint.SafetensorsError as exc:
             raise BadVersion(f"unreadable shard ({exc})") from None
         except OSError as exc:
@@ -174,12 +179,27 @@ def replay(version: Path, state: DestState, tensors: dict[str, torch.Tensor], *,
         raise BadVersion(f"tensors {sorted(set(bad))[:5]} do not match the state file after the journal")
 
 
+def name_agrees(version: Path, state: DestState) -> bool:
+    """Whether a version's name (<step>-<nonce>: the step it was written at) agrees with its state file: the
+    state's step in full mode; in journal mode a step from the base to the state's step (appends move it on).
+    A flipped bit in a full version's step is then seen (names not of that form pass)."""
+    if not VERSION_NAME.fullmatch(version.name):
+        return True
+    named = int(version.name.split("-", 1)[0])
+    if state.persist == "full":
+        return named == state.step
+    return state.base is not None and state.base <= named <= state.step
+
+
 def load_version(version: Path, *, workers: int = 1) -> tuple[DestState, dict[str, torch.Tensor]]:
     """(state, tensors at the state's step) of a version directory, every byte verified.
 
     BadVersion only when the version is proven bad; anything else (MemoryError, an OSError other than a
     missing file) propagates: the version may be fine."""
     state = read_state(version)
+    if not name_agrees(version, state):
+        raise BadVersion(f"{STATE_NAME} says step {state.step} (base {state.base}, persist {state.persist}), its "
+                         f"version is named for step {version.name.split('-', 1)[0]}")
     if state.persist == "full":
         return state, load_base(version, state.tensors)
     if state.base_tensors is None:

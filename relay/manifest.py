@@ -872,12 +872,17 @@ class DestState:
             doc["persist"] = self.persist
             doc["base"] = {"step": self.base, "tensors": _tensors_json(self.base_tensors or {})}
             doc["journal"] = [e.to_json() for e in self.journal]
+        doc["check"] = _state_check(doc)
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
     def parse(cls, data: bytes, where: str = "relay-state.json") -> "DestState":
         doc = _load_json(data, where, MAX_RECORD_BYTES)
-        _only(doc, {"run", "step", "url", "tensors", "partial", "persist", "base", "journal"}, where)
+        _only(doc, {"run", "step", "url", "tensors", "partial", "persist", "base", "journal", "check"}, where)
+        if isinstance(doc, dict) and "check" in doc:  # absent in state files written before it existed
+            check = doc.pop("check")
+            if check != _state_check(doc):
+                raise ManifestError(f"{where}: its content does not match its check (a damaged state file)")
         partial = False
         if "partial" in doc:
             if doc["partial"] is not True:
@@ -910,6 +915,15 @@ class DestState:
         if set(state.base_tensors) != set(state.tensors):
             raise ManifestError(f"{where}.base.tensors: the base and the head hold different tensor names")
         return state
+
+
+def _state_check(doc: dict) -> str:
+    """A state file's `check`: xxh3-128 (hex) of the rest of the document as `DestState.to_bytes` lays it out
+    (json.dumps, indent 1, in the document's key order). One flipped bit in a step or a run id, which the
+    shards' digests cannot see, makes the version bad instead of mislabelled."""
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(json.dumps({k: v for k, v in doc.items() if k != "check"}, indent=1).encode())
 
 
 def _dtype_names() -> frozenset[str]:

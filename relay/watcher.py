@@ -1136,6 +1136,7 @@ class Watcher:
                     self.step = self.run_id = self.tensors = None
             except dest_mod.BadVersion as exc:
                 log.warning("%s: held step unusable (%s); removing it and starting fresh", self.dest, exc)
+                self._floor = self._damaged_floor(versions / name)
         self.module_step = self.delivered_step = self.step  # a held step counts as delivered (as before)
         if versions.is_dir():  # a real directory: the link case is gone above
             for v in versions.iterdir():
@@ -1153,6 +1154,19 @@ class Watcher:
             self._link_visible(versions / keep, strict=False, journal=journal)
             shown = self._visible_names(versions / keep, journal)
         self._drop_dangling(shown)
+
+    def _damaged_floor(self, version: Path) -> tuple[int, str] | None:
+        """(step, run) a damaged version held, when its state file still proves it (its check and its version's
+        name agree): the floor a fresh start keeps, so a replayed older manifest cannot roll DEST back."""
+        try:
+            state = dest_mod.read_state(version)
+        except (dest_mod.BadVersion, OSError):
+            return None
+        if not dest_mod.name_agrees(version, state):
+            return None
+        log.info("%s: never moving below step %d of run %s, which the damaged version held", self.dest, state.step,
+                 state.run)
+        return state.step, state.run
 
     def _tidy_journal(self, version: Path) -> None:
         """Remove the journal files of a journal-mode version that its state file does not name: a step
@@ -1623,8 +1637,8 @@ class Watcher:
             if self._floor is not None and self.step is None and not self.accept_older_head and (
                     rec.step < self._floor[0] or m.run != self._floor[1]):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} held step "
-                                f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection) and never "
-                                f"moves back or across runs")
+                                f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection, or in a "
+                                f"version found damaged) and never moves back or across runs")
             self._persist(m, rec, tensors, trail, in_place)
         except BaseException:
             undo.revert()  # the held tensors are back at self.step, which DEST still shows
