@@ -126,12 +126,37 @@ def _load_json(data: Any, where: str, limit: int) -> Any:
         raise ManifestError(f"{where}: expected bytes, got {type(data).__name__}")
     if len(data) > limit:
         raise ManifestError(f"{where}: {len(data)} bytes, more than the {limit} this reader accepts")
+    # RFC 8259 §8.1: UTF-8 without a BOM (json.loads would guess UTF-16/32 and strip a BOM), and one value per
+    # member name: two parsers must never read one signed document differently
     try:
-        return json.loads(bytes(data) if isinstance(data, memoryview) else data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{where}: not UTF-8 ({exc})") from None
+    if text.startswith("\ufeff"):
+        raise ManifestError(f"{where}: begins with a byte order mark (JSON here is UTF-8 without one)")
+    try:
+        return json.loads(text, object_pairs_hook=_unique_members)
+    except json.JSONDecodeError as exc:
         raise ManifestError(f"{where}: not JSON ({exc})") from None
+    except _DuplicateMember as exc:
+        raise ManifestError(f"{where}: member {str(exc)[:100]} appears twice in one object") from None
     except (ValueError, RecursionError) as exc:  # integers over the digit limit, absurd nesting
         raise ManifestError(f"{where}: not acceptable JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
+
+
+class _DuplicateMember(Exception):
+    """A JSON object names one member twice (raised inside json.loads, turned into a ManifestError)."""
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateMember(repr(k))
+            seen.add(k)
+    return out
 
 
 def sha256_hex(data: bytes) -> str:

@@ -72,8 +72,10 @@ def test_strict_parsing_names_the_problem(mutate, message):
 
 
 def test_not_json():
-    with pytest.raises(ManifestError, match="not JSON"):
+    with pytest.raises(ManifestError, match="not UTF-8"):
         Manifest.parse(b"\xff{")
+    with pytest.raises(ManifestError, match="not JSON"):
+        Manifest.parse(b"{")
 
 
 def test_keys_and_steps():

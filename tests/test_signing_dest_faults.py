@@ -218,6 +218,34 @@ def test_a_bit_flip_in_the_held_state_file_is_trusted_on_restart(file_run, train
             f"DEST and the watcher say step {got}, but hold step 5's weights (one bit of relay-state.json flipped)")
 
 
+@pytest.mark.parametrize("form", ["utf-16", "utf-8-bom", "duplicate-key"])
+def test_manifest_parser_accepts_forms_a_strict_json_parser_refuses(file_run, trainer, keys, tmp_path, form):
+    """`relay.manifest._load_json` hands the bytes to `json.loads`, which guesses UTF-16/UTF-32 and strips a
+    UTF-8 BOM (RFC 8259 §8.1: JSON between systems is UTF-8, no BOM; SECURITY.md: 'invalid UTF-8 is a
+    ManifestError'), and keeps the last of duplicate member names (RFC 8259 §4 leaves that to the parser; Go,
+    serde and others differ: error, first, or last). So a bucket writer can re-encode a genuine signed manifest
+    as UTF-16, or prepend a duplicate `"head"` member, and every Python reader (and the relay, which then copies
+    those bytes byte for byte to every region) accepts it, while any other conforming implementation, or a
+    schema validator in front of the bucket, refuses it or reads another head: two parsers disagree on the one
+    signed object. Expected: strict UTF-8 (no BOM) and duplicate member names refused (object_pairs_hook), as
+    ManifestError naming the manifest."""
+    states, _ = _publish_signed(file_run.url, trainer, keys["a"][0], 3)
+    store = open_store(file_run.url)
+    genuine = store.read_manifest().data
+    if form == "utf-16":
+        hostile = genuine.decode("utf-8").encode("utf-16")
+    elif form == "utf-8-bom":
+        hostile = b"\xef\xbb\xbf" + genuine
+    else:
+        assert genuine.startswith(b"{")
+        hostile = b'{"head": 999999,' + genuine[1:]  # a first-wins parser reads head 999999
+    _write_manifest(store, hostile)
+    from relay.manifest import ManifestError
+
+    with pytest.raises(ManifestError):
+        Manifest.parse(hostile)
+
+
 def test_adoption_reads_every_snapshot_file_whole_into_memory(file_run, trainer, keys, monkeypatch):
     """`relay.signing.strengthen` (the first signed commit of an adopted run) reads each object with
     `ObjRef.read` (`get_at_most`: the whole object as one bytes value) to hash it, snapshot files included. A run
