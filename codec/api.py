@@ -675,8 +675,10 @@ class _Write:
         self.target.put(self.index, self.old, int(self.index.size))
 
     def compact(self) -> None:
-        """Positions as int32 where the tensor allows (6 bytes per BF16 change logged instead of 10)."""
-        if self.index.dtype != np.int32 and self.target.tensor.numel() < (1 << 31):
+        """Positions as int32 where the tensor allows (6 bytes per BF16 change logged instead of 10): positions
+        count elements, two per item for C128."""
+        elements = self.target.tensor.numel() * (2 if self.target.tensor.dtype == torch.complex128 else 1)
+        if self.index.dtype != np.int32 and elements < (1 << 31):
             self.index = self.index.astype(np.int32)
 
 
@@ -693,6 +695,7 @@ class UndoLog:
     def __init__(self) -> None:
         self._writes: list[_Write] = []
         self._aliases: dict[str, tuple] = {}  # every name a logged call covered -> its memory (tied names)
+        self._views: dict[str, set[tuple]] = {}  # name -> every memory logged under it (row views of one tensor)
         self._verified: dict[str, tuple[tuple, bytes]] = {}  # name -> (memory, digest its last call verified)
 
     def __len__(self) -> int:
@@ -706,6 +709,8 @@ class UndoLog:
     def _extend(self, writes: list[_Write], aliases: dict[str, tuple], digests: dict[str, bytes]) -> None:
         self._writes.extend(writes)
         self._aliases.update(aliases)
+        for name, alias in aliases.items():
+            self._views.setdefault(name, set()).add(alias)
         written = {w.target.storage for w in writes}
         for name in [n for n, (alias, _) in self._verified.items() if alias[0] in written and n not in digests]:
             del self._verified[name]  # its memory was written since it was verified (a tied name elsewhere)
@@ -723,19 +728,41 @@ class UndoLog:
         while self._writes:
             self._writes.pop().undo()
         self._aliases.clear()
+        self._views.clear()
         self._verified.clear()
 
-    def revert_copy(self, name: str, tensor: torch.Tensor) -> None:
+    def revert_copy(self, name: str, tensor: torch.Tensor, source: torch.Tensor | None = None) -> None:
         """Undo, in `tensor` (a CPU tensor holding the bits the logged tensor `name` holds now), what the
         logged calls wrote into `name`'s memory: `tensor` then holds `name`'s bits before the first call.
-        For restoring another copy of the state (a module loaded from it) without touching the logged one."""
-        alias = self._aliases.get(name)
-        if alias is None:
-            return
+        For restoring another copy of the state (a module loaded from it) without touching the logged one.
+
+        `source`, the live tensor `tensor` is a copy of: every logged write into its memory is undone at its
+        place in it, whatever view it went through (the row ranges of a sharded step's parts). Without it,
+        only writes through the one memory logged as `name` are undone, and a name logged through several
+        views is a ValueError (their positions are relative to views whose place is not known here)."""
         elems = tensors.element_view(tensor)
         if not tensor.is_cpu or elems.size != tensor.numel() * tensors.elements_per_item(
                 tensors.dtype_of(tensor, name)):
             raise ValueError(f"revert_copy of {name!r}: needs a contiguous CPU tensor")
+        if source is not None:
+            if tuple(source.shape) != tuple(tensor.shape) or source.dtype != tensor.dtype:
+                raise ValueError(f"revert_copy of {name!r}: the copy is not shaped as its source")
+            storage, start = _storage(source), source.data_ptr()
+            end = start + source.numel() * source.element_size()
+            for w in reversed(self._writes):
+                t = w.target.tensor
+                if w.target.storage != storage or not start <= t.data_ptr() < end:
+                    continue
+                offset = (t.data_ptr() - start) // elems.itemsize
+                index = w.index.astype(np.int64) + offset if offset else w.index
+                patching.put(elems, index, w.old, int(w.index.size))
+            return
+        alias = self._aliases.get(name)
+        if alias is None:
+            return
+        if len(self._views.get(name, ())) > 1:
+            raise ValueError(f"revert_copy of {name!r}: logged through {len(self._views[name])} views of its "
+                             f"memory (row ranges); pass source= (the live tensor) to place each")
         for w in reversed(self._writes):
             if w.target.alias == alias:
                 patching.put(elems, w.index, w.old, int(w.index.size))
@@ -745,11 +772,13 @@ class UndoLog:
         chain applied to tensors nobody needs back, checked at its end against a record."""
         self._writes.clear()
         self._aliases.clear()
+        self._views.clear()
 
     def clear(self) -> None:
         """Forget every logged write (the steps are accepted)."""
         self._writes.clear()
         self._aliases.clear()
+        self._views.clear()
         self._verified.clear()
 
 

@@ -277,7 +277,7 @@ def _entries_fast(raw_index: bytes, rest: memoryview, index_len: int) -> tuple[l
     """(entries, shared) of a well-formed index, parsed in one compiled pass; None at the first
     doubt, and `_entries_checked` then parses it again and names the fault."""
     raw = np.frombuffer(raw_index, np.uint8)
-    status, cols, dims, streams, shared_cols = _scan_index(raw, len(rest) - index_len, _DTYPE_OK)
+    status, cols, dims, streams, shared_cols = _scan_index(raw, len(rest) - index_len, _DTYPE_ELEMENTS)
     if status:
         return None
     entries = []
@@ -306,7 +306,9 @@ def _entries_fast(raw_index: bytes, rest: memoryview, index_len: int) -> tuple[l
     return entries, shared
 
 
-_DTYPE_OK = np.array([code in tensors.BY_CODE for code in range(256)], np.bool_)
+# per dtype code: elements per item (C128: two u64 halves; `changes` counts elements), 0 for no dtype
+_DTYPE_ELEMENTS = np.array([tensors.elements_per_item(tensors.BY_CODE[code]) if code in tensors.BY_CODE else 0
+                            for code in range(256)], np.int64)
 
 
 @nb.njit(inline="always", cache=True)  # inlined: called with ten literal limits, it compiled ten times
@@ -330,7 +332,7 @@ def _uvarint(raw, pos, limit):
 
 
 @nb.njit(cache=True, nogil=True)
-def _scan_index(raw, body_len, dtype_ok):
+def _scan_index(raw, body_len, dtype_elements):
     """The index's fields as columns: (status, per entry (name offset, name length, dtype code,
     ndim, method, changes, digests offset, params offset, params length, streams), dims, per
     stream (codec, raw_len, body offset, stored length), per shared block (kind, offset, length)).
@@ -362,7 +364,7 @@ def _scan_index(raw, body_len, dtype_ok):
         pos += name_len
         code = raw[pos]
         pos += 1
-        if not dtype_ok[code]:
+        if dtype_elements[code] == 0:
             return 1, cols, dims, streams, shared
         cols[i, 2] = code
         ndim, pos, ok = _uvarint(raw, pos, MAX_NDIM)
@@ -396,7 +398,7 @@ def _scan_index(raw, body_len, dtype_ok):
             return 1, cols, dims, streams, shared
         cols[i, 4] = raw[pos]
         pos += 1
-        changes, pos, ok = _uvarint(raw, pos, numel)
+        changes, pos, ok = _uvarint(raw, pos, numel * dtype_elements[code])
         if not ok or pos + 2 * DIGEST_SIZE > raw.size:
             return 1, cols, dims, streams, shared
         cols[i, 5] = changes
@@ -474,13 +476,14 @@ def _entries_checked(raw_index: bytes, rest: memoryview, index_len: int) -> tupl
                 raise DeltaError(f"unknown dtype code {code}", tensor=name)
             ndim = r.uvarint(MAX_NDIM)
             shape = tuple(r.uvarint(MAX_NUMEL) for _ in range(ndim))
-            numel = 1
+            numel = spanned = 1  # spanned: the non-zero dims' product, bounded as the compiled parser does
             for d in shape:
                 numel *= d
-            if numel > MAX_NUMEL:
+                spanned *= max(d, 1)
+            if spanned > MAX_NUMEL:
                 raise DeltaError(f"shape {shape} is too large", tensor=name)
             method = r.u8()
-            changes = r.uvarint(numel)
+            changes = r.uvarint(numel * tensors.elements_per_item(tensors.BY_CODE[code]))  # C128: two per item
             base_digest = r.raw(DIGEST_SIZE)
             target_digest = r.raw(DIGEST_SIZE)
             params = r.blob(MAX_PARAMS)

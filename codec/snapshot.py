@@ -53,6 +53,7 @@ def exponent_coded(dt: tensors.DType, version: int) -> bool:
 
 BF16_BLOCK_ELEMS = 1 << 18  # 512 KiB of output: per-block tables follow local statistics
 OTHER_BLOCK_BYTES = 1 << 20
+MIN_ZSTD_BLOCK_BYTES = 1 << 10  # a zstd-coded block (kind 1, or a zstd residual plane) but a record's last covers this
 MAX_BLOCK_BYTES = 1 << 22  # block_elems * itemsize
 MAX_HEAD = 1 << 24
 MAX_INDEX = 1 << 28
@@ -178,7 +179,7 @@ def _bf16_block(blk: np.ndarray, version: int = VERSION, pairs: str = "auto") ->
             head.uvarint(int(freq[s]))
     res_codec, res = RESIDUAL_RAW, residual.tobytes()
     p = hr[hr > 0] / n
-    if float(-(p * np.log2(p)).sum()) < RESIDUAL_TRY_BITS:
+    if 2 * n >= MIN_ZSTD_BLOCK_BYTES and float(-(p * np.log2(p)).sum()) < RESIDUAL_TRY_BITS:
         packed = compressors.compress(compressors.ZSTD, res, 1)
         if len(packed) < len(res):
             res_codec, res = RESIDUAL_ZSTD, packed
@@ -497,11 +498,11 @@ def _prefix(src: _Source) -> int:
 def _shape(r: wire.Reader) -> tuple[int, ...]:
     ndim = r.uvarint(MAX_NDIM)
     shape = tuple(r.uvarint(MAX_NUMEL) for _ in range(ndim))
-    numel = 1
+    spanned = 1  # the product of the non-zero dims: bounded too, or an empty tensor's strides overflow int64
     for d in shape:
-        numel *= d
-        if numel > MAX_NUMEL:
-            raise DeltaError(f"shape {list(shape)} holds over 2**48 elements")
+        spanned *= max(d, 1)
+        if spanned > MAX_NUMEL:
+            raise DeltaError(f"shape {list(shape)} spans over 2**48 elements")
     return shape
 
 
@@ -717,10 +718,11 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
     expected = np.frombuffer(head.digest, np.uint8) if tables.finish else _NO_BYTES
     sizes = head.sizes
     R = snapshot_rans
-    first, residual = 0, _NO_RESIDUAL
+    first, first_at, residual = 0, 0, _NO_RESIDUAL
+    last = len(sizes) - 1
     while True:
         outcome, block, code, value, at = R.decode_record(
-            buf, sizes, first, residual, head.block_elems, isz, _KIND_MASKS[src.version] if bf16 else 0,
+            buf, sizes, first, first_at, residual, head.block_elems, isz, _KIND_MASKS[src.version] if bf16 else 0,
             raw, out if bf16 else _NO_ELEMS, tables.freq, tables.table, tables.codes, tables.pfreq, tables.ptable,
             tables.functions, tables.state, header, expected)
         if outcome == R.DONE:
@@ -732,6 +734,12 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
         start = block * head.block_elems
         stop = min(start + head.block_elems, head.numel)
         end = at + int(sizes[block])
+        if block != last and (stop - start) * isz < MIN_ZSTD_BLOCK_BYTES:
+            # each zstd-coded block costs a round trip to Python: tiny ones would make a small file cost
+            # minutes (FORMAT.md: such blocks are not valid)
+            raise src.error(f"block {block}: zstd-coded, but covers {(stop - start) * isz} bytes of tensor, under "
+                            f"the {MIN_ZSTD_BLOCK_BYTES} a zstd-coded block other than a record's last must cover",
+                            head.name)
         try:
             if outcome == R.NEED_ZSTD:
                 part = raw[start * isz:stop * isz]
@@ -739,11 +747,11 @@ def _decode_record(src: _Source, head: _Head, tables: _Tables) -> torch.Tensor:
                                                                f"block {block}"), np.uint8)
                 if native:  # in order: the kernel fed the blocks before it
                     tables.feed(part)
-                first, residual = block + 1, _NO_RESIDUAL
+                first, first_at, residual = block + 1, end, _NO_RESIDUAL
             elif first == block and residual.size:  # NEED_RESIDUAL for the plane it was given
                 raise DeltaError(f"block {block}: residual plane refused")
             else:
-                first = block
+                first, first_at = block, at
                 residual = np.frombuffer(compressors.decompress(compressors.ZSTD, buf[value:end].data, stop - start,
                                                                 f"block {block}: residual plane"), np.uint8)
         except DeltaError as exc:

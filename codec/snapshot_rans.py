@@ -132,6 +132,7 @@ def _name_dtype_shape(buf, at, itemsizes, dims, dims_at, store):
     if err:
         return False, zero, zero, zero, zero, zero, at
     numel = np.int64(1)
+    spanned = np.int64(1)  # the product of the non-zero dims: bounded too (an empty tensor's strides)
     for k in range(np.int64(ndim)):
         d, at, err = _uvarint(buf, at, MAX_NUMEL)
         if err:
@@ -139,8 +140,10 @@ def _name_dtype_shape(buf, at, itemsizes, dims, dims_at, store):
         dim = np.int64(d)
         if store:
             dims[dims_at + k] = dim
-        if dim != 0 and numel > MAX_NUMEL // dim:
-            return False, zero, zero, zero, zero, zero, at
+        if dim != 0:
+            if spanned > MAX_NUMEL // dim:
+                return False, zero, zero, zero, zero, zero, at
+            spanned *= dim
         numel *= dim
     return True, name_at, np.int64(n), code, np.int64(ndim), numel, at
 
@@ -812,9 +815,11 @@ def _bf16_block(kind, body, w0, n_words, residual, out, table, ptable, function,
 
 
 @nb.njit(cache=True, nogil=True)
-def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw, out,
+def decode_record(buf, sizes, first, first_at, residual, block_elems, itemsize, kinds, raw, out,
                   freq, table, codes, pfreq, ptable, functions, state, header, expected):
-    """A record's blocks from block `first` on (their bytes back to back in `buf`, block i of
+    """A record's blocks from block `first` on, which begins at `first_at` in buf (the offset a call
+    that stopped there returned: never summed again, so a record of many blocks costs linear time;
+    their bytes back to back in `buf`, block i of
     `sizes[i]` bytes, `block_elems` elements of `itemsize` bytes each but the last) into `raw`,
     the tensor's bytes; BF16 kinds (those set in the bit mask `kinds`: the object's version and
     the tensor's dtype allow them) into `out`, the same memory as uint16. Stored blocks are fed
@@ -834,9 +839,7 @@ def decode_record(buf, sizes, first, residual, block_elems, itemsize, kinds, raw
     if function and first == 0:
         hash_reset(functions[0], state)
         hash_update(function, state, header, 0, header.size)
-    at = np.int64(0)
-    for i in range(first):
-        at += np.int64(sizes[i])
+    at = np.int64(first_at)
     numel = np.int64(raw.size // itemsize)
     zero = np.int64(0)
     for i in range(first, sizes.size):

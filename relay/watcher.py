@@ -1699,7 +1699,7 @@ class Watcher:
             return previous
         old = previous.detach().clone()
         for undo in reversed(self._module_logs):
-            undo.revert_copy(name, old)
+            undo.revert_copy(name, old, source=previous)  # a sharded step's parts wrote through row views
         return old
 
     def _hot_load(self) -> None:
