@@ -10,6 +10,7 @@ regional relay backing off a failing region.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -30,9 +31,13 @@ class Backoff:
         """The wait after `failures` failures in a row (1 or more): initial * factor ** (failures - 1), capped."""
         if failures < 1:
             return 0.0
-        # capped before it can overflow: a region that has failed for days keeps a finite wait
-        exponent = min(failures - 1, 1000)
-        return min(self.initial * self.factor ** exponent, self.maximum) if self.factor > 1 else self.initial
+        if self.factor <= 1:
+            return self.initial
+        # past the cap, the cap (computed in logs: factor ** n overflows a float for any factor above ~2 at
+        # n = 1000, and a region that has failed for days keeps a finite wait)
+        if (failures - 1) * math.log(self.factor) >= math.log(self.maximum / self.initial):
+            return self.maximum
+        return min(self.initial * self.factor ** (failures - 1), self.maximum)
 
     def sleep(self, failures: int) -> float:
         """Sleep the wait after `failures` failures; returns it."""

@@ -359,6 +359,7 @@ class Store(abc.ABC):
     def _read_capped(self, key: str, limit: int) -> bytes:
         """The object's first `limit` bytes at most (all of them if it is no larger), in chunks."""
         out = bytearray()
+        limit = max(limit, 0)
         chunks = self.iter_chunks(key)
         try:
             for chunk in chunks:
@@ -623,6 +624,31 @@ class FsspecStore(Store):
         """Ranged reads (cat_file with start/end) of the size the object had at the first read."""
         yield from self._chunks(key, self._size(key))
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        """Ranged reads stopping at `limit`: never more than `limit` bytes fetched."""
+        return b"".join(self._chunks(key, min(self._size(key), max(limit, 0))))
+
+    @overload
+    def read_object(self, key: str, if_none_match: None = None) -> ManifestRead | None: ...
+
+    @overload
+    def read_object(self, key: str, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
+
+    def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
+        """One read of the whole object (capped at MAX_MUTABLE_BYTES + 1): ranged reads could straddle a
+        compare-and-swap and return bytes of two versions, which no writer stored."""
+        try:
+            if self._size(key) > MAX_MUTABLE_BYTES:
+                data = b"".join(self._chunks(key, MAX_MUTABLE_BYTES + 1))  # refused by its reader for its size
+            else:
+                data = self.fs.cat_file(self._path(key))
+        except (FileNotFoundError, ObjectMissing):
+            return None
+        tag = content_tag(data)
+        if if_none_match is not None and tag == if_none_match:
+            return NOT_MODIFIED
+        return ManifestRead(data, tag)
+
     def download(self, key: str, fd: int, size: int | None = None) -> int:
         """iter_chunks written at their offsets, after the object's size is checked against `size`."""
         total = self._size(key)
@@ -662,8 +688,9 @@ class FsspecStore(Store):
             found = self.fs.find(self._path(prefix), detail=True)
         except FileNotFoundError:
             return {}
-        root = self.root.strip("/") + "/"
-        return {p.lstrip("/")[len(root):]: int(info.get("size") or 0) for p, info in found.items()
+        root = self.root.strip("/")
+        cut = len(root) + 1 if root else 0  # a store at the filesystem's root ("memory://") has no prefix to cut
+        return {p.lstrip("/")[cut:]: int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file" and not p.rpartition("/")[2].startswith(".")}
 
     def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
@@ -992,10 +1019,15 @@ class S3Store(Store):
             code, status = _client_error(exc)
             if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
                     "PreconditionFailed", "ConditionalRequestConflict"):
-                if self._etag(key) == _multipart_etag([etags[n] for n in sorted(etags)]):
+                expected = _multipart_etag([etags[n] for n in sorted(etags)])
+                found = self._etag(key)
+                if expected is not None and found == expected:
                     # a completion retried after the first one landed unanswered: the object is this upload
                     log.info("%s/%s: the multipart completion had landed before its retry", self.url, key)
                     return
+                if found is None:  # refused, yet nothing there (409: a concurrent request): nothing was created
+                    raise OSError(errno.EAGAIN, f"{self.url}/{key}: multipart completion refused ({code or status}) "
+                                                f"and no object exists: nothing was created") from None
                 raise ObjectExists(f"{self.url}/{key}: exists ({code or status} on completion)") from None
             raise
 

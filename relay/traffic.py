@@ -13,7 +13,7 @@ for every mutable object (manifest.json, regional/snapshots.json) and anything e
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import overload
 
 from relay.store import Buffer, ManifestRead, Store, Unchanged
@@ -126,10 +126,8 @@ class CountingStore(Store):
         self.read.add(key, n)
         return n
 
-    def put_immutable_stream(self, key: str, chunks: Callable[[], Iterable[Buffer]], size: int, xxh3: str) -> None:
-        # the inner store's own (bounded-memory) version; counted as one write of `size` bytes
-        self.inner.put_immutable_stream(key, chunks, size, xxh3)
-        self.written.add(key, size)
+    # put_immutable_stream is Store's: through the counted put_new_stream and, when the object is there
+    # already, the counted read-back (a create that did not happen moved no bytes into the store)
 
 
 def split(counts: dict[str, int]) -> dict[str, int]:

@@ -81,6 +81,12 @@ def test_completion_that_landed_before_its_refused_retry_is_recognised(origin, l
     assert direct.get(KEY) == DATA and "had landed" in logs.text
     direct.delete([KEY])
     proxy.add("error", methods=("POST",), after=1, status=412, code="PreconditionFailed", times=1)
+    with pytest.raises(OSError, match="no object exists: nothing was created") as refused:
+        store.put_new_stream(KEY, chunks(), len(DATA))  # a 412 with nothing under the key: not ObjectExists
+    assert not isinstance(refused.value, ObjectExists)
+    assert open_uploads(direct) == []
+    direct.put_new(KEY, b"another writer's object")
+    proxy.add("error", methods=("POST",), after=1, status=412, code="PreconditionFailed", times=1)
     with pytest.raises(ObjectExists):  # a 412 for an object that is not this upload's: refused as such
         store.put_new_stream(KEY, chunks(), len(DATA))
     assert open_uploads(direct) == []
