@@ -55,6 +55,16 @@ def _check_structure(base: Mapping[str, torch.Tensor], target: Mapping[str, torc
                 f"tensor {name!r}: base is {b.dtype} {tuple(b.shape)}, target is {t.dtype} {tuple(t.shape)}")
 
 
+def _check_limits(target: Mapping[str, torch.Tensor]) -> None:
+    """ValueError for a tensor the payload format cannot hold (FORMAT.md's limits): a payload every decoder
+    refuses must not be written (a publisher would commit a step no watcher can reach)."""
+    for name, t in target.items():
+        if len(name.encode("utf-8")) > container.MAX_NAME_BYTES:
+            raise ValueError(f"tensor {name[:64]!r}...: name over {container.MAX_NAME_BYTES} bytes, the format's "
+                             f"limit")
+        tensors.check_shape_limits(name, tuple(t.shape), container.MAX_NDIM, container.MAX_NUMEL)
+
+
 @dataclass
 class _Candidate:
     method: int
@@ -302,6 +312,7 @@ def encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
     if format_version not in container.SUPPORTED_VERSIONS:
         raise ValueError(f"format_version must be one of {container.SUPPORTED_VERSIONS}")
     _check_structure(base, target)
+    _check_limits(target)
     known = _known_digests(base_digests, base)
     if not compiled:
         return interim.encode(base, target, format_version, effort, lambda fn, names: _map(workers, fn, names))
@@ -601,6 +612,9 @@ class _Target:
     def __init__(self, name: str, tensor: torch.Tensor) -> None:
         if not tensor.is_contiguous():
             raise ValueError(f"tensor {name!r} is not contiguous; apply_ updates contiguous tensors in place")
+        if tensor.is_conj() or tensor.is_neg():  # its element view would be a copy: writes would be lost
+            raise ValueError(f"tensor {name!r} is a lazy conjugate or negative view; apply_ updates plain tensors "
+                             f"in place (resolve_conj() it first)")
         self.name = name
         self.tensor = tensor
         self.storage = _storage(tensor)
@@ -751,11 +765,19 @@ class UndoLog:
             end = start + source.numel() * source.element_size()
             for w in reversed(self._writes):
                 t = w.target.tensor
-                if w.target.storage != storage or not start <= t.data_ptr() < end:
-                    continue
+                t_end = t.data_ptr() + t.numel() * t.element_size()
+                if w.target.storage != storage or t_end <= start or t.data_ptr() >= end:
+                    continue  # another memory, or none of `source`'s bytes
+                # the view may start before `source` (a whole buffer over a row view) or run past it: its
+                # positions are moved to `source`'s and only those inside it are undone
                 offset = (t.data_ptr() - start) // elems.itemsize
-                index = w.index.astype(np.int64) + offset if offset else w.index
-                patching.put(elems, index, w.old, int(w.index.size))
+                index = w.index.astype(np.int64) + offset
+                inside = (index >= 0) & (index < elems.size)
+                if not inside.all():
+                    index, old = index[inside], w.old[:w.index.size][inside]
+                else:
+                    old = w.old
+                patching.put(elems, index, old, int(index.size))
             return
         alias = self._aliases.get(name)
         if alias is None:

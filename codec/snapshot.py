@@ -277,6 +277,7 @@ def encode_snapshot(named: Iterable[tuple[str, torch.Tensor]], *, bf16_block_ele
             raise ValueError(f"tensor {name!r} appears twice")
         if len(name.encode()) > MAX_NAME:
             raise ValueError(f"tensor {name[:64]!r}...: name over {MAX_NAME} bytes")
+        tensors.check_shape_limits(name, tuple(t.shape), MAX_NDIM, MAX_NUMEL)  # else written, and unreadable
         seen.add(name)
         head, blocks, entry = _encode_tensor(name, t, bf16_block_elems, version, pairs)
         entries.append(SnapshotEntry(entry.name, entry.dtype, entry.shape, entry.digest, offset, entry.length))

@@ -77,11 +77,28 @@ def dtype_of(t: torch.Tensor, name: str) -> DType:
         raise CheckpointMismatchError(f"tensor {name!r}: unsupported dtype {t.dtype}") from None
 
 
+def check_shape_limits(name: str, shape: tuple[int, ...], max_ndim: int, max_numel: int) -> None:
+    """ValueError naming the tensor when a format could not hold its shape (its decoders would refuse it):
+    more than `max_ndim` dims, or a dim, the product, or the product of the non-zero dims over `max_numel`.
+    Encoders call it so that nothing they write is refused by every reader."""
+    if len(shape) > max_ndim:
+        raise ValueError(f"tensor {name[:200]!r}: {len(shape)} dims, the format holds at most {max_ndim}")
+    spanned = 1
+    for d in shape:
+        spanned *= max(d, 1)
+    if spanned > max_numel:
+        raise ValueError(f"tensor {name[:200]!r}: shape {list(shape)} spans over {max_numel} elements, the "
+                         f"format's limit")
+
+
 def element_view(t: torch.Tensor) -> np.ndarray:
-    """Flat unsigned-integer view of a tensor's elements (a copy only if it is on a device or strided).
+    """Flat unsigned-integer view of a tensor's elements (a copy only if it is on a device, strided, or a lazy
+    conjugate or negative view).
 
     Item sizes without a numpy unsigned type (complex128) are viewed as uint64 pairs.
     """
+    if t.is_conj() or t.is_neg():  # lazy conjugate / negative views: their bits are those they materialise to
+        t = t.resolve_conj().resolve_neg()
     size = t.element_size()
     if t.is_cpu and size in _SIGNED and t.is_contiguous():  # the common case: 2 torch calls
         if t.requires_grad:

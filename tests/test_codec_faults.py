@@ -1,6 +1,8 @@
 """The codec's decoders (payloads, snapshot objects) and UndoLog in the cases an adversarial review found
 uncovered (docs/RELIABILITY.md has each finding, before and after): C128 change counts, revert_copy through
-row views, an empty shape whose strides overflow, a record of many tiny zstd blocks."""
+row views, an empty shape whose strides overflow, a record of many tiny zstd blocks; and from a review of the
+encode and round-trip paths: revert_copy with overlapping views, shapes and names the format cannot hold,
+lazy conjugate views."""
 
 from __future__ import annotations
 
@@ -159,3 +161,137 @@ def test_record_of_many_tiny_zstd_blocks_is_refused_and_legal_blocks_cost_linear
     out = dict(codec.decode_snapshot(obj, max_bytes=4 * n * per))
     assert np.array_equal(out["t"].view(torch.int32).numpy().view(np.uint32), whole)
 
+
+# --- from the review of the encode and round-trip paths -------------------------------------------------
+
+
+def _bits16(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().reshape(-1).view(torch.int16).numpy().copy()
+
+
+def _views(x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """A (4, 8) tensor under the name "buf" and its row views "row0" (rows 0-1) and "row1" (rows 2-3)."""
+    whole = {"buf": x, "row0": x[:2], "row1": x[2:]}
+    return {n: whole[n] for n in names}
+
+
+def _applied_with_views(names: list[str]):
+    """A state of one buffer logged under three names (whole and two row views), one payload applied
+    with an UndoLog that changes element 0 and element 31 (the last). Returns (base, live, log)."""
+    base = torch.arange(32, dtype=torch.float32).to(torch.bfloat16).reshape(4, 8)
+    target = base.clone()
+    target[0, 0] = 100
+    target[3, 7] = 200
+    payload = codec.encode(_views(base, names), _views(target, names))
+    held = base.clone()
+    live = _views(held, names)
+    log = codec.UndoLog()
+    codec.apply_(live, payload, undo=log)
+    assert np.array_equal(_bits16(held), _bits16(target))
+    return base, live, log
+
+
+def test_revert_copy_with_source_never_writes_past_the_copy():
+    """UndoLog.revert_copy(name, tensor, source=) (codec/api.py, the `source is not None` loop of
+    `revert_copy`) undoes every logged write whose view *starts* inside `source` (`start <=
+    t.data_ptr() < end`) at `w.index + offset` with patching.put, which checks no bound. A write
+    logged through a view that starts inside `source` but is longer (here the whole buffer "buf",
+    which starts where its row view "row0" does) puts its positions 16..31 into a 16-element copy:
+    a heap write past the end of `tensor` (here caught in a guard region behind it; with a
+    free-standing copy, as relay/watcher.py `_module_previous` makes, it corrupts the heap: a
+    segfault in the review's scan). Expected: only the positions that fall inside `source` are
+    written (translate each write, keep 0 <= index < tensor's elements), nothing outside `tensor`."""
+    base, live, log = _applied_with_views(["buf", "row0", "row1"])
+    guard = torch.full((48,), 7.0, dtype=torch.bfloat16)
+    copy = guard[:16].view(2, 8)  # contiguous, as revert_copy requires; 32 guard elements behind it
+    copy.copy_(live["row0"])
+    log.revert_copy("row0", copy, source=live["row0"])
+    touched = np.flatnonzero(_bits16(guard[16:]) != _bits16(torch.tensor(7.0, dtype=torch.bfloat16))[0])
+    assert touched.size == 0, f"revert_copy wrote {touched.size} elements past the end of its tensor: {touched + 16}"
+    assert np.array_equal(_bits16(copy), _bits16(base[:2]))
+
+
+def test_revert_copy_with_source_undoes_writes_through_a_view_that_starts_before_it():
+    """The other half of the same test (codec/api.py `revert_copy`, `not start <= t.data_ptr() < end`):
+    a logged write through a view that starts *before* `source` but covers part of it (the whole buffer
+    "buf" covering its row view "row1") is skipped entirely, though its docstring promises "every logged
+    write into its memory is undone at its place in it, whatever view it went through". "buf" is written
+    first, so "row1"'s own log holds the target's bits as its "old" elements: the copy of "row1" keeps
+    the target's element 31 (200) instead of the base's (31). Expected: the copy holds row1's exact
+    bits before the call (each overlapping write translated by its view's offset, negative ones too,
+    and clipped to the source's range)."""
+    base, live, log = _applied_with_views(["buf", "row0", "row1"])
+    copy = live["row1"].clone()
+    log.revert_copy("row1", copy, source=live["row1"])
+    wrong = np.flatnonzero(_bits16(copy) != _bits16(base[2:]))
+    assert wrong.size == 0, f"revert_copy left {wrong.size} elements of row1 at the newer step: {wrong.tolist()}"
+
+
+def _refused_at_encode_or_round_trips(base, target, **kw):
+    try:
+        payload = codec.encode(base, target, **kw)
+    except (ValueError, codec.CheckpointMismatchError):
+        return  # refused at encode: fine
+    codec.decode(base, payload)  # a payload the encoder wrote must decode (DeltaError here is the defect)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("case", ["33-dims", "empty-with-a-dim-over-2**48", "name-over-65536-bytes"])
+def test_encoder_never_writes_a_payload_every_decoder_refuses(case, compiled):
+    """codec.encode (codec/api.py `encode` / `_check_structure`, and container.pack, which checks only
+    the index size: "never write what a decoder refuses") writes whatever torch holds into the index,
+    but the decoders refuse ndim > 32, a dim > 2**48 and a name over 65536 bytes (container.py
+    MAX_NDIM, MAX_NUMEL, MAX_NAME_BYTES; FORMAT.md limits). A tensor of 33 dims of 1, an empty
+    (0, 2**49) tensor, or a name of 70000 bytes is encoded without complaint and every decode/apply_
+    of the payload raises DeltaError ("value 33 in index exceeds its limit 32"): a publisher would
+    commit a step no watcher can reach. Expected: encode refuses such a checkpoint (ValueError or
+    CheckpointMismatchError naming the tensor and the limit), as encode_snapshot already does for
+    long names."""
+    if case == "33-dims":
+        b = torch.zeros((1,) * 33)
+        t = b.clone()
+        t.view(-1)[0] = 1
+        base, target = {"w": b}, {"w": t}
+    elif case == "empty-with-a-dim-over-2**48":
+        b = torch.empty((0, 2 ** 49))
+        base, target = {"w": b}, {"w": b.clone()}
+    else:
+        name = "n" * 70000
+        base, target = {name: torch.zeros(2)}, {name: torch.ones(2)}
+    _refused_at_encode_or_round_trips(base, target, compiled=compiled)
+
+
+@pytest.mark.parametrize("case", ["33-dims", "empty-with-a-dim-over-2**48"])
+def test_snapshot_encoder_never_writes_a_record_its_decoder_refuses(case):
+    """codec.encode_snapshot (codec/snapshot.py `_encode_tensor`/`_tensor_fields`) checks names against
+    MAX_NAME but writes any rank and dims, while decode_snapshot refuses ndim > 32 and a dim > 2**48
+    ("value 33 in record head exceeds its limit 32"): the snapshot is written, uploaded and unreadable.
+    Expected: encode_snapshot raises ValueError for such a tensor before writing its record."""
+    t = torch.zeros((1,) * 33) if case == "33-dims" else torch.empty((0, 2 ** 49))
+    try:
+        data = b"".join(codec.encode_snapshot([("w", t)]))
+    except ValueError:
+        return
+    dict(codec.decode_snapshot(data))
+
+
+def test_lazy_conjugate_views_are_encoded_or_refused_cleanly():
+    """A complex tensor's `.conj()` is a lazy view (its conj bit set, the memory unchanged):
+    codec/tensors.py `element_view` calls `t.view(int dtype)` on it, which torch refuses,
+    so encode, encode_snapshot, decode and apply_ raise a bare RuntimeError ("torch.Tensor.view is not
+    supported for conjugate view tensors ...") on a tensor of a supported dtype and shape, neither a
+    CheckpointMismatchError nor a DeltaError. Expected: element_view resolves the view first
+    (`t.resolve_conj().resolve_neg()`, a copy, as for strided tensors) and the tensor round-trips its
+    materialised bits; or the codec refuses it with CheckpointMismatchError naming the tensor.
+    (A contiguous negative-bit float view, torch._neg_view, fails the same way; a strided one,
+    `.conj().imag`, takes element_view's copy path and round-trips.)"""
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(16, dtype=torch.complex64, generator=g)
+    lazy = (b * 2).conj()
+    assert lazy.is_conj() and lazy.is_contiguous()
+    try:
+        payload = codec.encode({"w": b}, {"w": lazy})
+    except codec.CheckpointMismatchError:
+        return
+    out = codec.decode({"w": b}, payload)["w"]
+    assert torch.equal(out.view(torch.uint8), lazy.resolve_conj().view(torch.uint8))
