@@ -148,7 +148,7 @@ def collect(store: Store, keep: int) -> dict:
     a readable announcement nothing is deleted. Returns what was done."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
-    head = _head(store)
+    head = region_head(store)
 
     def credible(cur: Announcement) -> list[Snapshot]:
         # an entry past the region's head is nobody's snapshot yet (in flight, or a bucket writer's): it
@@ -178,8 +178,9 @@ def collect(store: Store, keep: int) -> dict:
             "regional_deleted": len(doomed), "regional_freed_bytes": sum(listed[k] for k in doomed)}
 
 
-def _head(store: Store) -> tuple[int, str] | None:
-    """(head, run) of the region's manifest, None if it has none or it cannot be read."""
+def region_head(store: Store) -> tuple[int, str] | None:
+    """(head, run) of the region's manifest now, None if it has none or it cannot be read: what bounds the
+    steps an announcement may credibly name."""
     try:
         got = store.read_manifest()
         m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
@@ -190,4 +191,4 @@ def _head(store: Store) -> tuple[int, str] | None:
 
 
 __all__ = ["ANNOUNCE_KEY", "REGIONAL_PREFIX", "Announcement", "regional_prefix", "is_regional", "read_announcement",
-           "update_announcement", "collect"]
+           "update_announcement", "collect", "region_head"]

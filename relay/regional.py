@@ -353,7 +353,8 @@ class Materialiser:
         run, keep, keeps = m.run, self.keep, self.origin_snapshots
         overtaken: list[int] = []
 
-        head = max(m.head, self._fresh_head(run))
+        now = announce.region_head(self.store)  # read again: a materialiser behind works from an older one
+        head = max(m.head, now[0] if now is not None and now[1] == run else -1)
 
         def add(cur: Announcement | None) -> Announcement | None:
             overtaken.clear()
@@ -386,17 +387,6 @@ class Materialiser:
         log.info("%s: regional snapshot of step %d written and announced (%d bytes)", self.store.url, snap.step,
                  snap.bytes)
         announce.collect(self.store, keep)  # objects of snapshots that left the announcement
-
-    def _fresh_head(self, run: str) -> int:
-        """The head of the region's manifest now (-1 if unreadable or another run's): what bounds the steps an
-        announcement may credibly name, read again since a materialiser behind works from an older one."""
-        try:
-            got = self.store.read_manifest()
-            m = None if got is None else Manifest.parse(got.data, f"{self.store.url}/manifest.json")
-        except Exception as exc:  # noqa: BLE001 - the manifest this materialiser works from still bounds it
-            log.debug("%s: manifest unreadable (%s)", self.store.url, exc)
-            return -1
-        return m.head if m is not None and m.run == run else -1
 
     # -- driving ------------------------------------------------------------------------------
     def sync_once(self, timeout: float | None = None) -> bool:

@@ -301,13 +301,17 @@ class Store(abc.ABC):
         still its ETag. Stores without ETags use the content tag; S3 overrides this with a conditional GET.
         At most MAX_MUTABLE_BYTES + 1 bytes are read: a larger object's bytes come back cut there."""
         try:
-            data = self._read_capped(key, MAX_MUTABLE_BYTES + 1)
+            data = self._read_mutable(key)
         except ObjectMissing:
             return None
         tag = content_tag(data)
         if if_none_match is not None and tag == if_none_match:
             return NOT_MODIFIED
         return ManifestRead(data, tag)
+
+    def _read_mutable(self, key: str) -> bytes:
+        """A mutable object's bytes for read_object, at most MAX_MUTABLE_BYTES + 1; ObjectMissing if absent."""
+        return self._read_capped(key, MAX_MUTABLE_BYTES + 1)
 
     @abc.abstractmethod
     def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
@@ -628,26 +632,15 @@ class FsspecStore(Store):
         """Ranged reads stopping at `limit`: never more than `limit` bytes fetched."""
         return b"".join(self._chunks(key, min(self._size(key), max(limit, 0))))
 
-    @overload
-    def read_object(self, key: str, if_none_match: None = None) -> ManifestRead | None: ...
-
-    @overload
-    def read_object(self, key: str, if_none_match: str | None) -> ManifestRead | None | Unchanged: ...
-
-    def read_object(self, key: str, if_none_match: str | None = None) -> ManifestRead | None | Unchanged:
+    def _read_mutable(self, key: str) -> bytes:
         """One read of the whole object (capped at MAX_MUTABLE_BYTES + 1): ranged reads could straddle a
         compare-and-swap and return bytes of two versions, which no writer stored."""
         try:
             if self._size(key) > MAX_MUTABLE_BYTES:
-                data = b"".join(self._chunks(key, MAX_MUTABLE_BYTES + 1))  # refused by its reader for its size
-            else:
-                data = self.fs.cat_file(self._path(key))
-        except (FileNotFoundError, ObjectMissing):
-            return None
-        tag = content_tag(data)
-        if if_none_match is not None and tag == if_none_match:
-            return NOT_MODIFIED
-        return ManifestRead(data, tag)
+                return b"".join(self._chunks(key, MAX_MUTABLE_BYTES + 1))  # refused by its reader for its size
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
     def download(self, key: str, fd: int, size: int | None = None) -> int:
         """iter_chunks written at their offsets, after the object's size is checked against `size`."""

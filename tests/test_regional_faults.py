@@ -55,6 +55,17 @@ def test_relay_is_not_wedged_by_a_delta_lost_at_the_origin_when_a_newer_snapshot
         pub.close()
 
 
+def _sync_until(mat: Materialiser, step: int, rounds: int = 3) -> None:
+    """Up to `rounds` syncs of 1.5 s (each may time out waiting for the missing object) until it holds `step`."""
+    for _ in range(rounds):
+        try:
+            mat.sync_once(timeout=1.5)
+        except SyncError:
+            pass
+        if mat.step == step:
+            return
+
+
 # -- the materialiser (relay/regional.py) --------------------------------------------------------------------
 def test_materialiser_is_not_wedged_by_a_delta_that_crr_never_delivers(tmp_path, trainer):
     """A CRR region without the trainer's snapshots (PROTOCOL §8, "CRR without snapshots"): the materialiser
@@ -75,13 +86,7 @@ def test_materialiser_is_not_wedged_by_a_delta_that_crr_never_delivers(tmp_path,
             run.pub.publish(run.states[step], step)
         replicate(run.src, run.dst)
         run.dst.delete(["deltas/2-0.drd"])  # the one replication that failed for good
-        for _ in range(3):
-            try:
-                mat.sync_once(timeout=1.5)
-            except SyncError:
-                pass
-            if mat.step == 7:
-                break
+        _sync_until(mat, 7)
         assert mat.step == 7, f"materialiser stuck at step {mat.step}: {mat.status()['last_error']}"
     run.pub.close()
 
@@ -140,13 +145,7 @@ def test_a_restarted_materialiser_whose_announced_snapshots_expired_bootstraps_a
     run.publish(range(10, 12))
     with Materialiser(run.region, tmp_path / "work2", bootstrap_from=run.origin, keep=2, retry_initial=0.05,
                       retry_max=0.1, reroute_after=0.5) as again:
-        for _ in range(3):
-            try:
-                again.sync_once(timeout=1.5)
-            except SyncError:
-                pass
-            if again.step == 11:
-                break
+        _sync_until(again, 11)
         assert again.step == 11, f"restarted materialiser holds {again.step}: {again.status()['last_error']}"
     run.pub.close()
 

@@ -161,16 +161,23 @@ def test_manifest_poll_is_conditional(s3_run, trainer):
     assert store.read_manifest(if_none_match=got.etag) is NOT_MODIFIED  # a 304, no body
 
 
-def test_long_missing_object_reroutes_through_a_snapshot(file_run, trainer, bits_equal, tmp_path, caplog):
-    t = trainer(seed=26)
+def _held_at_1_with_delta_2_lost(file_run, t, tmp_path, reroute_after: float):
+    """A watcher holding step 1 of a run published to step 4 (snapshots 0 and 3) whose delta 2 is gone for
+    good (a replication that failed): (the trainer, the watcher)."""
     with relay.Publisher(file_run.url, snapshot_every=3, background=False) as pub:
         for step in range(2):
             pub.publish(t.step(), step)
-        w = relay.Watcher(file_run.url, tmp_path / "w", retry_initial=0.02, retry_max=0.05, reroute_after=0.2)
+        w = relay.Watcher(file_run.url, tmp_path / "w", retry_initial=0.02, retry_max=0.05,
+                          reroute_after=reroute_after)
         assert w.sync() == 1
         for step in range(2, 5):
             pub.publish(t.step(), step)
-    open_store(file_run.url).delete(["deltas/2-0.drd"])  # a replication that failed for good
+    open_store(file_run.url).delete(["deltas/2-0.drd"])
+    return t, w
+
+
+def test_long_missing_object_reroutes_through_a_snapshot(file_run, trainer, bits_equal, tmp_path, caplog):
+    t, w = _held_at_1_with_delta_2_lost(file_run, trainer(seed=26), tmp_path, reroute_after=0.2)
     caplog.set_level(logging.WARNING, logger="relay")
     assert w.sync(timeout=10) == 4  # snapshot 3 and delta 4, after waiting reroute_after for step 2
     assert bits_equal(w.tensors, t.state())
@@ -181,15 +188,7 @@ def test_short_syncs_still_reroute_once_an_object_has_been_missing_long_enough(f
                                                                                 tmp_path):
     """A host that syncs with a timeout shorter than reroute_after (between rollouts, say) counts the
     time an object has been missing across its calls: it must not wait for it forever."""
-    t = trainer(seed=27)
-    with relay.Publisher(file_run.url, snapshot_every=3, background=False) as pub:
-        for step in range(2):
-            pub.publish(t.step(), step)
-        w = relay.Watcher(file_run.url, tmp_path / "w", retry_initial=0.02, retry_max=0.05, reroute_after=0.4)
-        assert w.sync() == 1
-        for step in range(2, 5):
-            pub.publish(t.step(), step)
-    open_store(file_run.url).delete(["deltas/2-0.drd"])  # a replication that failed for good
+    t, w = _held_at_1_with_delta_2_lost(file_run, trainer(seed=27), tmp_path, reroute_after=0.4)
     timeouts = 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
