@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import xxhash
 
+from relay.manifest import ManifestError, load_json
 from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, Store
 
 if TYPE_CHECKING:
@@ -213,9 +214,9 @@ class HostReport:
         if len(data) > MAX_ENTRY_BYTES:
             raise FleetError(f"{where}: {len(data)} bytes, over the {MAX_ENTRY_BYTES} an entry may have")
         try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
-            raise FleetError(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+            obj = load_json(data, where, MAX_ENTRY_BYTES)
+        except ManifestError as exc:
+            raise FleetError(str(exc)) from None
         return cls.from_json(obj, where)
 
 
@@ -512,9 +513,9 @@ def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = 
 
 def _read_region(data: bytes, key: str, where: str, fleet: Fleet) -> None:
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
-        raise FleetError(f"not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+        doc = load_json(data, key, MAX_REGION_BYTES)
+    except ManifestError as exc:
+        raise FleetError(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != REGION_FORMAT or doc.get("version") != VERSION:
         raise FleetError(f"not a {REGION_FORMAT} version {VERSION} document")
     extra = set(doc) - {"format", "version", "region", "url", "updated", "interval", "hosts", "bad", "truncated"}
