@@ -456,6 +456,12 @@ def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, 
             continue  # removed since the listing
         if got is NOT_MODIFIED and old is not None:
             data = old[1]
+        elif isinstance(got, ManifestRead) and len(got.data) > MAX_ENTRY_BYTES:  # replaced since it was listed
+            if etags is not None:
+                etags.pop(key, None)  # neither kept (up to 64 MiB an entry) nor counted by what it said before
+            fleet.entries.append(Entry(label or store.url, where, error=f"{len(got.data)} bytes, over the "
+                                                                          f"{MAX_ENTRY_BYTES} an entry may have"))
+            continue
         elif isinstance(got, ManifestRead):
             data = got.data
             if etags is not None:
