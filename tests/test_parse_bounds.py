@@ -11,6 +11,8 @@ import threading
 import time
 import tracemalloc
 
+import pytest
+
 from faultproxy import FaultProxy
 from relay import cli, fleet
 from relay.store import open_store
@@ -73,3 +75,96 @@ def test_status_fleet_escapes_what_a_region_document_says(file_run, capsys):
     assert "bad entry" in text and "broken" in text
     assert "\\x1b]0;owned\\x07" in text  # shown, as its escape
     assert not any(c in text for c in "\x1b\x07\u202e"), repr(text)
+
+
+def test_wait_for_fleet_reads_a_region_document_once_per_version(s3_run):
+    """A region document (up to 64 MiB, anybody's who can write the origin's fleet/regions/) is downloaded and
+    parsed once per ETag by a waiting trainer, not at every 2 s poll; a refused one counts as bad each poll."""
+    proxy = FaultProxy(s3_run.region.endpoint, seed=38).start()
+    store = open_store(s3_run.url, proxy.options(s3_run.options))
+    hostile = hostile_manifest(2 << 20)
+    store.commit_object(fleet.region_key("eu"), hostile, None)
+    good = {"format": fleet.REGION_FORMAT, "version": fleet.VERSION, "region": "us", "url": "s3://us",
+            "updated": time.time(), "interval": 15.0, "hosts": [], "bad": [], "truncated": False}
+    store.commit_object(fleet.region_key("us"), json.dumps(good).encode(), None)
+    try:
+        with pytest.raises(fleet.FleetTimeout) as got:
+            fleet.wait_for_fleet([store], 1, timeout=3.0, poll_interval=0.2)
+    finally:
+        proxy.stop()
+    gets = {k: [s for m, p, s, _ in proxy.served if m == "GET" and p.endswith(fleet.region_key(k))]
+            for k in ("eu", "us")}
+    assert len(gets["eu"]) >= 5 and gets["eu"].count(200) == 1, gets  # then 304s
+    assert gets["us"].count(200) == 1, gets
+    assert "0 of 0 live" in str(got.value)
+
+
+def test_the_gatherer_keeps_no_entry_swapped_for_a_large_one_after_listing(s3_run):
+    """An entry listed small and replaced by a large one before its GET is reported bad, and neither its bytes
+    nor its last good report stay in the gatherer's cache."""
+    proxy = FaultProxy(s3_run.region.endpoint, seed=39).start()
+    region = open_store(s3_run.url + "-eu", proxy.options(s3_run.options))
+    origin = open_store(s3_run.url, s3_run.options)
+    entry = fleet.host_key("h1")
+    region.commit_object(entry, b"{}", None)
+    gatherer = fleet.RegionGatherer(origin, {"eu": region}, 15.0)
+    direct = open_store(s3_run.url + "-eu", s3_run.options)
+    proxy.add("delay", methods=("GET",), key=entry + "$", seconds=6.0, times=1)
+    big = b" " * (8 << 20) + b"{}"
+
+    def swap() -> None:  # while the GET is held, after the listing; then what the gatherer keeps is traced
+        while not proxy.injected("delay"):
+            time.sleep(0.02)
+        got = direct.read_object(entry)
+        direct.commit_object(entry, big, got.etag)
+        tracemalloc.start()
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        gatherer.gather("eu")
+        swapper.join(30)
+        assert tracemalloc.is_tracing()  # the swap landed while the GET was held
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        proxy.stop()
+    doc = json.loads(origin.read_object(fleet.region_key("eu")).data)
+    assert len(doc["bad"]) == 1 and f"{len(big)} bytes, over the {fleet.MAX_ENTRY_BYTES}" in doc["bad"][0]["error"]
+    assert kept < (2 << 20), kept  # not the 8 MiB entry
+
+
+def _as_safetensors(header: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header
+
+
+@pytest.mark.parametrize("kind", ["announcement", "snapshot index", "safetensors file", "region document"])
+def test_each_untrusted_document_is_refused_before_its_objects_are_built(kind, tmp_path):
+    """Every reader of a bucket document refuses `[{},{},...]` with the reason, at the cost of its bytes."""
+    from relay import announce, checkpoint, shards
+    from relay.manifest import ManifestError, ObjRef, Snapshot
+
+    doc = hostile_manifest(4 << 20)
+    tracemalloc.start()
+    try:
+        if kind == "announcement":
+            with pytest.raises(ManifestError, match="JSON elements"):
+                announce.Announcement.parse(doc)
+        elif kind == "snapshot index":
+            snap = Snapshot(3, ObjRef("snapshots/3/model.safetensors.index.json", len(doc), "0" * 32), ())
+            with pytest.raises(ManifestError, match="JSON elements"):
+                shards.index_files(doc, snap)
+        elif kind == "safetensors file":
+            path = tmp_path / "model.safetensors"
+            path.write_bytes(_as_safetensors(doc))
+            with pytest.raises(checkpoint.SafetensorsError, match="JSON elements"):
+                checkpoint.read_file_into(path)
+        else:
+            store = open_store(f"file://{tmp_path}/store/run")
+            store.commit_object(fleet.region_key("eu"), doc, None)
+            problems = fleet.read_fleet([store]).problems
+            assert any("JSON elements" in p and "fleet/regions/eu.json" in p for p in problems), problems
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(doc), peak  # json.loads would build ~1.4M objects (~100 MiB)
