@@ -8,7 +8,9 @@ is driven in tests/test_engine_vllm.py.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -554,7 +556,9 @@ def test_engine_serves_the_labelled_step_after_restarts_across_persist_modes(tmp
         assert watch_once(url, d, "journal") == {"step": 5, "persist": "journal", "base": 4, "journal": 1}
         # journal -> full again, the engine still up (on step 3): it gets step 5 whole, then a partial step 6
         with Watcher(url, d, engine=engine) as w:
-            assert w.sync() == 5 and engine.loaded[-1] == set(states[5]) and serves_its_label(w) == 5
+            w.redeliver()  # from DEST alone (the store down at start): the same rewrite before the engine
+            assert engine.loaded[-1] == set(states[5]) and serves_its_label(w) == 5
+            assert w.sync() == 5
             publish(pub)
             assert w.sync() == 6 and engine.loaded[-1] == {"2.weight"} and serves_its_label(w) == 6
         # full -> full: nothing to rewrite, the engine (restarted: no step known) gets the held version whole
@@ -562,6 +566,39 @@ def test_engine_serves_the_labelled_step_after_restarts_across_persist_modes(tmp
         version = dest_mod.current_version(d)
         with Watcher(url, d, engine=engine) as w:
             assert w.sync() == 6 and serves_its_label(w) == 6 and dest_mod.current_version(d) == version
+
+
+def test_a_failed_rewrite_of_a_journal_version_gives_the_engine_nothing_and_is_retried(tmp_path, monkeypatch):
+    """journal -> full with an engine, the disk full at the rewrite's .current swap: the engine gets no step (not
+    the journal's base under the held step's label), DEST still shows the held step as the journal version did,
+    and the next sync, with room again, completes the rewrite and the delivery."""
+    url = (tmp_path / "store").as_uri()
+    d = tmp_path / "dest"
+    t = Trainer(seed=9)
+    states = [t.state(), t.step(), t.step()]
+    with Publisher(url, background=False, snapshot_every=100) as pub:
+        for k, s in enumerate(states):
+            pub.publish(s, k)
+    assert watch_once(url, d, "journal") == {"step": 2, "persist": "journal", "base": 0, "journal": 2}
+    real_symlink = os.symlink
+
+    def no_space_for_the_swap(src, dst, *a, **kw):
+        if os.path.basename(os.fspath(dst)).startswith(".current.tmp-"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(dst))
+        return real_symlink(src, dst, *a, **kw)
+
+    engine = MemoryEngine()
+    with Watcher(url, d, engine=engine) as w:
+        monkeypatch.setattr(os, "symlink", no_space_for_the_swap)
+        with pytest.raises(OSError, match="No space"):
+            w.sync()
+        monkeypatch.setattr(os, "symlink", real_symlink)
+        assert engine.step is None and engine.weights == {} and w.engine_step is None
+        assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == [dest_mod.STATE_NAME]
+        step, held = dest_mod.open_head(d)
+        assert step == 2 and same_bits(held, states[2])
+        assert w.sync() == 2 and engine.step == w.engine_step == 2 and same_bits(engine.weights, states[2])
+        assert dest_mod.read_state(dest_mod.current_version(d)).persist == "full"
 
 
 def checkpoint_under_visible_names(d: Path) -> dict[str, torch.Tensor]:
