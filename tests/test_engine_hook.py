@@ -493,7 +493,7 @@ def watch_once(url: str, dest: Path, persist: str) -> dict:
     """`deltarelay watch --once` in a process of its own; the state file of the version DEST then holds."""
     proc = subprocess.run([sys.executable, "-m", "relay.cli", "watch", url, "--dest", str(dest), "--persist", persist,
                            "--once", "--no-report", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = dest_mod.current_version(dest)
     assert version is not None
