@@ -1278,8 +1278,7 @@ class Watcher:
         versions.mkdir(exist_ok=True)
         return versions
 
-    def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], trail: Trail,
-                 in_place: bool) -> None:
+    def _persist(self, rec: Record, tensors: dict[str, torch.Tensor], trail: Trail, in_place: bool) -> None:
         """Make the reached step DEST's: in journal mode, on the held journal version, the step's payloads and a
         new state file (`_append_journal`); otherwise a new version directory and the .current swap."""
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
@@ -1293,12 +1292,12 @@ class Watcher:
                     and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)
                     and self._version_damaged != self._version
                     and self._journal_takes_appends(self._version, self._state)):
-                self._append_journal(m, rec, trail)
+                self._append_journal(rec, trail)
                 return
             versions = self._versions_dir()
             name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
             try:
-                self._write_version(m, rec, tensors, versions, name, trail)
+                self._write_version(rec, tensors, versions, name, trail)
             except BaseException:
                 # A failed write (disk full, I/O error) must not leave a partial version behind: it would hold
                 # the space the next attempt needs until a restart. Past the swap the new version is DEST's.
@@ -1311,8 +1310,25 @@ class Watcher:
                     self._drop_dangling()
                 raise
 
-    def _write_version(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], versions: Path,
-                       name: str, trail: Trail) -> None:
+    def _hold_in_mode(self) -> None:
+        """Make the held version this watcher's persist mode before anything is delivered from it. A full-mode
+        watcher that starts on a journal version (DEST ran with persist="journal" before) rewrites the held step,
+        from the verified tensors loaded at start, as a full version with the .current swap: the journal
+        version's safetensors are its base, an older step, and an engine staging from that directory (or a
+        reader of the visible names) would get that step under the held step's label. A journal-mode watcher
+        keeps a held full version as it is: its files are the step, and its next step starts a journal."""
+        state, version = self._state, self._version
+        if (self.persist != "full" or state is None or state.persist == "full" or version is None
+                or self.tensors is None or self.step != state.step):
+            return
+        rec = Record(state.run, state.step, state.tensors,
+                     dest_mod.weight_map(version, set(state.base_tensors or state.tensors)))
+        self._persist(rec, self.tensors, Trail(), in_place=True)
+        log.info("%s: step %d rewritten from its verified tensors as a full version (it was held as a journal "
+                 "version, base step %s)", self.dest, state.step, state.base)
+
+    def _write_version(self, rec: Record, tensors: dict[str, torch.Tensor], versions: Path, name: str,
+                       trail: Trail) -> None:
         """Write the step as .versions/<name>, then make it DEST's step with one atomic swap of .current.
 
         Full mode: the step's safetensors, written from memory, or the snapshot's files as downloaded when the
@@ -1335,15 +1351,15 @@ class Watcher:
         partial = self.reader.want is not None  # then only the selected tensors, in their files of the layout
         infos = {k: rec.tensors[k] for k in tensors} if partial else rec.tensors
         if not journal:
-            state = DestState(m.run, rec.step, self.url, infos, partial=partial)
+            state = DestState(rec.run, rec.step, self.url, infos, partial=partial)
         elif from_snapshot and trail.snapshot_record is not None:
             (tmp / JOURNAL_DIR).mkdir()
             entries = [self._write_journal_file(tmp, s, p, data) for s, p, data in trail.parts]
-            state = DestState(m.run, rec.step, self.url, rec.tensors, "journal", trail.snapshot_record.step,
+            state = DestState(rec.run, rec.step, self.url, rec.tensors, "journal", trail.snapshot_record.step,
                               trail.snapshot_record.tensors, tuple(entries))
         else:
             (tmp / JOURNAL_DIR).mkdir()
-            state = DestState(m.run, rec.step, self.url, rec.tensors, "journal", rec.step, rec.tensors, ())
+            state = DestState(rec.run, rec.step, self.url, rec.tensors, "journal", rec.step, rec.tensors, ())
         (tmp / STATE_NAME).write_bytes(state.to_bytes())
         for f in tmp.iterdir():
             if f.is_file():
@@ -1413,7 +1429,7 @@ class Watcher:
             return False
         return True
 
-    def _append_journal(self, m: Manifest, rec: Record, trail: Trail) -> None:
+    def _append_journal(self, rec: Record, trail: Trail) -> None:
         """Journal mode, a chain applied to the held state: write the steps' payloads into the held version's
         journal, then a new state file naming them (temporary, fsync, rename: the commit point). Nothing else
         is written: disk writes are the delta and the state file. A failure before the rename removes the
@@ -1431,7 +1447,7 @@ class Watcher:
                 entries.append(self._write_journal_file(version, s, p, data))
                 written.append(version / entries[-1].file)
             fsync_dir(journal)
-            new = DestState(m.run, rec.step, self.url, rec.tensors, "journal", state.base, state.base_tensors,
+            new = DestState(rec.run, rec.step, self.url, rec.tensors, "journal", state.base, state.base_tensors,
                             state.journal + tuple(entries))
             self._commit_state(version, new)
         except BaseException:
@@ -1639,7 +1655,7 @@ class Watcher:
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} held step "
                                 f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection, or in a "
                                 f"version found damaged) and never moves back or across runs")
-            self._persist(m, rec, tensors, trail, in_place)
+            self._persist(rec, tensors, trail, in_place)
         except BaseException:
             undo.revert()  # the held tensors are back at self.step, which DEST still shows
             raise
@@ -1665,6 +1681,12 @@ class Watcher:
         on_update(step, tensors) gets the watcher's live held state: valid until the next sync, which updates
         those tensors in place (copy what must outlive it)."""
         failure: BaseException | None = None
+        try:
+            self._hold_in_mode()
+        except Exception as exc:  # noqa: BLE001 - DEST still holds the step verified; only the engine must wait
+            log.error("%s: step %s could not be rewritten as a full version (the engine does not get it): %s",
+                      self.dest, self.step, exc)
+            failure = exc
         if self.module is not None and self.step is not None and self.module_step != self.step:
             try:
                 self._hot_load()
@@ -1749,6 +1771,11 @@ class Watcher:
         engine that fails either phase stays on its step, and engine_step does not move."""
         if self.engine is None or self._state is None or self._version is None or self.step is None:
             raise SyncError("internal: engine load without an engine or a persisted step")
+        if self._state.persist != "full" or self._state.step != self.step or self._state.partial:
+            # its files would be another step's (a journal version's base) under this step's label
+            raise EngineError(f"engine not given step {self.step}: {self._version} is not a full version of it "
+                              f"(persist {self._state.persist}, step {self._state.step}); it stays on step "
+                              f"{self.engine_step}")
         update = Update(self.step, self._state.run, self.tensors or {}, self._version,
                         changed_names(self._engine_tensors, self._state.tensors),
                         self._engine_version if self.engine_step is not None else None)

@@ -248,7 +248,7 @@ def test_persist_refuses_unsafe_names_even_past_the_parser(tmp_path):
                  {k: "../../escaped.safetensors" for k in tensors})
     before = files_under(tmp_path)
     with pytest.raises(SyncError, match="refusing to write shard names"):
-        w._persist(m, rec, tensors, Trail(), in_place=False)
+        w._persist(rec, tensors, Trail(), in_place=False)
     assert files_under(tmp_path) == before
 
 
