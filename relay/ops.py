@@ -128,13 +128,10 @@ def servable_floor(m: Manifest, keep: int, present: Mapping[str, int], ann: anno
                    ) -> int | None:
     """The newest snapshot step of `m` that gc may trim to while keeping `keep` starting points that readers of
     this store can use: the trainer's snapshots whose objects, and those of their chain to the head, are all
-    `present` (_start_present; unless the store's
-    announcement says it keeps none of them: a region that serves only its own), and the region's announced
-    snapshots that a reader can start from. The manifest starts at a trainer snapshot, so the floor is the
-    newest one at or before the oldest start kept; None if no start is servable at all."""
+    `present` (_start_present), and the region's announced snapshots that a reader can start from (readers
+    use both, whoever wrote them). The manifest starts at a trainer snapshot, so the floor is the newest one at
+    or before the oldest start kept; None if no start is servable at all."""
     own = {s.step for s in m.snapshots if _start_present(m, s, present)}
-    if ann is not None and ann.run == m.run and not ann.origin_snapshots:
-        own = set()
     starts = sorted(own | set(fanout.servable_from(m, ann)))
     if not starts:
         return None

@@ -277,7 +277,8 @@ class Reader:
 
     In a region that announces its own snapshots (regional/snapshots.json, PROTOCOL §8.1) it plans from
     those, checked against the record (index, digests, BLAKE3 with trusted keys), and from the manifest's
-    snapshots only if the region says it keeps them.
+    snapshots, whichever the region holds: a trainer's snapshot object missing there is planned around at
+    once (the region may never get it), and waited for only when no other path reaches the head.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
@@ -311,7 +312,7 @@ class Reader:
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
-        self._hidden = ""  # what the announcement took out of the last planning view, for a failure to plan
+        self._own_snapshots = False  # the last planning view holds a region's own snapshots
         # key -> monotonic time it was first found missing, across reach() calls: a host that syncs with
         # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
         self._missing_since: dict[str, float] = {}
@@ -362,9 +363,9 @@ class Reader:
 
     def _planning_view(self, m: Manifest) -> Manifest:
         """The manifest as this store offers it (PROTOCOL §8.1): with the region's announced snapshots of steps
-        the manifest lists, and without the trainer's snapshots when the announcement says the region does not
-        keep them (they are then never planned from nor waited for). Without an announcement of this run: `m`."""
-        self._hidden = ""
+        the manifest lists, besides the trainer's (the announcement only adds candidates: no unsigned object
+        takes a snapshot the region holds out of planning). Without an announcement of this run: `m`."""
+        self._own_snapshots = False
         etag, ann = self._announced
         got = self.store.read_object(announce.ANNOUNCE_KEY, if_none_match=etag)
         if got is None:
@@ -380,13 +381,16 @@ class Reader:
         if ann is None or ann.run != m.run:
             return m
         listed = {s.step for s in m.steps}
-        snaps = [s for s in ann.snapshots if s.step in listed] + (list(m.snapshots) if ann.origin_snapshots else [])
-        if not ann.origin_snapshots and m.snapshots:  # said in a failure to plan: an unsigned object decided it
-            self._hidden = (f"; {self.store.url}/{announce.ANNOUNCE_KEY} (unsigned) says this store keeps none of "
-                            f"the trainer's {len(m.snapshots)} snapshots, and it announces "
-                            f"{len(snaps)} usable of its own")
+        own = [s for s in ann.snapshots if s.step in listed]
+        self._own_snapshots = bool(own)
+        snaps = own + list(m.snapshots)
         snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))  # a region's own first at equal cost
         return dataclasses.replace(m, snapshots=snaps)
+
+    def _maybe_never(self, key: str) -> bool:
+        """Whether a missing `key` may never arrive here: a trainer's snapshot object in a region that builds
+        its own (one fed by CRR or a regional-snapshot relay is never sent them; a plain relay copies them)."""
+        return self._own_snapshots and key.startswith("snapshots/")
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
@@ -828,7 +832,7 @@ class Reader:
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
-                                        f"ends: {sorted(excluded)[:5]}){self._hidden}")
+                                        f"ends: {sorted(excluded)[:5]})")
                     self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
@@ -838,6 +842,11 @@ class Reader:
                         continue
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
+                        if exc.key is not None and exc.key not in rerouted and self._maybe_never(exc.key):
+                            rerouted.add(exc.key)
+                            log.info("%s: not in this region (it holds snapshots of its own); planning from what "
+                                     "it holds, waiting for it only if nothing else reaches the head", exc)
+                            continue
                         if exc.key is not None and self.reroute_after is not None:
                             first = missing_since.setdefault(exc.key, time.monotonic())
                             if exc.key not in rerouted and time.monotonic() - first >= self.reroute_after:

@@ -134,7 +134,7 @@ def test_verify_does_not_download_announced_files_far_larger_than_their_record(t
     snap = relay.manifest.Snapshot(4, ObjRef.of("regional/snapshots/4/model.safetensors.index.json", index),
                                    (ObjRef.of(f"regional/snapshots/4/{shard}", junk),))
     m = Manifest.parse(run.src.read_manifest().data)
-    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, True, (snap,)).to_bytes(), None)
+    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, (snap,)).to_bytes(), None)
     report = verify(run.origin, deep=True, trusted_keys=[pub])
     assert not report.ok  # the forged snapshot is reported either way
     assert report.bytes_checked < 1 << 20, f"verify downloaded {report.bytes_checked} bytes"

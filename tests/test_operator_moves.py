@@ -1,0 +1,74 @@
+"""Operator moves on a live run (issue 45): a one-off `materialise` on a plain relay's region, a repair flag
+left in a unit file, and gc / rebase after an old manifest is copied back. Real file:// stores and, where the
+move is a command, real `deltarelay` processes; nothing of relay is mocked. docs/RELIABILITY.md has each
+finding, before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from relay import checkpoint
+from relay.announce import ANNOUNCE_KEY
+from relay.manifest import Manifest
+from relay.publisher import Publisher
+from relay.store import open_store
+from relay.verify import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def deltarelay(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """`deltarelay ARGS` in its own process (this checkout's code); asserts the exit status `ok` implies."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert (proc.returncode == 0) == ok, (args, proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])
+    return proc
+
+
+def publish(pub: Publisher, t, states: dict, steps: range) -> None:
+    for step in steps:
+        states[step] = t.state() if step == 0 else t.step()
+        pub.publish(states[step], step)
+
+
+def test_a_one_off_materialise_does_not_make_a_plain_relays_region_ignore_the_snapshots_it_holds(
+        tmp_path, trainer, bits_equal):
+    """Issue 45, move 1. A region fed by a plain `relay` (which copies the trainer's snapshots) gets one
+    `deltarelay materialise --once` (a try-out). Its announcement used to say `origin_snapshots: false`, and
+    from then on the region's readers ignored the trainer snapshots the relay kept copying in: once the origin's
+    `gc --keep-snapshots 1` trimmed the chain past that one regional snapshot, a lagging watcher and a fresh host
+    failed every sync ("says this store keeps none of the trainer's 1 snapshots"). Readers now use every
+    snapshot the region holds."""
+    origin, region = f"file://{tmp_path}/origin/run", f"file://{tmp_path}/region/run"
+    t, states = trainer(seed=45), {}
+    pub = Publisher(origin, snapshot_every=3, snapshot_fraction=100.0, background=False)
+    publish(pub, t, states, range(5))  # trainer snapshots 0, 3
+    relay = ("relay", "--source", origin, "--dest", region, "--once", "--timeout", "120", "--no-fleet")
+    deltarelay(*relay)
+    lagging, fresh = tmp_path / "lagging", tmp_path / "fresh"
+    watch = ("--once", "--timeout", "60", "--no-report", "--no-progress")
+    assert "step 4" in deltarelay("watch", region, "--dest", str(lagging), *watch).stdout
+    deltarelay("materialise", region, "--workdir", str(tmp_path / "work"), "--once", "--timeout", "120")
+    assert json.loads(open_store(region).get(ANNOUNCE_KEY))["snapshots"]  # premise: the region announces one
+    publish(pub, t, states, range(5, 14))  # trainer snapshots 6, 9, 12
+    pub.close()
+    deltarelay("gc", origin, "--keep-snapshots", "1")
+    deltarelay(*relay)
+    regional = open_store(region)
+    m = Manifest.parse(regional.read_manifest().data)
+    ann = json.loads(regional.get(ANNOUNCE_KEY))
+    assert m.head == 13 and [s.step for s in m.snapshots] == [12]  # premise: the chain is trimmed past it
+    assert all(m.step(s["step"]) is None for s in ann["snapshots"])  # premise: its own snapshot is unusable
+    assert {r.key for r in (m.snapshots[0].index, *m.snapshots[0].files)} <= set(regional.list("snapshots/"))
+
+    for dest in (lagging, fresh):
+        assert "step 13" in deltarelay("watch", region, "--dest", str(dest), *watch).stdout
+        assert bits_equal(checkpoint.load(dest)[0], states[13])
+    report = verify(region)
+    assert report.ok, report.problems
