@@ -96,6 +96,18 @@ class _VerifyError(Exception):
         self.refs = refs
 
 
+def older_head_step(value: object) -> int | None:
+    """Check an `accept_older_head` value: the one older step a repair may go back to, or None. The boolean
+    form (any older head, armed until a move back happened) is refused: left in a unit file after a repair it
+    let a replayed manifest roll a host back later."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"accept_older_head={value!r}: name the step to go back to, e.g. accept_older_head=4 "
+                         f"(`deltarelay watch --accept-older-head 4`); the boolean form is no longer accepted")
+    return value
+
+
 def _blame(snap: Snapshot, files: tuple[ObjRef, ...] | None) -> list[ObjRef]:
     """What a snapshot that fails a check is blamed for: its index and the files the plan fetched (`files`, a
     partial replica's; None: all). Never empty, and always objects the plan fetches: blaming only others
@@ -757,21 +769,24 @@ class Reader:
     @overload
     def reach(self, held_step: None, held: None, *, run: str | None = None, timeout: float | None = None,
               undo: codec.UndoLog | None = None, spool: str | os.PathLike | None = None,
-              trail: Trail | None = None, accept_older_head: bool = False
+              trail: Trail | None = None, accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
 
     @overload
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
+              spool: str | os.PathLike | None = None, trail: Trail | None = None,
+              accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
+              spool: str | os.PathLike | None = None, trail: Trail | None = None,
+              accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
-        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; with
-        `accept_older_head`, an older head of the same run is reached as from nothing held).
+        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; an
+        older head that is exactly step `accept_older_head`, an operator's repair, is reached as from nothing
+        held).
 
         A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
         `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
@@ -788,12 +803,13 @@ class Reader:
         elif len(undo):
             raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
         trail = Trail() if trail is None else trail
+        older_head_step(accept_older_head)
         return self._reach(held_step, held, run, timeout, undo, None if spool is None else Path(spool), trail,
                            accept_older_head)
 
     def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
                timeout: float | None, undo: codec.UndoLog, spool: Path | None, trail: Trail,
-               accept_older_head: bool = False
+               accept_older_head: int | None = None
                ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
@@ -811,9 +827,9 @@ class Reader:
                     if run is not None and held_step is not None and m.run != run:
                         raise SyncError(f"{self.store.url}: holds run {m.run}, the local step {held_step} is from run "
                                         f"{run}; refusing to mix runs")
-                    if held_step is not None and held_step > m.head and accept_older_head:
-                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head)",
-                                    self.store.url, m.head, held_step)
+                    if held_step is not None and held_step > m.head and m.head == accept_older_head:
+                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head=%d)",
+                                    self.store.url, m.head, held_step, m.head)
                         held_step, held = None, None  # from a snapshot, as a fresh host would
                     if held_step is not None and held_step >= m.head:
                         if held_step > m.head:
@@ -956,7 +972,8 @@ class Watcher:
                  compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
                  region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
-                 metrics_registry: Any = None, engine: Engine | None = None, accept_older_head: bool = False) -> None:
+                 metrics_registry: Any = None, engine: Engine | None = None,
+                 accept_older_head: int | None = None) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -970,11 +987,13 @@ class Watcher:
         self.url = url
         self.dest = Path(dest)
         self.persist = persist
-        # One-shot operator repair: the first sync that finds the store's head (same run) older than the step
-        # DEST holds takes that head anyway, then the watcher never moves back again. A watcher otherwise never
-        # does (a replayed or lagging manifest must not roll it back), so one that a forged manifest moved
-        # past the trainer (an unsigned run, a watcher without keys) would refuse every real head forever.
-        self.accept_older_head = accept_older_head
+        # One-shot operator repair, named by its step: the first successful sync may take the store's head
+        # (same run) if it is exactly that step, older than DEST's; then (moved or not) the permission is
+        # gone. A watcher otherwise never moves back (a replayed or lagging manifest must not roll it back),
+        # so one that a forged manifest moved past the trainer (an unsigned run, a watcher without keys)
+        # would refuse every real head forever. Spent at once: a flag left in a unit file never arms a
+        # watcher against a manifest replayed later.
+        self.accept_older_head = older_head_step(accept_older_head)
         # (step, run) DEST held before a start that could not build on it (another tensor selection): the first
         # sync must still not move back from it or across runs
         self._floor: tuple[int, str] | None = None
@@ -1631,20 +1650,22 @@ class Watcher:
     def _sync_once(self, timeout: float | None, spool: Path) -> None:
         undo = codec.UndoLog()
         trail = Trail()
+        repair = self.accept_older_head
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
-                                            spool=spool, trail=trail, accept_older_head=self.accept_older_head)
+                                            spool=spool, trail=trail, accept_older_head=repair)
         if tensors is None:
+            self.accept_older_head = None  # a sync that found nothing to repair spends it too
             return
         in_place = tensors is self.tensors
-        back = self.accept_older_head and rec is not None and self.step is not None and rec.step < self.step
+        back = repair is not None and rec is not None and self.step is not None and rec.step == repair < self.step
         try:
             if rec is None:  # reach() returns the tensors with their record, or neither
                 raise SyncError("internal: tensors without a record")
             if self.step is not None and ((rec.step <= self.step and not back) or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
-            if self._floor is not None and self.step is None and not self.accept_older_head and (
-                    rec.step < self._floor[0] or m.run != self._floor[1]):
+            if self._floor is not None and self.step is None and (
+                    (rec.step < self._floor[0] and rec.step != repair) or m.run != self._floor[1]):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} held step "
                                 f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection, or in a "
                                 f"version found damaged) and never moves back or across runs")
@@ -1660,9 +1681,10 @@ class Watcher:
                 # model, and they would grow with every step; the next hot-load keeps a copy of what it replaces
                 self._module_logs = None
         floor = self._floor
-        if back or (floor is not None and self.accept_older_head and rec.step < floor[0]):
-            log.warning("%s: moved back from step %d to %d", self.dest, floor[0] if floor else self.step, rec.step)
-            self.accept_older_head = False
+        if back or (floor is not None and rec.step == repair and rec.step < floor[0]):
+            log.warning("%s: moved back from step %d to %d (accept_older_head=%d)", self.dest,
+                        floor[0] if floor else self.step, rec.step, rec.step)
+        self.accept_older_head = None  # spent by the first successful sync, whether it moved back or not
         self._floor = None
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         self._held_partial = self.reader.want is not None

@@ -16,8 +16,10 @@ from relay import checkpoint
 from relay.announce import ANNOUNCE_KEY
 from relay.manifest import Manifest
 from relay.publisher import Publisher
+from relay.signing import generate_keypair
 from relay.store import open_store
 from relay.verify import verify
+from relay.watcher import Watcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,3 +74,45 @@ def test_a_one_off_materialise_does_not_make_a_plain_relays_region_ignore_the_sn
         assert bits_equal(checkpoint.load(dest)[0], states[13])
     report = verify(region)
     assert report.ok, report.problems
+
+
+def test_accept_older_head_is_spent_by_the_first_sync_on_a_healthy_store(tmp_path, trainer, bits_equal):
+    """Issue 45, move 2. `accept_older_head` used to stay armed until a move back happened: a watcher started
+    with it on a healthy store (the flag left in a unit file after a repair) later took a validly signed old
+    manifest a bucket writer copied back, from step 9 to step 4, trusted keys on, with only a warning. It names
+    the step now and is spent by the first sync, whether that moved back or not."""
+    key, pub_key, _ = generate_keypair(tmp_path / "keys" / "trainer")
+    url = f"file://{tmp_path}/run"
+    store = open_store(url)
+    t, states = trainer(seed=46), {}
+    with Publisher(url, snapshot_every=3, snapshot_fraction=100.0, background=False, signing_key=key) as pub:
+        publish(pub, t, states, range(5))
+        old = store.read_manifest().data  # head 4, signed by the trainer
+        publish(pub, t, states, range(5, 10))
+    with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], accept_older_head=4, report_interval=None) as w:
+        assert w.sync(timeout=60) == 9  # healthy: nothing to repair, and the flag is spent
+        store.commit_manifest(old, store.read_manifest().etag)  # a bucket writer replays a signed manifest
+        assert w.sync(timeout=60) == 9 and bits_equal(w.tensors, states[9])
+        assert w.accept_older_head is None
+    assert bits_equal(checkpoint.load(tmp_path / "dest")[0], states[9])
+
+
+def test_watch_accept_older_head_names_a_step_and_refuses_the_bare_flag(tmp_path, trainer, bits_equal):
+    """The command line: `--accept-older-head` alone (the old boolean spelling) is refused, naming the new form;
+    `--accept-older-head STEP` takes a store's older head only when it is that step."""
+    url = f"file://{tmp_path}/run"
+    store = open_store(url)
+    t, states = trainer(seed=47), {}
+    with Publisher(url, snapshot_every=3, snapshot_fraction=100.0, background=False) as pub:
+        publish(pub, t, states, range(5))
+        old = store.read_manifest().data
+        publish(pub, t, states, range(5, 8))
+    dest = str(tmp_path / "dest")
+    watch = ("watch", url, "--dest", dest, "--once", "--timeout", "60", "--no-report", "--no-progress")
+    assert "step 7" in deltarelay(*watch).stdout
+    store.commit_manifest(old, store.read_manifest().etag)  # the store's head is 4 now
+    bare = deltarelay(*watch, "--accept-older-head", ok=False)
+    assert "--accept-older-head STEP" in bare.stderr, bare.stderr
+    assert "step 7" in deltarelay(*watch, "--accept-older-head", "3").stdout  # not the step named: kept
+    assert "step 4" in deltarelay(*watch, "--accept-older-head", "4").stdout
+    assert bits_equal(checkpoint.load(dest)[0], states[4])
