@@ -116,3 +116,34 @@ def test_watch_accept_older_head_names_a_step_and_refuses_the_bare_flag(tmp_path
     assert "step 7" in deltarelay(*watch, "--accept-older-head", "3").stdout  # not the step named: kept
     assert "step 4" in deltarelay(*watch, "--accept-older-head", "4").stdout
     assert bits_equal(checkpoint.load(dest)[0], states[4])
+
+
+def test_keyed_gc_and_rebase_refuse_a_replayed_manifest(tmp_path, trainer, bits_equal):
+    """Issue 45, move 3. After a bucket writer copies back an old, validly signed manifest (head 4 of a run at
+    9), keyed `gc --keep-snapshots 1` and `rebase` used to act on it and re-sign it: gc deleted objects the real
+    manifest still names, so `verify` failed once the real one was restored. Both refuse it now, naming the
+    replay, and change nothing."""
+    key, pub_key, _ = generate_keypair(tmp_path / "keys" / "trainer")
+    url = f"file://{tmp_path}/run"
+    store = open_store(url)
+    t, states = trainer(seed=48), {}
+    with Publisher(url, snapshot_every=3, snapshot_fraction=100.0, background=False, signing_key=key) as pub:
+        publish(pub, t, states, range(5))
+        old = store.read_manifest().data  # head 4, snapshots 0 and 3
+        publish(pub, t, states, range(5, 10))
+    real = store.read_manifest().data
+    held = store.list_run()
+    store.commit_manifest(old, store.read_manifest().etag)
+    keys = ("--signing-key", str(key), "--trusted-key", str(pub_key))
+    for move in (("gc", url, "--keep-snapshots", "1", *keys), ("rebase", url, "--timeout", "60", *keys)):
+        proc = deltarelay(*move, ok=False)
+        assert "replay" in proc.stderr and "head is step 4" in proc.stderr, proc.stderr
+        assert store.read_manifest().data == old and store.list_run() == held  # nothing changed
+    store.commit_manifest(real, store.read_manifest().etag)  # the operator restores the real manifest
+    report = verify(url, deep=True, trusted_keys=[pub_key])
+    assert report.ok, report.problems
+    # the moves that held still hold: on the real manifest both act
+    deltarelay("gc", url, "--keep-snapshots", "1", *keys)
+    assert "base is now step 9" in deltarelay("rebase", url, *keys).stdout
+    with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], report_interval=None) as w:
+        assert w.sync(timeout=60) == 9 and bits_equal(w.tensors, states[9])
