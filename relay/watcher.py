@@ -938,7 +938,9 @@ class Watcher:
 
     Contract for readers of `dest`: ignoring names that begin with '.', and following symlinks,
     it shows exactly one complete, verified step (safetensors in the published layout plus
-    relay-state.json), or nothing before the first sync. It never moves to an older step.
+    relay-state.json), or nothing before the first sync. It never moves to an older step, except for an
+    operator's repair: `accept_older_head=STEP` lets the first successful sync take the store's head if it is
+    exactly STEP (same run), and is spent by that sync whether it moved back or not.
     on_update(step, tensors) runs after each persisted step with the live held tensors (updated in place
     by the next sync: valid until then); `module` is updated in place too. `persist` is "full" (every step a
     complete checkpoint under the visible names) or "journal" (a base plus the verified deltas since, only
