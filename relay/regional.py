@@ -179,16 +179,15 @@ class Materialiser:
     `every`: also materialise when a step is this many steps past the region's newest snapshot. `keep`: the
     regional snapshots kept (older ones leave the announcement, then their objects are deleted).
     `trusted_keys`: only manifests signed by one of these are followed (the materialiser signs nothing).
-    `reroute_after`: seconds an
-    object the region's chain needs may be missing (a replication that failed for good, an expired regional
-    snapshot) before the materialiser bootstraps past it from the origin's newest snapshot.
+    `reroute_after`: seconds an object the region's chain needs may be missing (a replication that failed for
+    good, an expired regional snapshot) before the materialiser bootstraps past it from the origin's newest
+    snapshot. What it announces never decides which snapshots the region's readers use (PROTOCOL §8.1).
     """
 
     def __init__(self, region: str | Store, workdir: str | os.PathLike, *, bootstrap_from: str | Store | None = None,
                  every: int | None = None, keep: int = 2, trusted_keys: Any = None,
-                 storage_options: dict | None = None, bootstrap_options: dict | None = None,
-                 workers: int = 4, retry_initial: float = 0.2,
-                 retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
+                 storage_options: dict | None = None, bootstrap_options: dict | None = None, workers: int = 4,
+                 retry_initial: float = 0.2, retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
         if every is not None and every < 1:
             raise ValueError("every must be >= 1")
         if keep < 1:
