@@ -96,6 +96,18 @@ class _VerifyError(Exception):
         self.refs = refs
 
 
+def older_head_step(value: object) -> int | None:
+    """Check an `accept_older_head` value: the one older step a repair may go back to, or None. The boolean
+    form (any older head, armed until a move back happened) is refused: left in a unit file after a repair it
+    let a replayed manifest roll a host back later."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"accept_older_head={value!r}: name the step to go back to, e.g. accept_older_head=4 "
+                         f"(`deltarelay watch --accept-older-head 4`); the boolean form is no longer accepted")
+    return value
+
+
 def _blame(snap: Snapshot, files: tuple[ObjRef, ...] | None) -> list[ObjRef]:
     """What a snapshot that fails a check is blamed for: its index and the files the plan fetched (`files`, a
     partial replica's; None: all). Never empty, and always objects the plan fetches: blaming only others
@@ -277,7 +289,8 @@ class Reader:
 
     In a region that announces its own snapshots (regional/snapshots.json, PROTOCOL §8.1) it plans from
     those, checked against the record (index, digests, BLAKE3 with trusted keys), and from the manifest's
-    snapshots only if the region says it keeps them.
+    snapshots, whichever the region holds: a trainer's snapshot object missing there is planned around at
+    once (the region may never get it), and waited for only when no other path reaches the head.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
@@ -311,7 +324,7 @@ class Reader:
         self._failures: dict[ObjRef, _Failure] = {}
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
-        self._hidden = ""  # what the announcement took out of the last planning view, for a failure to plan
+        self._own_snapshots = False  # the last planning view holds a region's own snapshots
         # key -> monotonic time it was first found missing, across reach() calls: a host that syncs with
         # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
         self._missing_since: dict[str, float] = {}
@@ -362,9 +375,9 @@ class Reader:
 
     def _planning_view(self, m: Manifest) -> Manifest:
         """The manifest as this store offers it (PROTOCOL §8.1): with the region's announced snapshots of steps
-        the manifest lists, and without the trainer's snapshots when the announcement says the region does not
-        keep them (they are then never planned from nor waited for). Without an announcement of this run: `m`."""
-        self._hidden = ""
+        the manifest lists, besides the trainer's (the announcement only adds candidates: no unsigned object
+        takes a snapshot the region holds out of planning). Without an announcement of this run: `m`."""
+        self._own_snapshots = False
         etag, ann = self._announced
         got = self.store.read_object(announce.ANNOUNCE_KEY, if_none_match=etag)
         if got is None:
@@ -380,13 +393,16 @@ class Reader:
         if ann is None or ann.run != m.run:
             return m
         listed = {s.step for s in m.steps}
-        snaps = [s for s in ann.snapshots if s.step in listed] + (list(m.snapshots) if ann.origin_snapshots else [])
-        if not ann.origin_snapshots and m.snapshots:  # said in a failure to plan: an unsigned object decided it
-            self._hidden = (f"; {self.store.url}/{announce.ANNOUNCE_KEY} (unsigned) says this store keeps none of "
-                            f"the trainer's {len(m.snapshots)} snapshots, and it announces "
-                            f"{len(snaps)} usable of its own")
+        own = [s for s in ann.snapshots if s.step in listed]
+        self._own_snapshots = bool(own)
+        snaps = own + list(m.snapshots)
         snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))  # a region's own first at equal cost
         return dataclasses.replace(m, snapshots=snaps)
+
+    def _maybe_never(self, key: str) -> bool:
+        """Whether a missing `key` may never arrive here: a trainer's snapshot object in a region that builds
+        its own (one fed by CRR or a regional-snapshot relay is never sent them; a plain relay copies them)."""
+        return self._own_snapshots and key.startswith("snapshots/")
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
@@ -753,21 +769,24 @@ class Reader:
     @overload
     def reach(self, held_step: None, held: None, *, run: str | None = None, timeout: float | None = None,
               undo: codec.UndoLog | None = None, spool: str | os.PathLike | None = None,
-              trail: Trail | None = None, accept_older_head: bool = False
+              trail: Trail | None = None, accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
 
     @overload
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
+              spool: str | os.PathLike | None = None, trail: Trail | None = None,
+              accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
+              spool: str | os.PathLike | None = None, trail: Trail | None = None,
+              accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
-        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; with
-        `accept_older_head`, an older head of the same run is reached as from nothing held).
+        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; an
+        older head that is exactly step `accept_older_head`, an operator's repair, is reached as from nothing
+        held).
 
         A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
         `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
@@ -784,12 +803,13 @@ class Reader:
         elif len(undo):
             raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
         trail = Trail() if trail is None else trail
+        older_head_step(accept_older_head)
         return self._reach(held_step, held, run, timeout, undo, None if spool is None else Path(spool), trail,
                            accept_older_head)
 
     def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
                timeout: float | None, undo: codec.UndoLog, spool: Path | None, trail: Trail,
-               accept_older_head: bool = False
+               accept_older_head: int | None = None
                ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
@@ -807,9 +827,9 @@ class Reader:
                     if run is not None and held_step is not None and m.run != run:
                         raise SyncError(f"{self.store.url}: holds run {m.run}, the local step {held_step} is from run "
                                         f"{run}; refusing to mix runs")
-                    if held_step is not None and held_step > m.head and accept_older_head:
-                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head)",
-                                    self.store.url, m.head, held_step)
+                    if held_step is not None and held_step > m.head and m.head == accept_older_head:
+                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head=%d)",
+                                    self.store.url, m.head, held_step, m.head)
                         held_step, held = None, None  # from a snapshot, as a fresh host would
                     if held_step is not None and held_step >= m.head:
                         if held_step > m.head:
@@ -828,7 +848,7 @@ class Reader:
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
-                                        f"ends: {sorted(excluded)[:5]}){self._hidden}")
+                                        f"ends: {sorted(excluded)[:5]})")
                     self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
@@ -838,6 +858,11 @@ class Reader:
                         continue
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
+                        if exc.key is not None and exc.key not in rerouted and self._maybe_never(exc.key):
+                            rerouted.add(exc.key)
+                            log.info("%s: not in this region (it holds snapshots of its own); planning from what "
+                                     "it holds, waiting for it only if nothing else reaches the head", exc)
+                            continue
                         if exc.key is not None and self.reroute_after is not None:
                             first = missing_since.setdefault(exc.key, time.monotonic())
                             if exc.key not in rerouted and time.monotonic() - first >= self.reroute_after:
@@ -913,7 +938,9 @@ class Watcher:
 
     Contract for readers of `dest`: ignoring names that begin with '.', and following symlinks,
     it shows exactly one complete, verified step (safetensors in the published layout plus
-    relay-state.json), or nothing before the first sync. It never moves to an older step.
+    relay-state.json), or nothing before the first sync. It never moves to an older step, except for an
+    operator's repair: `accept_older_head=STEP` lets the first successful sync take the store's head if it is
+    exactly STEP (same run), and is spent by that sync whether it moved back or not.
     on_update(step, tensors) runs after each persisted step with the live held tensors (updated in place
     by the next sync: valid until then); `module` is updated in place too. `persist` is "full" (every step a
     complete checkpoint under the visible names) or "journal" (a base plus the verified deltas since, only
@@ -947,7 +974,8 @@ class Watcher:
                  compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
                  region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
-                 metrics_registry: Any = None, engine: Engine | None = None, accept_older_head: bool = False) -> None:
+                 metrics_registry: Any = None, engine: Engine | None = None,
+                 accept_older_head: int | None = None) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -961,11 +989,13 @@ class Watcher:
         self.url = url
         self.dest = Path(dest)
         self.persist = persist
-        # One-shot operator repair: the first sync that finds the store's head (same run) older than the step
-        # DEST holds takes that head anyway, then the watcher never moves back again. A watcher otherwise never
-        # does (a replayed or lagging manifest must not roll it back), so one that a forged manifest moved
-        # past the trainer (an unsigned run, a watcher without keys) would refuse every real head forever.
-        self.accept_older_head = accept_older_head
+        # One-shot operator repair, named by its step: the first successful sync may take the store's head
+        # (same run) if it is exactly that step, older than DEST's; then (moved or not) the permission is
+        # gone. A watcher otherwise never moves back (a replayed or lagging manifest must not roll it back),
+        # so one that a forged manifest moved past the trainer (an unsigned run, a watcher without keys)
+        # would refuse every real head forever. Spent at once: a flag left in a unit file never arms a
+        # watcher against a manifest replayed later.
+        self.accept_older_head = older_head_step(accept_older_head)
         # (step, run) DEST held before a start that could not build on it (another tensor selection): the first
         # sync must still not move back from it or across runs
         self._floor: tuple[int, str] | None = None
@@ -1638,20 +1668,22 @@ class Watcher:
     def _sync_once(self, timeout: float | None, spool: Path) -> None:
         undo = codec.UndoLog()
         trail = Trail()
+        repair = self.accept_older_head
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
-                                            spool=spool, trail=trail, accept_older_head=self.accept_older_head)
+                                            spool=spool, trail=trail, accept_older_head=repair)
         if tensors is None:
+            self.accept_older_head = None  # a sync that found nothing to repair spends it too
             return
         in_place = tensors is self.tensors
-        back = self.accept_older_head and rec is not None and self.step is not None and rec.step < self.step
+        back = repair is not None and rec is not None and self.step is not None and rec.step == repair < self.step
         try:
             if rec is None:  # reach() returns the tensors with their record, or neither
                 raise SyncError("internal: tensors without a record")
             if self.step is not None and ((rec.step <= self.step and not back) or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
-            if self._floor is not None and self.step is None and not self.accept_older_head and (
-                    rec.step < self._floor[0] or m.run != self._floor[1]):
+            if self._floor is not None and self.step is None and (
+                    (rec.step < self._floor[0] and rec.step != repair) or m.run != self._floor[1]):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} held step "
                                 f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection, or in a "
                                 f"version found damaged) and never moves back or across runs")
@@ -1667,9 +1699,10 @@ class Watcher:
                 # model, and they would grow with every step; the next hot-load keeps a copy of what it replaces
                 self._module_logs = None
         floor = self._floor
-        if back or (floor is not None and self.accept_older_head and rec.step < floor[0]):
-            log.warning("%s: moved back from step %d to %d", self.dest, floor[0] if floor else self.step, rec.step)
-            self.accept_older_head = False
+        if back or (floor is not None and rec.step == repair and rec.step < floor[0]):
+            log.warning("%s: moved back from step %d to %d (accept_older_head=%d)", self.dest,
+                        floor[0] if floor else self.step, rec.step, rec.step)
+        self.accept_older_head = None  # spent by the first successful sync, whether it moved back or not
         self._floor = None
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         self._held_partial = self.reader.want is not None
