@@ -173,14 +173,16 @@ def test_leftovers_of_a_job_that_died_before_its_first_commit_are_named_at_start
 
 
 
-@pytest.mark.parametrize("retry", [False, True], ids=["next-step", "retry"])
-def test_a_commit_that_landed_unanswered_does_not_wedge_the_sharded_run(s3_run, tmp_path, retry):
+@pytest.mark.parametrize("plan, back", [([0, 1, 2, 3], 3), ([0, 1, 1, 2, 3], 3), ([0, 1, 2, 3], 4)],
+                         ids=["next-step", "retry", "still-down-at-the-next-step"])
+def test_a_commit_that_landed_unanswered_does_not_wedge_the_sharded_run(s3_run, tmp_path, plan, back):
     """Rank 0's manifest commit of step 1 lands, then the store answers 503 to it and to every re-read (an
     outage through update_manifest's retries): the commit's fate is unknown. Every rank used to raise
     committed=False although step 1 was the head, and every later step was refused as "another publisher
     extended the run": sharded runs cannot resume, so the run was stuck. PROTOCOL §5.4 (the rules of §5.1):
     the error says the step may have landed (committed=None), the next publish reads the manifest first, on
-    rank 0 for every rank, and carries on from what landed; a retry of the landed step writes nothing."""
+    rank 0 for every rank, and carries on from what landed; a retry of the landed step writes nothing. A store
+    still down at the next step fails that step on every rank (nothing written), and the one after settles."""
     proxy = FaultProxy(s3_run.region.endpoint, seed=37).start()
     # botocore retries once inside s3fs's five (as in test_faults_store): the outage costs seconds, not minutes
     opts = proxy.options(s3_run.options, retries={"total_max_attempts": 2, "mode": "legacy"})
@@ -214,12 +216,11 @@ def test_a_commit_that_landed_unanswered_does_not_wedge_the_sharded_run(s3_run, 
                 faults.append(proxy.add("error_after", methods=("PUT",), key=r"/manifest\.json$", name="commit"))
                 faults.append(proxy.add("error", methods=("GET", "HEAD"), key=r"/manifest\.json$", after=1,
                                         name="re-read"))
-            elif n == 3:  # the store is back (the writes are still counted)
+            elif n == back:  # the store is back before publish call `back` (the writes are still counted)
                 for rule in faults:
                     rule.times = rule.fired
             (gate / f"go-{n}").touch()
 
-    plan = [0, 1, 1, 2, 3] if retry else [0, 1, 2, 3]
     conductor = threading.Thread(target=conduct, daemon=True)
     conductor.start()
     try:
@@ -231,13 +232,19 @@ def test_a_commit_that_landed_unanswered_does_not_wedge_the_sharded_run(s3_run, 
     outcomes = [[(e["step"], e["committed"]) for e in r.get("errors", [])] for r in results]
     assert proxy.injected("error_after", r"/manifest\.json$") and proxy.injected("error", r"/manifest\.json$")
     m = Manifest.parse(open_store(s3_run.url, s3_run.options).read_manifest().data)
-    # step 1 landed unanswered: every rank says its fate is unknown, none that it was not committed
-    assert outcomes == [[(1, None)]] * 2, (results, m.head, proxy.summary(), sorted(seen))
+    # step 1 landed unanswered: every rank says its fate is unknown, none that it was not committed (and a
+    # step 2 published while the store is still down fails on every rank, not committed: nothing was written)
+    failed = [(1, None)] + [(2, False)] * (back == 4)
+    assert outcomes == [failed] * 2, (results, m.head, proxy.summary(), sorted(seen))
     assert all("may have landed" in r["errors"][0]["error"] for r in results), [r["errors"] for r in results]
+    if back == 4:
+        assert all("cannot read the manifest to learn whether step 1" in r["errors"][1]["error"] for r in results)
+        assert seen[4][:3] == seen[3][:3]
     # and the run goes on: the later steps are published and committed on the landed step
-    assert all(r["published"] == plan[:1] + plan[2:] for r in results), [r["error"] for r in results]
-    assert m.head == 3 and [s.step for s in m.steps] == [0, 1, 2, 3] and m.step(2).parent == 1
-    if retry:  # the retry of step 1 (calls 3 to 4) found it landed: nothing written, the manifest unchanged
+    assert all(r["published"] == plan[:1] + plan[back - 1:] for r in results), [r["error"] for r in results]
+    steps = [0, 1, 2, 3] if back == 3 else [0, 1, 3]
+    assert m.head == 3 and [s.step for s in m.steps] == steps and m.step(steps[2]).parent == 1
+    if plan.count(1) == 2:  # the retry of step 1 (calls 3 to 4) found it landed: nothing written, the manifest same
         assert seen[4][0] == seen[3][0] and seen[4][1] == seen[3][1] and seen[4][2] == seen[3][2], \
             (set(seen[4][0]) - set(seen[3][0]), seen[4][2] - seen[3][2])
     with Watcher(s3_run.url, tmp_path / "dest", storage_options=s3_run.options) as w:
