@@ -162,6 +162,17 @@ def extend_run(cur: Manifest | None, unsure: bool, *, url: str, run: str, writer
 T = TypeVar("T")
 
 
+def commit_landed(store: Store, run: str, writer: str, step: int, entry: Step | None = None) -> bool:
+    """Read the manifest: whether it holds `step` (exactly `entry`, where the caller knows it) in run `run` under
+    writer `writer`, i.e. whether a commit of that publisher's landed. A failed read raises."""
+    got = store.read_manifest()
+    m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
+    if m is None or m.run != run or m.writer != writer:
+        return False
+    held = m.step(step)
+    return held is not None and (entry is None or held == entry)
+
+
 @dataclasses.dataclass(frozen=True)
 class Unsettled(Generic[T]):
     """A step whose manifest commit raised without a refusal, and `moves`: what moving the publisher to it takes
@@ -196,11 +207,7 @@ class CommitOutcome(Generic[T]):
         """Read the manifest: whether it holds the pending entry under our run and writer id. A failed read
         raises, and the entry stays pending."""
         u = self.pending
-        if u is None:
-            return False
-        got = store.read_manifest()
-        m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
-        return m is not None and m.run == run and m.writer == writer and m.step(u.entry.step) == u.entry
+        return u is not None and commit_landed(store, run, writer, u.entry.step, u.entry)
 
     def settle(self, landed: bool, url: str) -> Unsettled[T] | None:
         """Forget the pending entry, whose fate is now known: the entry if it `landed` (the caller moves the
@@ -272,4 +279,5 @@ def create_owned(store: Store, key: str, write: Callable[[], None], *, run: str,
 
 
 __all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "require_no_leftovers", "create_owned",
-           "UnsignedWriteError", "ATTEMPTS", "CommitOutcome", "Unsettled"]
+           "UnsignedWriteError", "ATTEMPTS", "CommitOutcome", "Unsettled",
+           "commit_landed"]

@@ -41,7 +41,7 @@ import codec
 from codec.hashing import digest_elements
 from codec.tensors import dtype_of, element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
-from relay.commit import CommitOutcome, create_owned, extend_run, require_no_leftovers, update_manifest
+from relay.commit import CommitOutcome, commit_landed, create_owned, extend_run, require_no_leftovers, update_manifest
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, safe_shard_name, sliced_blake3, sliced_digest, snapshot_prefix,
                             tensor_blake3)
@@ -534,9 +534,7 @@ class ShardedPublisher:
         committed: bool | None = True if committed_here else None
         if not committed_here:
             try:
-                got = self.store.read_manifest()
-                m = None if got is None else Manifest.parse(got.data, f"{self.store.url}/manifest.json")
-                if m is not None and m.run == self.run and m.writer == self.writer and m.step(step) is not None:
+                if commit_landed(self.store, self.run, self.writer, step):
                     committed = True
             except Exception as read_exc:  # noqa: BLE001 - only the message depends on it
                 log.warning("%s: cannot read the manifest to learn step %d's fate: %s", self.url, step, read_exc)
