@@ -41,8 +41,7 @@ def _doctor(args: argparse.Namespace) -> int:
     caps = store.capabilities()
     print(caps.table())
     try:
-        caps.require(store.url, "create")
-        caps.require(store.url, "swap")
+        caps.require(store.url)
     except StoreCapabilityError as exc:
         print(f"\nrefused: {exc}")
         return 1

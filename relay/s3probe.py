@@ -7,11 +7,13 @@ object although the request says If-None-Match: *. So before its first condition
 probes its store on scratch keys under its prefix (`.deltarelay-probe/<random>/`, outside the run's
 layout, removed afterwards) and uses what the store honours; what the relay cannot do without is
 refused with StoreCapabilityError, naming the store, the capability and the remedy. One probe per
-endpoint and bucket per process (`capabilities`), repeated after a probe that failed.
+endpoint and bucket per process (`capabilities`), repeated after a probe that failed; answers other than
+AWS's are confirmed by a second round on fresh keys, so a one-off fault on the way decides nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 import uuid
 from dataclasses import dataclass
@@ -74,6 +76,11 @@ class Capabilities:
     def create_only_completion(self) -> bool:
         return self.complete_exists.status in (409, 412) and self.complete_exists.unchanged is True
 
+    def as_aws_documents(self) -> bool:
+        """Whether every answer is AWS S3's."""
+        return (self.create_only_put and self.if_match_form == "quoted" and self.match_unquoted.status == 200
+                and self.match_missing.status == 404 and self.create_only_completion)
+
     def if_match(self, etag: str) -> str:
         """`etag` in the form this store's If-Match takes."""
         return etag.strip('"') if self.if_match_form == "unquoted" else etag
@@ -104,20 +111,22 @@ class Capabilities:
         lines += ["| " + " | ".join(r) + " |" for r in self.rows()]
         return "\n".join(lines)
 
-    def require(self, url: str, need: str) -> None:
-        """Raise StoreCapabilityError unless the store honours `need` ("create" or "swap")."""
-        if need == "create" and not self.create_only_put:
+    def require(self, url: str) -> None:
+        """Raise StoreCapabilityError unless the store honours both conditional writes every writer needs:
+        checked before a writer's first write, so a run never starts where it could not commit again."""
+        if not self.create_only_put:
             raise StoreCapabilityError(
                 f"{url}: the store at {self.store} does not honour PutObject If-None-Match: * (answered "
                 f"{self.create_exists} on an existing key): it cannot create an object without replacing another "
                 f"writer's, so deltarelay does not write there. Use an S3 implementation that does (AWS S3, "
-                f"Ceph RGW 16+, MinIO; docs/STORES.md), or a file:// store")
-        if need == "swap" and self.if_match_form is None:
+                f"Ceph RGW 16+; docs/STORES.md), or a file:// store")
+        if self.if_match_form is None:
             raise StoreCapabilityError(
                 f"{url}: the store at {self.store} does not honour PutObject If-Match (current ETag: quoted "
                 f"{self.match_quoted}, unquoted {self.match_unquoted}; stale ETag {self.match_stale}; missing key "
                 f"{self.match_missing}): without compare-and-swap two writers could fork the run, so deltarelay "
-                f"does not commit there. Use an S3 implementation that does (AWS S3, Ceph RGW 16+; docs/STORES.md)")
+                f"does not write there. Use an S3 implementation that does (AWS S3, Ceph RGW 16+; docs/STORES.md), "
+                f"or a file:// store")
 
 
 _CACHE: dict[tuple[str, str], Capabilities] = {}
@@ -128,9 +137,16 @@ def capabilities(store: S3Store) -> Capabilities:
     """The store's Capabilities, probed once per endpoint and bucket in this process."""
     ident = (str(getattr(store.fs, "endpoint_url", None) or
                  (getattr(store.fs, "client_kwargs", None) or {}).get("endpoint_url") or "AWS S3"), store.bucket)
+    name = f"{ident[0]} bucket {ident[1]}"
     with _LOCK:
         if ident not in _CACHE:
-            _CACHE[ident] = probe(store, f"{ident[0]} bucket {ident[1]}")
+            found = probe(store, name)
+            if not found.as_aws_documents():  # confirmed on fresh keys: a one-off fault must not decide
+                again = probe(store, name)
+                if again != found:
+                    raise OSError(errno.EIO, f"{store.url}: the store's answers to the conditional-write probe changed "
+                                             f"between two rounds ({found.rows()} then {again.rows()}); retried")
+            _CACHE[ident] = found
         return _CACHE[ident]
 
 
@@ -140,6 +156,8 @@ def _status(exc: BaseException) -> int:
     if transient(exc):
         raise exc  # not an answer about the store: the probe is repeated by the next write
     code, status = _client_error(exc)
+    if status in (401, 403) or isinstance(exc, PermissionError):
+        raise exc  # denied: the caller's own write would be, too; its error says so best
     if status:
         return status
     if isinstance(exc, FileNotFoundError):
@@ -171,9 +189,9 @@ def probe(store: S3Store, name: str) -> Capabilities:
 
     try:
         status, etag = put(a, b"1", IfNoneMatch="*")
-        if status != 200 or etag is None:
-            raise StoreCapabilityError(f"{store.url}: the store at {name} refused a create-only PutObject of a new "
-                                       f"key ({status}): check the credentials' write permission on the prefix")
+        if status != 200 or etag is None:  # a fresh random key: a retry of a PUT that landed unanswered, at most
+            raise OSError(errno.EIO, f"{store.url}: the store at {name} answered {status} to a create-only PutObject "
+                                     f"of a new scratch key; probing again with the next write")
         status, _ = put(a, b"2", IfNoneMatch="*")
         create_exists = Answer(status, body(a) == b"1")
         if not create_exists.unchanged:

@@ -888,7 +888,7 @@ class S3Store(Store):
         if not hasattr(data, "read") and len(data) > S3_MAX_PART:
             self.put_new_stream(key, [data], len(data))
             return
-        self.capabilities().require(self.url, "create")
+        self.capabilities().require(self.url)
         try:
             self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
         except FileExistsError:
@@ -1284,7 +1284,7 @@ class S3Store(Store):
         another writer's doing only if the object changed: one that still has `expected_etag` means the
         store refused a valid condition, StoreCapabilityError (retrying could never help)."""
         caps = self.capabilities()
-        caps.require(self.url, "swap" if expected_etag else "create")
+        caps.require(self.url)
         cond = {"IfMatch": caps.if_match(expected_etag)} if expected_etag else {"IfNoneMatch": "*"}
         try:
             resp = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,

@@ -68,6 +68,18 @@ class Ceph:
                                f"logs: {self.root / 'log'}")
         return done.stdout
 
+    def _ceph(self, *args: str, deadline: float) -> str:
+        """A `ceph` command, repeated while the new monitor refuses it: for a moment after it starts it takes
+        commands before it knows the cluster's fsid and answers EPERM. The commands used are idempotent."""
+        while True:
+            try:
+                return self._run("ceph", *args, timeout=30)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     def _daemon(self, *args: str) -> None:
         log = open(self.root / "log" / f"{Path(args[0]).name}-{len(self.procs)}.out", "wb")
         self.procs.append(subprocess.Popen([*args, "-c", self.conf, "-f"], stdout=log, stderr=subprocess.STDOUT,
@@ -100,6 +112,8 @@ osd pool default min size = 1
 osd pool default pg num = 8
 osd pool default pgp num = 8
 osd crush chooseleaf type = 0
+osd crush update on start = false
+osd class update on start = false
 run dir = {self.root}/run
 admin socket = {self.root}/run/$name.asok
 log file = {self.root}/log/$name.log
@@ -118,7 +132,10 @@ rgw dns name = 127.0.0.1
             self._run("ceph-mon", "--mkfs", "-i", "a", "--monmap", str(self.root / "monmap"))
             self._daemon("ceph-mon", "-i", "a")
             osd_uuid = str(uuid.uuid4())  # the OSD's id in the map and on its store must be one
-            osd = self._run("ceph", "osd", "create", osd_uuid).strip()
+            osd = self._ceph("osd", "create", osd_uuid, deadline=t0 + timeout).strip()
+            # placed here, not by the OSD at boot: its own commands can meet the monitor's moment of EPERM
+            # ('wrong fsid'), which ends the OSD
+            self._ceph("osd", "crush", "add", f"osd.{osd}", "1.0", "root=default", deadline=t0 + timeout)
             (self.root / "osd" / f"osd.{osd}").mkdir(exist_ok=True)
             self._run("ceph-osd", "-i", osd, "--mkfs", "--osd-uuid", osd_uuid)
             self._daemon("ceph-osd", "-i", osd)

@@ -90,3 +90,33 @@ def test_an_object_too_large_for_one_create_only_put_is_refused_on_rgw(rgw_run):
     with pytest.raises(StoreCapabilityError, match=r"CompleteMultipartUpload If-None-Match.*smaller snapshot shards"):
         store.put_new_stream("snapshots/1/model.safetensors", never(), 6 << 30)
     assert store.list("snapshots/") == {}
+
+
+def test_a_lost_answer_to_a_spooled_create_on_rgw_is_recognised(rgw_run, ceph_rgw, trainer, bits_equal, tmp_path):
+    """RGW creates large objects by one create-only PutObject: when the store applies it but the answer is lost
+    (the connection reset after the write), the retry's 412 finds the writer's own bytes and carries on."""
+    with FaultProxy(ceph_rgw.endpoint, keep_host=True) as proxy:
+        opts = {**proxy.options(rgw_run.options), **LARGE_PATH}
+        proxy.add("reset_after", methods=("PUT",), key=r"/snapshots/0/.*\.safetensors$", times=1)
+        t = trainer(seed=23)
+        with relay.Publisher(rgw_run.url, storage_options=opts, snapshot_every=3, background=False) as pub:
+            for step in range(2):
+                state = t.state() if step == 0 else t.step()
+                pub.publish(state, step)
+        assert len(proxy.injected("reset_after")) == 1
+    w = relay.Watcher(rgw_run.url, tmp_path / "w", storage_options=rgw_run.options)
+    assert w.sync(timeout=60) == 1 and bits_equal(w.tensors, state)
+    assert verify(rgw_run.url, rgw_run.options, deep=True).problems == []
+
+
+def test_a_store_that_ignores_conditional_writes_is_refused_before_anything_is_written(s3_run, trainer):
+    """A store that drops If-None-Match / If-Match (a gateway that ignores them): the publisher's first write
+    probes it and refuses, naming the store, the capability and the remedy; nothing of the run is written."""
+    with FaultProxy(s3_run.region.endpoint) as proxy:
+        proxy.add("unconditional", methods=("PUT", "POST"))
+        with relay.Publisher(s3_run.url, storage_options=proxy.options(s3_run.options), background=False) as pub:
+            with pytest.raises(StoreCapabilityError, match=r"does not honour PutObject If-None-Match.*Use an S3"):
+                pub.publish(trainer(seed=24).state(), 0)
+        assert proxy.injected("unconditional")
+    store = open_store(s3_run.url, s3_run.options)
+    assert store.list("") == {} and store.read_manifest() is None
