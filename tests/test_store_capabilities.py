@@ -6,6 +6,8 @@ this before its first write and uses what it honours; these tests run a publishe
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import relay
@@ -23,7 +25,7 @@ LARGE_PATH = {"transfer": {"multipart_threshold": 0, "part_size": 5 << 20}}
 @pytest.mark.parametrize("kind", ["s3", "rgw"])
 def test_probe_tells_what_the_store_honours(request, kind, capsys):
     run = request.getfixturevalue(f"{kind}_run")
-    assert cli_main(["doctor", run.url, "--storage-options", __import__("json").dumps(run.options)]) == 0
+    assert cli_main(["doctor", run.url, "--storage-options", json.dumps(run.options)]) == 0
     table = capsys.readouterr().out
     print(table)
     caps = open_store(run.url, run.options).capabilities()
@@ -118,5 +120,6 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_anything_is_w
             with pytest.raises(StoreCapabilityError, match=r"does not honour PutObject If-None-Match.*Use an S3"):
                 pub.publish(trainer(seed=24).state(), 0)
         assert proxy.injected("unconditional")
+        assert cli_main(["doctor", s3_run.url, "--storage-options", json.dumps(proxy.options(s3_run.options))]) == 1
     store = open_store(s3_run.url, s3_run.options)
     assert store.list("") == {} and store.read_manifest() is None
