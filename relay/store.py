@@ -4,7 +4,10 @@ a conditional commit of the manifest, so two publishers can never fork a run.
 Three backends, chosen by protocol:
   * s3://   -- s3fs; the manifest commit is PutObject with If-None-Match: * (first) or If-Match:
                ETag (later); immutable objects are created with If-None-Match: * (large ones by a
-               multipart upload whose completion carries it). The manifest is read with a plain
+               multipart upload whose completion carries it). What the store honours of these is
+               probed before the first write (relay.s3probe, docs/STORES.md): If-Match in the form
+               it takes; where a completion is not create-only, large objects are spooled to a local
+               file and created by one create-only PutObject. The manifest is read with a plain
                GetObject (conditional on its ETag when polling), never a LIST, so s3fs's listing
                cache never serves a stale view. Large objects are read in ranged GETs If-Match
                the first answer's ETag.
@@ -31,6 +34,7 @@ import io
 import logging
 import os
 import re
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, fields
@@ -43,6 +47,7 @@ import xxhash
 
 from relay.files import create_exclusive, create_exclusive_with, write_all, write_atomic
 from relay.retry import Backoff
+from relay.s3probe import Capabilities, StoreCapabilityError, capabilities
 
 log = logging.getLogger(__name__)
 
@@ -873,9 +878,19 @@ class S3Store(Store):
         except FileNotFoundError:
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
-    def put_new(self, key: str, data: bytes | bytearray) -> None:
+    def capabilities(self) -> Capabilities:
+        """What this store honours of the conditional writes (probed once per endpoint and bucket)."""
+        return capabilities(self)
+
+    def put_new(self, key: str, data: bytes | bytearray | BinaryIO) -> None:
+        """PutObject If-None-Match: * of bytes or of a seekable file positioned at its start (S3's largest
+        single PutObject; larger bytes go as put_new_stream)."""
+        if not hasattr(data, "read") and len(data) > S3_MAX_PART:
+            self.put_new_stream(key, [data], len(data))
+            return
+        self.capabilities().require(self.url)
         try:
-            self.fs.pipe_file(self._path(key), data, mode="create")
+            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
         except FileExistsError:
             raise ObjectExists(f"{self.url}/{key}: exists") from None
         except OSError as exc:
@@ -883,12 +898,14 @@ class S3Store(Store):
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 raise ObjectExists(f"{self.url}/{key}: exists ({code or status})") from None
             raise
+        finally:
+            self.fs.invalidate_cache(self._path(key))
 
     # -- large objects ---------------------------------------------------------------------------
     def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
         """Up to `transfer.multipart_threshold` bytes: gathered (once, in one buffer) and created as put_new
         does, PutObject If-None-Match: *. Larger: a multipart upload that only its conditional completion
-        makes visible (_multipart)."""
+        makes visible (_multipart), or, on a store whose completion is not create-only, spooled (_spooled)."""
         where = f"{self.url}/{key}"
         if size <= self.transfer.multipart_threshold:
             checked = _Checked(where, chunks, size, xxh3, hashed=True)
@@ -900,7 +917,32 @@ class S3Store(Store):
             checked.finish()
             self.put_new(key, buf)
             return
+        if not self.capabilities().create_only_completion:
+            self._spooled(key, _Checked(where, chunks, size, xxh3, hashed=True), size)
+            return
         self._multipart(key, _Checked(where, chunks, size, xxh3, hashed=False), size)
+
+    def _spooled(self, key: str, checked: _Checked, size: int) -> None:
+        """For a store that completes a multipart upload over an existing object whatever its If-None-Match
+        says (Ceph RGW 16): a completion cannot create without replacing another writer's object, so the
+        stream goes to an unlinked local file and then one create-only PutObject (which such a store does
+        honour) creates the key from it. Memory holds a chunk; disk holds the object until the PUT ends.
+        Above S3's largest PutObject there is no create-only way: StoreCapabilityError."""
+        if size > S3_MAX_PART:
+            raise StoreCapabilityError(
+                f"{self.url}/{key}: {size} bytes, and the store at {self.capabilities().store} completes multipart "
+                f"uploads over existing objects (CompleteMultipartUpload If-None-Match: * answered "
+                f"{self.capabilities().complete_exists}): an object larger than one PutObject ({S3_MAX_PART} bytes) "
+                f"cannot be created there without risking another writer's. Write smaller snapshot shards, or use "
+                f"a store whose completion is create-only (AWS S3; docs/STORES.md)")
+        if self._etag(key) is not None:  # the PUT's condition decides; this spares spooling in vain
+            raise ObjectExists(f"{self.url}/{key}: exists")
+        with tempfile.TemporaryFile(prefix="deltarelay-spool-", buffering=0) as f:
+            for view in checked:
+                write_all(f, view)
+            checked.finish()
+            f.seek(0)
+            self.put_new(key, f)
 
     def _multipart(self, key: str, checked: _Checked, size: int) -> None:
         """CreateMultipartUpload; parts filled from the stream and uploaded on `threads` threads; each part's
@@ -1238,7 +1280,12 @@ class S3Store(Store):
         return ManifestRead(body, resp["ETag"])
 
     def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
-        cond = {"IfMatch": expected_etag} if expected_etag else {"IfNoneMatch": "*"}
+        """PutObject If-Match the ETag, in the form the store takes (If-None-Match: * for none). A refusal is
+        another writer's doing only if the object changed: one that still has `expected_etag` means the
+        store refused a valid condition, StoreCapabilityError (retrying could never help)."""
+        caps = self.capabilities()
+        caps.require(self.url)
+        cond = {"IfMatch": caps.if_match(expected_etag)} if expected_etag else {"IfNoneMatch": "*"}
         try:
             resp = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,
                                    ContentType="application/json", **cond)
@@ -1246,7 +1293,16 @@ class S3Store(Store):
             code, status = _client_error(exc)
             if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
                     "PreconditionFailed", "ConditionalRequestConflict"):
-                cond_text = f"If-Match {expected_etag}" if expected_etag else "If-None-Match *"
+                cond_text = f"If-Match {cond['IfMatch']}" if expected_etag else "If-None-Match *"
+                found = self._etag(key)
+                if expected_etag and found is not None and found.strip('"') == expected_etag.strip('"'):
+                    raise StoreCapabilityError(
+                        f"{self.url}/{key}: the store at {caps.store} refused a conditional write ({code or status} on "
+                        f"{cond_text}) although the object still has that ETag: a store capability problem, not "
+                        f"another writer (probed: {caps.if_match_form} If-Match; docs/STORES.md)") from None
+                if expected_etag and found is None:
+                    raise ConflictError(f"{self.url}/{key}: removed by another writer ({code or status} on "
+                                        f"{cond_text})") from None
                 raise ConflictError(f"{self.url}/{key}: changed by another writer "
                                     f"({code or status} on {cond_text})") from None
             if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted object
@@ -1280,4 +1336,4 @@ def open_store(url: str, storage_options: dict | None = None, *, transfer: Trans
 
 __all__ = ["Store", "open_store", "Transfer", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError",
            "ObjectMissing", "ObjectExists", "ObjectChanged", "ManifestRead", "NOT_MODIFIED", "NotModified",
-           "MANIFEST_KEY", "content_tag"]
+           "MANIFEST_KEY", "content_tag", "StoreCapabilityError"]
