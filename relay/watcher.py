@@ -218,10 +218,14 @@ class _Failure:
 
 
 def _source(ref: ObjRef) -> ObjRef | str:
-    """What a failure of `ref` is remembered under: the reference itself where the (trusted) manifest chose it,
-    the region's announcement as a whole for a region's own snapshot objects: that unsigned object chooses
-    their references, so a forger rotating them must not buy a fresh download and decode each time."""
-    return announce.ANNOUNCE_KEY if ref.key.startswith(announce.REGIONAL_PREFIX) else ref
+    """What a failure of `ref` is remembered under: the reference itself where the (trusted) manifest chose it;
+    for a region's own snapshot objects, their step's prefix (regional/snapshots/<step>/): the unsigned
+    announcement chooses their references, so a forger rotating them must not buy a fresh download and decode
+    each time, while the steps a reader plans from are the manifest's (so at most one try per listed step
+    per backoff), and a forgery at one step leaves the region's other snapshots usable."""
+    if not ref.key.startswith(announce.REGIONAL_PREFIX):
+        return ref
+    return announce.regional_prefix(int(ref.key[len(announce.REGIONAL_PREFIX):].split("/", 1)[0]))
 
 
 def _file_matches(fd: int, ref: ObjRef) -> str | None:
@@ -306,7 +310,7 @@ class Reader:
     downloaded again, for failure_backoff_initial seconds, doubling at each further failure up to
     failure_backoff_max: a persistently bad object costs a bounded number of downloads, not two per
     poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try; a region's
-    own snapshots (chosen by an unsigned announcement) are backed off as one source at their first failure.
+    own snapshot (chosen by an unsigned announcement) is backed off per step, at its first failure (_source).
 
     `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
     parts and snapshot files that hold those tensors and returns and verifies exactly them.
@@ -344,6 +348,7 @@ class Reader:
         self._inflight: dict[int, int] = {}  # spool files being downloaded: fd -> size
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
+        self._refused: dict[ObjRef, _VerifyError] = {}  # the head's record, refused while pricing (_implied_bytes)
         self._failures: dict[ObjRef | str, _Failure] = {}  # by _source()
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
@@ -427,6 +432,9 @@ class Reader:
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
             return self._cache[ref]
+        refused = self._refused.pop(ref, None)  # refused while pricing: the plan meets that, not a second download
+        if refused is not None:
+            raise refused
         data = ref.read(self.store)
         with self._count_lock:
             self.bytes_downloaded += len(data)
@@ -806,7 +814,10 @@ class Reader:
         try:
             return checkpoint.tensor_bytes(self.expected(self._record(self._fetch_one(head.record), head.record,
                                                                       m.run, head.step)))
-        except (ObjectMissing, _VerifyError, SyncError):
+        except _VerifyError as exc:
+            self._refused[head.record] = exc
+            return 0
+        except (ObjectMissing, SyncError):
             return 0
 
     # With nothing held the head is always new: the tensors and their record come back.
@@ -942,6 +953,7 @@ class Reader:
             self._plan = None
             self._cache.clear()
             self._spooled.clear()
+            self._refused.clear()
 
 
 def _failure_reason(exc: BaseException) -> str:
