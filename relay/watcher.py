@@ -890,12 +890,19 @@ class Reader:
                         return m, None, None
                     as_read, m = m, self._planning_view(m)  # with a region's own snapshots (§8.1); as_read is returned
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
-                    kw: dict[str, Any] = {"snapshot_bytes": self._implied_bytes(m)}
+                    kw: dict[str, Any] = {}
                     if self.want is not None:
                         kw.update(want=self.want, snapshot_files=self._snapshot_files(m, excluded))
                         excluded |= self._backed_off(m, time.monotonic())  # indexes refused just now
                     plan = (plan_path(m, held_step, excluded | rerouted, **kw)
                             or plan_path(m, held_step, excluded, **kw))
+                    if plan is not None and plan.snapshot is not None:
+                        # priced again at what a snapshot decodes to. The head's record is read only once a plan
+                        # exists (every plan reads it; with every path backed off a poll downloads nothing), and a
+                        # chain chosen at declared sizes stays chosen when snapshots cost more
+                        kw["snapshot_bytes"] = self._implied_bytes(m)
+                        plan = (plan_path(m, held_step, excluded | rerouted, **kw)
+                                or plan_path(m, held_step, excluded, **kw))
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
