@@ -357,13 +357,13 @@ class Materialiser:
         def add(cur: Announcement | None) -> Announcement | None:
             overtaken.clear()
             base = cur if cur is not None and cur.run == run else Announcement(run)
-            past = [s.step for s in base.snapshots if s.step > head]
-            if past:  # entries past the region's head: nobody's snapshot (a forgery); dropped with this commit
-                log.warning("%s: the announcement names steps %s past the head %d; dropping them", self.store.url,
-                            past[:5], head)
-                base = Announcement(run, tuple(s for s in base.snapshots if s.step <= head))
-            elif base.snapshot(snap.step) == snap:
+            if base.snapshot(snap.step) == snap:
                 return None
+            # Entries past the head read here count for nothing (not newer, no place among the `keep`: a forged
+            # one at step 10^6 must not block us) but stay announced as they are, as in announce.collect: with
+            # an older manifest replayed into the region they are its genuine newer snapshots.
+            past = [s for s in base.snapshots if s.step > head]
+            base = Announcement(run, tuple(s for s in base.snapshots if s.step <= head))
             newer = [s.step for s in base.snapshots if s.step > snap.step]
             if newer:
                 # Another materialiser announced a newer snapshot while we wrote this one, and a collect since
@@ -371,8 +371,8 @@ class Materialiser:
                 # the region lacks (PROTOCOL §8.1 item 4).
                 overtaken.append(max(newer))
                 return None
-            snaps = sorted([s for s in base.snapshots if s.step != snap.step] + [snap], key=lambda s: s.step)
-            return Announcement(run, tuple(snaps[-keep:]))
+            snaps = sorted([s for s in base.snapshots if s.step != snap.step] + [snap], key=lambda s: s.step)[-keep:]
+            return Announcement(run, tuple(snaps + past[:announce.MAX_REGIONAL_SNAPSHOTS - len(snaps)]))
 
         self._announced = announce.update_announcement(self.store, add)
         if overtaken:

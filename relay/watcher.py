@@ -125,6 +125,7 @@ class Plan:
     snapshot: Snapshot | None
     steps: list[Step]
     cost: int  # bytes to download
+    price: int  # what the plan is chosen by: cost, with a snapshot counted at no less than what it decodes to
     files: tuple[ObjRef, ...] | None = None  # the snapshot files to fetch; None: all of them
     want: shards.Selector | None = None
 
@@ -165,8 +166,14 @@ class Trail:
 
 def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *,
               want: shards.Selector | None = None,
-              snapshot_files: Mapping[ObjRef, tuple[ObjRef, ...]] | None = None) -> Plan | None:
+              snapshot_files: Mapping[ObjRef, tuple[ObjRef, ...]] | None = None,
+              snapshot_bytes: int = 0) -> Plan | None:
     """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
+
+    A snapshot is priced at no less than `snapshot_bytes`, the tensor bytes the head's record implies (what
+    any snapshot decodes to, a second copy of the model beside what a holder has): its declared sizes are a
+    bucket writer's to choose where the snapshot is a region's own (unsigned), and a compressed one costs
+    its decoded size in memory and work whoever wrote it.
 
     Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
     cannot stall the reader: trying m.chain() from every snapshot would be quadratic. Ties go to
@@ -199,9 +206,11 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *
             refs.append(head)
         if any(r.key in excluded for r in refs):
             return
-        cost = tail[i] + sum(r.size for r in refs)
-        if best is None or cost < best.cost:
-            best, best_i = Plan(snap, [], cost, files, want), i
+        declared = sum(r.size for r in refs)
+        cost = tail[i] + declared
+        price = cost if snap is None else tail[i] + max(declared, snapshot_bytes)
+        if best is None or price < best.price:
+            best, best_i = Plan(snap, [], cost, price, files, want), i
 
     if held is not None and held in index:
         consider(None, index[held])
@@ -214,10 +223,21 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *
 
 @dataclass
 class _Failure:
-    """A reference that failed verification `count` times: not downloaded again before `retry_at` (monotonic)."""
+    """A source that failed verification `count` times: not downloaded from again before `retry_at` (monotonic)."""
 
     count: int
     retry_at: float
+
+
+def _source(ref: ObjRef) -> ObjRef | str:
+    """What a failure of `ref` is remembered under: the reference itself where the (trusted) manifest chose it;
+    for a region's own snapshot objects, their step's prefix (regional/snapshots/<step>/): the unsigned
+    announcement chooses their references, so a forger rotating them must not buy a fresh download and decode
+    each time, while the steps a reader plans from are the manifest's (so at most one try per listed step
+    per backoff), and a forgery at one step leaves the region's other snapshots usable."""
+    if not ref.key.startswith(announce.REGIONAL_PREFIX):
+        return ref
+    return announce.regional_prefix(int(ref.key[len(announce.REGIONAL_PREFIX):].split("/", 1)[0]))
 
 
 def _file_matches(fd: int, ref: ObjRef) -> str | None:
@@ -276,13 +296,33 @@ def _head_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, Tenso
     return bad
 
 
+def _check_compressed_index(ref: ObjRef, path: Path, rec: Record) -> None:
+    """A compressed snapshot file's own index (a few KiB at its end) against the step's record, before any
+    tensor is decoded: every tensor it lists is one the record has, with the record's dtype and shape (rows
+    of it, for a row slice) and, for a whole tensor, the record's digest (the same xxh3 of its elements).
+    A file of anything else, a forger's few KB of zeros included, is refused without decoding; one that
+    passes yields each tensor only once its digest (the record's) verifies, so a lie costs one tensor."""
+    try:
+        entries = codec.read_snapshot_index(path, where=ref.key)
+    except codec.SnapshotError as exc:
+        raise _VerifyError([ref], f"{ref.key}: not a snapshot file ({exc})") from None
+    for e in entries:
+        info = rec.tensors.get(e.name)
+        if info is None or e.dtype != info.dtype or (
+                e.shape != info.shape if info.slices is None else e.shape[1:] != info.shape[1:]) or (
+                info.slices is None and e.digest.hex() != info.digest):
+            raise _VerifyError([ref], f"{ref.key}: lists tensor {e.name[:200]!r} ({e.dtype} {list(e.shape)[:8]}), "
+                                      f"which record {rec.step} does not have as such; not decoded")
+
+
 class Reader:
     """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet.
 
     A reference (key, size and tags) that fails verification twice is planned around, and not
     downloaded again, for failure_backoff_initial seconds, doubling at each further failure up to
     failure_backoff_max: a persistently bad object costs a bounded number of downloads, not two per
-    poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try.
+    poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try; a region's
+    own snapshot (chosen by an unsigned announcement) is backed off per step, at its first failure (_source).
 
     `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
     parts and snapshot files that hold those tensors and returns and verifies exactly them.
@@ -321,7 +361,8 @@ class Reader:
         self._inflight: dict[int, int] = {}  # spool files being downloaded: fd -> size
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
-        self._failures: dict[ObjRef, _Failure] = {}
+        self._refused: dict[ObjRef, _VerifyError] = {}  # the head's record, refused while pricing (_implied_bytes)
+        self._failures: dict[ObjRef | str, _Failure] = {}  # by _source()
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
         self._own_snapshots = False  # the last planning view holds a region's own snapshots
@@ -407,6 +448,9 @@ class Reader:
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
             return self._cache[ref]
+        refused = self._refused.pop(ref, None)  # refused while pricing: the plan meets that, not a second download
+        if refused is not None:
+            raise refused
         data = ref.read(self.store)
         with self._count_lock:
             self.bytes_downloaded += len(data)
@@ -567,7 +611,11 @@ class Reader:
                 paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
         # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
         # DEST holds safetensors, written from the tensors in the record's layout
-        direct = direct and all(checkpoint.snapshot_file_format(p) == "safetensors" for p in paths)
+        formats = [checkpoint.snapshot_file_format(p) for p in paths]
+        direct = direct and all(f == "safetensors" for f in formats)
+        for f, p, kind in zip(fetch, paths, formats):
+            if kind == "compressed":
+                _check_compressed_index(f, p, rec)
         tensors: dict[str, torch.Tensor] = {}
         digests: dict[str, bytes] = {}  # of the streamed tensors, made as they arrived
         read = []
@@ -667,6 +715,7 @@ class Reader:
                         spool: Path | None, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
         rec: Record | None = None
         trail.reset()  # what this attempt used, only
+        self._fetch_one(m.steps[-1].record)  # every plan needs the head's record: a problem with it ends the plan here
         if plan.snapshot is not None:
             tensors, rec = self._load_snapshot(m, plan.snapshot, spool, trail, plan.files)
             chain_log = codec.UndoLog()  # the snapshot's tensors are new: a failure just drops them
@@ -748,22 +797,44 @@ class Reader:
         return out
 
     def _backed_off(self, m: Manifest, now: float) -> set[str]:
-        """Keys of this manifest's references still inside their failure backoff; forgets stale failures."""
+        """Keys of this manifest's references still inside their (or their source's) failure backoff; forgets
+        stale failures."""
         refs = set(m.refs())
-        for ref in [r for r, f in self._failures.items() if r not in refs and f.retry_at <= now]:
-            del self._failures[ref]  # bounded: only references of the current manifest or still backing off
-        return {r.key for r in refs if r in self._failures and now < self._failures[r].retry_at}
+        live = {_source(r) for r in refs}
+        for src in [k for k, f in self._failures.items() if k not in live and f.retry_at <= now]:
+            del self._failures[src]  # bounded: only sources of the current manifest or still backing off
+        out = set()
+        for r in refs:
+            f = self._failures.get(_source(r))
+            if f is not None and now < f.retry_at:
+                out.add(r.key)
+        return out
 
     def _failed(self, refs: list[ObjRef], now: float) -> float:
-        """Back off from `refs` (doubling per failure); returns the longest backoff now in force."""
+        """Back off from the sources of `refs` (doubling per failure, once per source per call); returns the
+        longest backoff now in force."""
         longest = 0.0
-        for ref in refs:
-            f = self._failures.get(ref)
+        for src in dict.fromkeys(_source(r) for r in refs):
+            f = self._failures.get(src)
             count = 1 if f is None else f.count + 1
             backoff = self.failure_backoff.delay(count)
-            self._failures[ref] = _Failure(count, now + backoff)
+            self._failures[src] = _Failure(count, now + backoff)
             longest = max(longest, backoff)
         return longest
+
+    def _implied_bytes(self, m: Manifest) -> int:
+        """The tensor bytes the head's record implies (a partial replica's selection of them): what any snapshot
+        plan decodes, whatever its files declare. 0 when the record cannot be read or checked yet: every plan
+        reads it first (`_execute_logged`) and meets the same problem there, before any snapshot work."""
+        head = m.steps[-1]
+        try:
+            return checkpoint.tensor_bytes(self.expected(self._record(self._fetch_one(head.record), head.record,
+                                                                      m.run, head.step)))
+        except _VerifyError as exc:
+            self._refused[head.record] = exc
+            return 0
+        except (ObjectMissing, SyncError):
+            return 0
 
     # With nothing held the head is always new: the tensors and their record come back.
     @overload
@@ -841,10 +912,17 @@ class Reader:
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     kw: dict[str, Any] = {}
                     if self.want is not None:
-                        kw = {"want": self.want, "snapshot_files": self._snapshot_files(m, excluded)}
+                        kw.update(want=self.want, snapshot_files=self._snapshot_files(m, excluded))
                         excluded |= self._backed_off(m, time.monotonic())  # indexes refused just now
                     plan = (plan_path(m, held_step, excluded | rerouted, **kw)
                             or plan_path(m, held_step, excluded, **kw))
+                    if plan is not None and plan.snapshot is not None:
+                        # priced again at what a snapshot decodes to. The head's record is read only once a plan
+                        # exists (every plan reads it; with every path backed off a poll downloads nothing), and a
+                        # chain chosen at declared sizes stays chosen when snapshots cost more
+                        kw["snapshot_bytes"] = self._implied_bytes(m)
+                        plan = (plan_path(m, held_step, excluded | rerouted, **kw)
+                                or plan_path(m, held_step, excluded, **kw))
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
@@ -876,7 +954,8 @@ class Reader:
                         for ref in exc.refs:
                             self._cache.pop(ref, None)
                             self._spooled.pop(ref, None)
-                        if any(r not in refetched and r not in self._failures for r in exc.refs):
+                        # refetched once (a torn or flipped read), except what an unsigned announcement chose
+                        if any(r not in refetched and _source(r) == r and r not in self._failures for r in exc.refs):
                             refetched.update(exc.refs)
                             log.warning("verification failed, discarding and refetching: %s", exc)
                         else:
@@ -893,7 +972,7 @@ class Reader:
                         continue
                     else:
                         for ref in plan.keys(m):
-                            self._failures.pop(ref, None)
+                            self._failures.pop(_source(ref), None)
                         missing_since.clear()  # at the head: what was missing is either here or not needed
                         return as_read, tensors, rec
                 waits += 1
@@ -906,6 +985,7 @@ class Reader:
             self._plan = None
             self._cache.clear()
             self._spooled.clear()
+            self._refused.clear()
 
 
 def _failure_reason(exc: BaseException) -> str:
