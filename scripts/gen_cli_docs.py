@@ -56,8 +56,8 @@ def _section(name: str, parser: argparse.ArgumentParser, summary: str | None) ->
     out += ["```text", fmt.format_help().strip(), "```", ""]
     rows = []
     for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
-            continue
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help == argparse.SUPPRESS:
+            continue  # hidden options (kept only to refuse or warn) are not part of the reference
         invocation = fmt._format_action_invocation(action)
         help_text = fmt._expand_help(action) if action.help else ""
         default = action.default
