@@ -108,3 +108,30 @@ def test_refuses_what_it_cannot_publish_correctly(tiny_model):
     next(model.parameters()).ds_id = 7  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
     with pytest.raises(NotImplementedError, match="ZeRO-3"):
         DeltaRelayCallback("file:///nowhere").on_train_begin(None, None, None, model=model)
+
+
+def test_a_failed_background_publish_stops_training_at_the_next_step(tiny_model, tmp_path):
+    """A publisher fenced by another (a second trainer resumed the run) fails its background commit: the next hook
+    raises that ConflictError instead of training on while rollouts stay behind; nothing is committed after it."""
+    from transformers import AutoModelForCausalLM, TrainerState
+
+    from relay.integrations.trl import DeltaRelayCallback
+    from relay.store import ConflictError
+
+    url = f"file://{tmp_path}/run"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    cb = DeltaRelayCallback(url, snapshot_every=100)
+    state = TrainerState()
+    cb.on_train_begin(None, state, None, model=model)
+    cb.wait()
+    relay.Publisher(url, resume=True).close()  # takes the run over: cb's publisher is fenced
+    with torch.no_grad():
+        next(model.parameters()).add_(1)
+    state.global_step = 1
+    cb.on_step_end(None, state, None, model=model)  # hands step 1 to the thread, which is refused
+    state.global_step = 2
+    with pytest.raises(ConflictError):
+        cb.on_step_end(None, state, None, model=model)
+    head = open_store(url).read_manifest()
+    assert head is not None and relay.Manifest.parse(head.data).head == 0
+    assert cb.published == 0
