@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip install -q -c constraints.txt
 PIP_VERSION := 26.3
 CORPUS ?= corpus/minilm-fp32-lr1e-6
 
-.PHONY: venv venv-demo venv-bench venv-vllm test lint demo bench bench-fanout bench-scale bench-snapshot corpora clean infra-check
+.PHONY: venv venv-demo venv-bench venv-vllm venv-verl test lint demo bench bench-fanout bench-scale bench-snapshot corpora clean infra-check
 
 $(VENV)/.dev: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,15 +32,27 @@ $(VLLM_VENV)/.vllm: pyproject.toml constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# verl (relay.integrations.verl's tests) in a venv of its own: verl pins transformers<5.11 (constraints.txt
+# locks 5.24.0 for the demo and TRL); see constraints-verl.txt.
+VERL_VENV := .venv-verl
+$(VERL_VENV)/.verl: pyproject.toml constraints-verl.txt
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q pip==$(PIP_VERSION)
+	$(VERL_VENV)/bin/python -m pip install -q -c constraints-verl.txt -e '.[dev,verl]'
+	touch $@
+
 venv: $(VENV)/.dev
 venv-vllm: $(VLLM_VENV)/.vllm
+venv-verl: $(VERL_VENV)/.verl
 venv-demo: $(VENV)/.demo
 venv-bench: venv-demo
 
-# The suite, then the engine tests again where vLLM is installed (in .venv they skip: no vllm there).
-test: venv venv-vllm
+# The suite, then the engine tests again where vLLM is installed and the verl adapter's where verl is (in .venv
+# they skip: no vllm or verl there).
+test: venv venv-vllm venv-verl
 	$(PY) -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_engine_vllm.py tests/test_engine_hook.py
+	$(VERL_VENV)/bin/python -m pytest -q tests/test_integration_verl.py
 
 # Static checks of the Python: ruff (lint) on everything, mypy on the packages (config in pyproject.toml).
 lint: venv
@@ -74,7 +86,7 @@ bench-snapshot: venv-demo
 	flock /tmp/deltarelay-bigmem.lock $(PY) scripts/bench_snapshot.py --synthetic-mb $(SNAPSHOT_MB)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) corpus out
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) corpus out
 
 # Static checks of infra/: checkov lives in its own venv so its pins never meet the project's.
 CHECKOV_VERSION := 3.3.30

@@ -71,20 +71,21 @@ def _snapshot(obj: Any, where: str) -> Snapshot:
 
 @dataclass(frozen=True)
 class Announcement:
-    """What `regional/snapshots.json` says: the run its snapshots belong to, whether the region keeps the
-    origin's `snapshots/` objects too (False: readers never plan from, nor wait for, them here), and the
-    regional snapshots, ascending by step."""
+    """What `regional/snapshots.json` says: the run its snapshots belong to and the regional snapshots,
+    ascending by step. It adds candidates and never takes any away: readers plan from these and from every
+    trainer's snapshot the region holds (PROTOCOL §8.1), whoever wrote either."""
 
     run: str
-    origin_snapshots: bool = False
     snapshots: tuple[Snapshot, ...] = ()
 
     def snapshot(self, step: int) -> Snapshot | None:
         return next((s for s in self.snapshots if s.step == step), None)
 
     def to_bytes(self) -> bytes:
+        # "origin_snapshots": always true, for earlier readers that require the field (false made them ignore
+        # the trainer's snapshots a region holds); this reader ignores it
         doc = {"format": ANNOUNCE_FORMAT, "version": ANNOUNCE_VERSION, "run": self.run,
-               "origin_snapshots": self.origin_snapshots, "snapshots": [s.to_json() for s in self.snapshots]}
+               "origin_snapshots": True, "snapshots": [s.to_json() for s in self.snapshots]}
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
@@ -98,7 +99,8 @@ class Announcement:
             raise ManifestError(f"{where}: version {version} is not supported by this reader "
                                 f"(knows {ANNOUNCE_VERSION})")
         run = _hex32(_need(doc, "run", str, where), f"{where}.run", "a run id")
-        keeps = _need(doc, "origin_snapshots", bool, where)
+        if "origin_snapshots" in doc:  # legacy, ignored: no object decides which held snapshots readers use
+            _need(doc, "origin_snapshots", bool, where)
         raw = _need(doc, "snapshots", list, where)
         if len(raw) > MAX_REGIONAL_SNAPSHOTS:
             raise ManifestError(f"{where}.snapshots: {len(raw)} entries, at most {MAX_REGIONAL_SNAPSHOTS}")
@@ -106,7 +108,7 @@ class Announcement:
         steps = [s.step for s in snaps]
         if steps != sorted(set(steps)):
             raise ManifestError(f"{where}.snapshots: steps must strictly increase, got {steps[:10]}")
-        return cls(run, keeps, snaps)
+        return cls(run, snaps)
 
 
 def read_announcement(store: Store) -> tuple[Announcement | None, str | None]:
@@ -159,8 +161,7 @@ def collect(store: Store, keep: int) -> dict:
         if cur is None or len(credible(cur)) <= keep:
             return None
         kept = credible(cur)[-keep:]
-        return Announcement(cur.run, cur.origin_snapshots,
-                            tuple(s for s in cur.snapshots if s in kept or s not in credible(cur)))
+        return Announcement(cur.run, tuple(s for s in cur.snapshots if s in kept or s not in credible(cur)))
 
     now = update_announcement(store, trim)
     if now is None:

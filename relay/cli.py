@@ -25,7 +25,7 @@ COMMAND_MODULES = (
     "relay.cli_codec",  # encode, decode, inspect
     "relay.cli_relay",  # publish, watch, rebase, gc, status
     "relay.cli_fanout",  # relay
-    "relay.cli_security",  # keygen, verify
+    "relay.cli_security",  # keygen, verify, doctor
     "relay.cli_regional",  # materialise
     "relay.cli_fleet",  # wait-fleet (and status --fleet)
 )

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 from relay.cli_options import add_trusted_key, storage_options
+
+log = logging.getLogger(__name__)
 
 
 def _materialise(args: argparse.Namespace) -> int:
     from relay.regional import Materialiser
 
+    if args.origin_snapshots:
+        log.warning("--origin-snapshots is ignored: readers use every snapshot the region holds, the trainer's and "
+                    "its own, and no announcement changes that")
     with Materialiser(args.url, args.workdir, bootstrap_from=args.bootstrap_from, every=args.every, keep=args.keep,
                       trusted_keys=args.trusted_key, storage_options=storage_options(args.storage_options),
-                      bootstrap_options=storage_options(args.bootstrap_options),
-                      origin_snapshots=args.origin_snapshots) as mat:
+                      bootstrap_options=storage_options(args.bootstrap_options)) as mat:
         if args.once:
             mat.sync_once(timeout=args.timeout)
             print(json.dumps(mat.status(), indent=1))
@@ -38,9 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also snapshot when a step is N steps past the region's newest snapshot (default: only at "
                         "the steps the trainer snapshots)")
     p.add_argument("--keep", type=int, default=2, metavar="K", help="regional snapshots to keep (default 2)")
-    p.add_argument("--origin-snapshots", action="store_true",
-                   help="announce that the region also keeps the trainer's snapshots/ objects (default: it does "
-                        "not, and readers there never wait for them)")
+    p.add_argument("--origin-snapshots", action="store_true", help=argparse.SUPPRESS)  # gone; warned, ignored
     p.add_argument("--once", action="store_true", help="sync to the head once, print the status and exit")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="with --once: give up after S seconds")
     p.add_argument("--poll-interval", type=float, default=1.0, metavar="S")

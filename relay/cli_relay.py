@@ -60,7 +60,26 @@ def engine_of(spec: str | None, pause_mode: str):
     return VLLMServer(rest, pause_mode=pause_mode)
 
 
+_BARE = -1  # --accept-older-head without its STEP (the old boolean spelling); not a str: argparse would parse it
+
+
+def _older_head(text: str) -> int:
+    """--accept-older-head STEP: a step number (argparse reports the ValueError's message)."""
+    try:
+        step = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no step: name the step to go back to, as in "
+                                         f"--accept-older-head 4") from None
+    if step < 0:
+        raise argparse.ArgumentTypeError(f"{step}: a step is >= 0")
+    return step
+
+
 def _watch(args: argparse.Namespace) -> int:
+    if args.accept_older_head == _BARE:
+        raise SystemExit("deltarelay watch: --accept-older-head now names the step to go back to, once, at start: "
+                         "--accept-older-head STEP (the bare flag stayed armed for the watcher's lifetime, so a "
+                         "manifest replayed later could roll the host back; it is refused)")
     # DestLocked (another watcher on DEST) is raised here and reported by main() as one line, exit 1
     with Watcher(args.url, args.dest, poll_interval=args.poll_interval,
                  storage_options=storage_options(args.storage_options),
@@ -200,10 +219,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-pause", choices=("abort", "wait", "keep"), default="abort",
                    help="what the engine does with in-flight requests while it applies a step (vLLM's pause "
                         "modes: abort them, wait for them, keep them frozen until resume)")
-    p.add_argument("--accept-older-head", action="store_true",
-                   help="repair: if the store's head is older than the step DIR holds (same run), take it once, then "
-                        "never move back again (a watcher that a forged manifest moved past the trainer refuses "
-                        "every real head otherwise; without this flag a watcher never moves back)")
+    p.add_argument("--accept-older-head", nargs="?", const=_BARE, type=_older_head, metavar="STEP",
+                   help="repair: if at the first sync the store's head is exactly STEP, older than the step DIR holds "
+                        "(same run), take it; spent by that sync whether it moved back or not (a watcher that a "
+                        "forged manifest moved past the trainer refuses every real head otherwise; without this "
+                        "flag a watcher never moves back)")
     add_trusted_key(p)
     add_storage_options(p)
     add_no_progress(p)

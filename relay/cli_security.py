@@ -1,7 +1,8 @@
-"""`deltarelay keygen | verify`: signing keys for a run, and the store's fsck.
+"""`deltarelay keygen | verify | doctor`: signing keys for a run, the store's fsck, and what the store honours.
 
     deltarelay keygen --out keys/trainer          # keys/trainer.key (private, 0600), keys/trainer.pub
     deltarelay verify s3://bucket/run --deep --trusted-key keys/trainer.pub
+    deltarelay doctor s3://bucket/run             # the conditional-write probe's table (docs/STORES.md)
 """
 
 from __future__ import annotations
@@ -28,6 +29,26 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from relay.s3probe import StoreCapabilityError
+    from relay.store import S3Store, open_store
+
+    store = open_store(args.url, storage_options(args.storage_options))
+    if not isinstance(store, S3Store):
+        print(f"{store.url}: {type(store).__name__}: creates and compare-and-swap are the store's own (link(2) and "
+              f"rename under flock for file://; one process's lock otherwise); nothing to probe")
+        return 0
+    caps = store.capabilities()
+    print(caps.table())
+    try:
+        caps.require(store.url)
+    except StoreCapabilityError as exc:
+        print(f"\nrefused: {exc}")
+        return 1
+    print(f"\n{store.url}: deltarelay can write here (docs/STORES.md)")
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("keygen", help="write an Ed25519 key pair for signing manifests")
     p.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.key (private) and PREFIX.pub")
@@ -42,3 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_trusted_key(p)
     p.add_argument("--storage-options", metavar="JSON", help="fsspec options for the URL, as a JSON object")
     p.set_defaults(func=_verify)
+
+    p = subparsers.add_parser("doctor", help="probe which conditional writes the store honours (scratch keys under "
+                                             "URL, removed after) and say whether deltarelay can write there")
+    p.add_argument("url")
+    p.add_argument("--storage-options", metavar="JSON", help="fsspec options for the URL, as a JSON object")
+    p.set_defaults(func=_doctor)

@@ -11,13 +11,17 @@ signed run trustworthy hold for all of them (docs/SECURITY.md, "Writers"):
   stop every watcher that checks them);
 * a write whose outcome the store did not tell (a 5xx after the write, a reset) is followed by a
   re-read; `change` is told so and decides whether its earlier write landed.
+
+A publisher's commit that still raises without a refusal (the store down through every re-read)
+may have landed: `CommitOutcome` keeps it until the publisher's next step settles it by reading
+the manifest, for every publisher alike (relay.Publisher, relay.distributed.ShardedPublisher).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, overload
+from typing import Callable, Generic, TypeVar, overload
 
 from relay.manifest import Manifest, Snapshot, Step, step_of_key
 from relay.signing import Signer, SignatureError, TrustedKeys, strengthen
@@ -155,6 +159,78 @@ def extend_run(cur: Manifest | None, unsure: bool, *, url: str, run: str, writer
     return m
 
 
+T = TypeVar("T")
+
+
+def commit_landed(store: Store, run: str, writer: str, step: int, entry: Step | None = None) -> bool:
+    """Read the manifest: whether it holds `step` (exactly `entry`, where the caller knows it) in run `run` under
+    writer `writer`, i.e. whether a commit of that publisher's landed. A failed read raises."""
+    got = store.read_manifest()
+    m = None if got is None else Manifest.parse(got.data, f"{store.url}/manifest.json")
+    if m is None or m.run != run or m.writer != writer:
+        return False
+    held = m.step(step)
+    return held is not None and (entry is None or held == entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsettled(Generic[T]):
+    """A step whose manifest commit raised without a refusal, and `moves`: what moving the publisher to it takes
+    if it landed (each publisher's own)."""
+
+    entry: Step
+    moves: T
+
+
+class CommitOutcome(Generic[T]):
+    """What a publisher knows of its last commit's fate (PROTOCOL §5.1): a commit refused (ConflictError) did not
+    land; any other failure may have (the store applied the write, then lost the answer and every re-read), and
+    is kept until the next publish learns which from the manifest, before it builds on either head."""
+
+    def __init__(self) -> None:
+        self.pending: Unsettled[T] | None = None
+
+    def failed(self, entry: Step, exc: BaseException, moves: T) -> bool | None:
+        """Committing `entry` raised `exc`: False (not committed) for a refusal; else None (it may have landed),
+        kept with `moves` until `settle`."""
+        if isinstance(exc, ConflictError):
+            return False
+        self.unsure(entry, moves)
+        return None
+
+    def unsure(self, entry: Step, moves: T) -> None:
+        """Keep `entry` as a commit that may have landed (another process saw it fail: a sharded publisher's
+        rank 0)."""
+        self.pending = Unsettled(entry, moves)
+
+    def landed(self, store: Store, run: str, writer: str) -> bool:
+        """Read the manifest: whether it holds the pending entry under our run and writer id. A failed read
+        raises, and the entry stays pending."""
+        u = self.pending
+        return u is not None and commit_landed(store, run, writer, u.entry.step, u.entry)
+
+    def settle(self, landed: bool, url: str) -> Unsettled[T] | None:
+        """Forget the pending entry, whose fate is now known: the entry if it `landed` (the caller moves the
+        publisher to it, then asks `retried`), else None (the publisher carries on from the step before)."""
+        u, self.pending = self.pending, None
+        if u is None:
+            return None
+        if not landed:
+            log.info("%s: step %d's commit, reported as failed, did not land; carrying on from the step before",
+                     url, u.entry.step)
+            return None
+        log.warning("%s: step %d's commit, reported as failed, had landed; carrying on from it", url, u.entry.step)
+        return u
+
+    @staticmethod
+    def retried(u: Unsettled[T] | None, step: int) -> bool:
+        """Whether publishing `step` is done once the publisher has moved to `u` (a landed step): True for a
+        retry of `u`'s step; ValueError for a step below it."""
+        if u is None:
+            return False
+        if step < u.entry.step:
+            raise ValueError(f"step {step} does not increase (step {u.entry.step} had landed)")
+        return step == u.entry.step
 
 
 def leftovers_message(store: Store, keys: list[str]) -> str:
@@ -203,4 +279,5 @@ def create_owned(store: Store, key: str, write: Callable[[], None], *, run: str,
 
 
 __all__ = ["update_manifest", "extend_run", "check_writable", "writer_keys", "require_no_leftovers", "create_owned",
-           "UnsignedWriteError", "ATTEMPTS"]
+           "UnsignedWriteError", "ATTEMPTS", "CommitOutcome", "Unsettled",
+           "commit_landed"]

@@ -10,7 +10,10 @@ becomes visible only once every rank's objects are in the store; a rank that fai
 error in the exchange and nothing is committed; a rank that dies makes every other rank's
 collective fail (gloo reports the lost peer, or the timeout ends the wait), and each raises
 ShardedPublishError naming the step and the rank. publish() returns on every rank after rank 0's
-commit (its outcome is broadcast), so a step is either visible to all or raised on all.
+commit (its outcome is broadcast), so a step is either visible to all or raised on all. A commit
+that raised without a refusal may have landed (committed=None on every rank): the next publish
+learns its fate from the manifest on rank 0, for every rank, first (relay.commit.CommitOutcome,
+as relay.Publisher does), and carries on from the head the store holds.
 
 Layouts: (a) ranks own disjoint whole tensors; (b) ranks hold row slices (dimension 0) of a
 tensor: `RowSlice(tensor, start, total_rows)`, or a DTensor with a Shard(0) (or Replicate)
@@ -38,7 +41,7 @@ import codec
 from codec.hashing import digest_elements
 from codec.tensors import dtype_of, element_view
 from relay.checkpoint import DEFAULT_SHARD_BYTES, index_bytes, shard_plan
-from relay.commit import create_owned, extend_run, require_no_leftovers, update_manifest
+from relay.commit import CommitOutcome, commit_landed, create_owned, extend_run, require_no_leftovers, update_manifest
 from relay.manifest import (INDEX_NAME, MAX_INT, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, safe_shard_name, sliced_blake3, sliced_digest, snapshot_prefix,
                             tensor_blake3)
@@ -53,7 +56,7 @@ class ShardedPublishError(RuntimeError):
     """A step some rank could not publish (its error, a dead or late rank, a failed commit). `committed`: False
     when the step is not visible; True when rank 0 committed it but a rank lost the others before all heard
     (the step is visible, the publisher unusable); None when this rank cannot tell (it stopped waiting while
-    rank 0's commit may still land)."""
+    rank 0's commit may still land, or that commit raised without a refusal: the next publish learns which)."""
 
     def __init__(self, message: str, committed: bool | None = False) -> None:
         super().__init__(message)
@@ -82,6 +85,20 @@ class _Local:
     tensor: torch.Tensor
     rows: tuple[int, int] | None  # [start, stop) of the whole tensor's rows
     total_rows: int
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """What a rank's state becomes once its step is committed (or found landed later): its tensors, their digests
+    and BLAKE3s, and the chain and snapshot counts the next step's schedule reads."""
+
+    step: int
+    local: dict[str, _Local]
+    digests: dict[str, str]
+    strong: dict[str, tuple[str, tuple[int, int] | None, str]]
+    delta_bytes: int
+    snapshot_bytes: int | None  # the step's snapshot's model bytes, if it is committed with one
+    snapshot_retry: bool  # a snapshot was due and not committed: the next step snapshots
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -256,6 +273,8 @@ class ShardedPublisher:
         self._chain_bytes = 0
         self._snapshot_retry = False
         self._broken: str | None = None
+        # a commit that raised without a refusal (it may have landed), with this rank's _Moves to it: on every rank
+        self._outcome: CommitOutcome[_Moves] = CommitOutcome()
         # signed runs: name -> (xxh3 digest, rows, BLAKE3) of what this rank published last (and is publishing)
         self._strong_local: dict[str, tuple[str, tuple[int, int] | None, str]] = {}
         self._next_strong: dict[str, tuple[str, tuple[int, int] | None, str]] = {}
@@ -321,6 +340,8 @@ class ShardedPublisher:
             raise ValueError(f"step must be an integer from 0 to 2**63-1, got {step!r}")
         if self.step is not None and step <= self.step:
             raise ValueError(f"step {step} does not increase (last published step is {self.step})")
+        if self._outcome.pending is not None and self._settle(step):
+            return  # this very step had landed: the call is the trainer's retry of it
         mine: dict[str, Any] = {"step": step}
         local: dict[str, _Local] = {}
         try:
@@ -355,29 +376,75 @@ class ShardedPublisher:
                 log.error("%s: snapshot of step %d failed on some rank (%s); committing the delta, the next step "
                           "is snapshotted", self.url, step, [f.get("error") for f in files if f.get("error")])
                 files = None
-        outcome: list[Any] = [None]
+        moves = _Moves(step, local, {k: info[2] for k, info in mine["infos"].items()}, self._next_strong,
+                       delta_bytes if delta else 0, None if files is None else sum(rep["bytes"] for rep in reports),
+                       due and files is None)
+        outcome: list[Any] = [None, False, None]  # rank 0's error, whether the step may have landed, its entry
         if self.rank == 0:
+            entry = None
             try:
-                self._commit(step, infos, reports if delta else None, files)
+                entry, snap = self._entry(step, infos, reports if delta else None, files)
+                self._commit(entry, snap)
             except Exception as exc:  # noqa: BLE001 - handed to every rank, raised below
                 log.error("%s: commit of step %d failed: %s", self.url, step, exc)
-                outcome = [f"{type(exc).__name__}: {exc}"]
+                committed = False if entry is None else self._outcome.failed(entry, exc, moves)
+                outcome = [f"{type(exc).__name__}: {exc}", committed, entry]
         try:
             self._collective(f"step {step}: waiting for rank 0's commit",
                              lambda: dist.broadcast_object_list(outcome, src=self._src(), group=self.group))
         except ShardedPublishError as exc:
             raise self._outcome_lost(step, exc, committed_here=self.rank == 0 and outcome[0] is None) from exc
+        if outcome[0] is not None and outcome[1] is None:
+            self._outcome.unsure(outcome[2], moves)  # every rank keeps it: the next publish settles it
+            raise ShardedPublishError(f"{self.url}: step {step}: rank 0's commit failed without a refusal "
+                                      f"({outcome[0]}), so it may have landed; the next publish reads the manifest "
+                                      f"to learn which and carries on from there", committed=None)
         if outcome[0] is not None:
             raise ShardedPublishError(f"{self.url}: step {step} not published: rank 0's commit failed: {outcome[0]}")
-        self._chain_bytes += delta_bytes if delta else 0
-        self._snapshot_retry = due and files is None
-        if files is not None:
-            self._last_snapshot_step = step
-            self._last_snapshot_bytes = sum(rep["bytes"] for rep in reports)
+        self._move(moves)
+
+    def _move(self, m: _Moves) -> None:
+        """This rank's state after step `m.step` is committed: the base of the next step's delta."""
+        self._chain_bytes += m.delta_bytes
+        self._snapshot_retry = m.snapshot_retry
+        if m.snapshot_bytes is not None:
+            self._last_snapshot_step = m.step
+            self._last_snapshot_bytes = m.snapshot_bytes
             self._chain_bytes = 0
-        self.prev, self.step = local, step
-        self._digests = {k: info[2] for k, info in mine["infos"].items()}
-        self._strong_local, self._next_strong = self._next_strong, {}
+        self.prev, self.step = m.local, m.step
+        self._digests = m.digests
+        self._strong_local, self._next_strong = m.strong, {}
+
+    def _settle(self, step: int) -> bool:
+        """Learn whether the step whose commit raised without a refusal landed, before building on either head:
+        rank 0 reads the manifest (relay.commit.CommitOutcome) and tells every rank, so all move alike; landed,
+        each rank moves to that step as if the commit had been reported. True if `step` is that step (the
+        trainer's retry: nothing is left to write). A failed read fails this publish on every rank, and the
+        next one reads again."""
+        pending = self._outcome.pending
+        if pending is None:
+            return False
+        unknown = step == pending.entry.step  # this publish is the retry of the step whose fate is unknown
+        answer: list[Any] = [None, False]
+        if self.rank == 0:
+            try:
+                answer = [None, self._outcome.landed(self.store, self.run, self.writer)]
+            except Exception as exc:  # noqa: BLE001 - handed to every rank, raised below
+                answer = [f"{type(exc).__name__}: {exc}", False]
+        try:
+            self._collective(f"step {step}: learning step {pending.entry.step}'s fate",
+                             lambda: dist.broadcast_object_list(answer, src=self._src(), group=self.group))
+        except ShardedPublishError as exc:
+            raise ShardedPublishError(str(exc), committed=None if unknown else False) from exc
+        if answer[0] is not None:
+            raise ShardedPublishError(
+                f"{self.url}: step {step}: rank 0 cannot read the manifest to learn whether step {pending.entry.step}, "
+                f"whose commit raised, landed ({answer[0]}); nothing was written, the next publish reads it again",
+                committed=None if unknown else False)
+        u = self._outcome.settle(bool(answer[1]), self.url)
+        if u is not None:
+            self._move(u.moves)
+        return CommitOutcome.retried(u, step)
 
     def _upload_part(self, local: dict[str, _Local], step: int) -> dict[str, Any]:
         """This rank's digests, and its delta part uploaded ("mismatch": its tensors changed structure,
@@ -467,9 +534,7 @@ class ShardedPublisher:
         committed: bool | None = True if committed_here else None
         if not committed_here:
             try:
-                got = self.store.read_manifest()
-                m = None if got is None else Manifest.parse(got.data, f"{self.store.url}/manifest.json")
-                if m is not None and m.run == self.run and m.writer == self.writer and m.step(step) is not None:
+                if commit_landed(self.store, self.run, self.writer, step):
                     committed = True
             except Exception as read_exc:  # noqa: BLE001 - only the message depends on it
                 log.warning("%s: cannot read the manifest to learn step %d's fate: %s", self.url, step, read_exc)
@@ -486,9 +551,9 @@ class ShardedPublisher:
         create_owned(self.store, key, lambda: self.store.put_immutable(key, data), run=self.run,
                      writer=self.writer, head=self.step)
 
-    def _commit(self, step: int, infos: dict[str, TensorInfo], parts: list[dict] | None,
-                files: list[dict] | None) -> None:
-        """Rank 0: the record, the snapshot index, then the one manifest commit."""
+    def _entry(self, step: int, infos: dict[str, TensorInfo], parts: list[dict] | None,
+               files: list[dict] | None) -> tuple[Step, Snapshot | None]:
+        """Rank 0: the record and the snapshot index in the store; the manifest entries that name them."""
         meta = _meta(infos)
         record = Record(self.run, step, infos, shard_plan(meta, DEFAULT_SHARD_BYTES))
         data = record.to_bytes()
@@ -517,6 +582,10 @@ class ShardedPublisher:
             self._put(index_ref.key, index)
             refs = sorted((r for rep in files for r in rep["files"]), key=lambda r: r.key)
             snap = Snapshot(step, index_ref, tuple(refs))
+        return entry, snap
+
+    def _commit(self, entry: Step, snap: Snapshot | None) -> None:
+        """Rank 0: the one manifest commit of a step (and its snapshot), on the head this publisher holds."""
         head = self.step
 
         def add(cur: Manifest | None, unsure: bool) -> Manifest | None:

@@ -1,9 +1,11 @@
 """Crash-safe local file writes: the one implementation every component uses.
 
-A file that others read (a checkpoint, a delta written by the CLI, a key, an object of a file://
-store, the relay's status file) is written to a temporary sibling, flushed to disk, and only
-then renamed (or linked) into place, so a reader or a crash sees the old content or the new one,
-never a torn file. Temporary names start with '.' and end in '.tmp', which listings ignore.
+A file that others read (a checkpoint, a delta written by the CLI, a key, the relay's status file)
+is written to a temporary sibling, flushed to disk, and only then renamed (or linked) into place, so
+a reader or a crash sees the old content or the new one, never a torn file. Temporary names start
+with '.' and end in '.tmp', which listings ignore. An object of a file:// store follows the same
+scheme from its opened directory, so that no link under the store's root is followed
+(relay.store.LocalStore._write).
 """
 
 from __future__ import annotations

@@ -21,6 +21,29 @@ log = logging.getLogger(__name__)
 
 
 
+class ReplayedManifestError(ValueError):
+    """The store's manifest is older than what its own records and deltas show (a replay): an operator move
+    on it would trim, delete and sign by a stale view of the run."""
+
+
+def refuse_replayed(url: str, m: Manifest, listed: Mapping[str, int], move: str) -> None:
+    """Raise ReplayedManifestError if `listed` (the store's keys) holds records or deltas of two or more
+    steps above `m`'s head. One step above is a publisher's step in flight (its objects land before its
+    commit); more than one was committed by a manifest newer than `m`, which was then copied back."""
+    above = sorted({s for k in listed if k.startswith(("records/", "deltas/"))
+                    and (s := step_of_key(k)) is not None and s > m.head})
+    if len(above) >= 2:
+        raise ReplayedManifestError(
+            f"{url}/manifest.json: head is step {m.head}, but the store holds records and deltas of steps "
+            f"{_steps(above)} above it: an older manifest was copied back (a replay), or a relay copied steps it "
+            f"has not committed yet. {move} refused, nothing changed: acting on it would trim, delete and re-sign "
+            f"by a stale manifest. Restore the newest manifest (or let the relay commit), then run it again")
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
+
+
 def _signer(signing_key: Any) -> Signer | None:
     return None if signing_key is None or isinstance(signing_key, Signer) else Signer(signing_key)
 
@@ -78,6 +101,8 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
         raise FileNotFoundError(f"{url}/manifest.json: no run here")
     first = Manifest.parse(got.data, f"{url}/manifest.json")
     commit.check_writable(first, f"{url}/manifest.json", signer, trusted, adopt_unsigned)
+    shown = {**store.list("records/"), **store.list("deltas/")}  # what the run has committed, whatever its manifest
+    refuse_replayed(url, first, shown, "rebase")
     # a signed run is read back only through manifests our keys signed: we are about to sign its head
     reader_keys = commit.writer_keys(signer, trusted) if first.signatures else None
     m, tensors, rec = Reader(store, trusted_keys=reader_keys).reach(None, None, timeout=timeout)
@@ -97,6 +122,7 @@ def rebase(url: str, storage_options: dict | None = None, *, max_shard_bytes: in
     def add(cur: Manifest) -> Manifest | None:
         if cur.run != m.run:
             raise ConflictError(f"{url}: the run changed ({m.run} -> {cur.run}) during rebase")
+        refuse_replayed(url, cur, shown, "rebase")
         if cur.snapshot(snap.step) is not None:
             return None
         if cur.step(snap.step) is None:
@@ -128,13 +154,10 @@ def servable_floor(m: Manifest, keep: int, present: Mapping[str, int], ann: anno
                    ) -> int | None:
     """The newest snapshot step of `m` that gc may trim to while keeping `keep` starting points that readers of
     this store can use: the trainer's snapshots whose objects, and those of their chain to the head, are all
-    `present` (_start_present; unless the store's
-    announcement says it keeps none of them: a region that serves only its own), and the region's announced
-    snapshots that a reader can start from. The manifest starts at a trainer snapshot, so the floor is the
-    newest one at or before the oldest start kept; None if no start is servable at all."""
+    `present` (_start_present), and the region's announced snapshots that a reader can start from (readers
+    use both, whoever wrote them). The manifest starts at a trainer snapshot, so the floor is the newest one at
+    or before the oldest start kept; None if no start is servable at all."""
     own = {s.step for s in m.snapshots if _start_present(m, s, present)}
-    if ann is not None and ann.run == m.run and not ann.origin_snapshots:
-        own = set()
     starts = sorted(own | set(fanout.servable_from(m, ann)))
     if not starts:
         return None
@@ -155,8 +178,8 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     `keep_snapshots` stay announced, the objects of the others are deleted (relay.announce.collect).
     `regional_only` leaves the manifest alone (a signed run's region: only the trainer's key changes it).
     The manifest is never trimmed past what this store can serve (`servable_floor`): a snapshot whose
-    objects have not arrived (a replicated region) is no start, nor are the trainer's snapshots in a region
-    that keeps only its own, whose materialiser may be a snapshot behind.
+    objects have not arrived (a replicated region) is no start. A manifest older than the store's own records
+    and deltas show (a replay) is refused (refuse_replayed): nothing is trimmed, deleted or signed by it.
     """
     if keep_snapshots < 1:
         raise ValueError("keep_snapshots must be >= 1")
@@ -174,6 +197,7 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     ann = announce.read_announcement(store)[0]
 
     def trim(m: Manifest) -> Manifest | None:
+        refuse_replayed(url, m, present, "gc")
         before.clear()
         before.update(m.referenced())
         floor = servable_floor(m, keep_snapshots, present, ann)

@@ -36,7 +36,8 @@ import codec
 from codec.tensors import element_view
 from relay.checkpoint import (DEFAULT_SHARD_BYTES, SNAPSHOT_FORMATS, SpooledSnapshot, StreamedFile, index_bytes,
                               safetensors_stream, shard_plan, spool_compressed_snapshot)
-from relay.commit import check_writable, create_owned, extend_run, require_no_leftovers, update_manifest, writer_keys
+from relay.commit import (CommitOutcome, check_writable, create_owned, extend_run, require_no_leftovers,
+                          update_manifest, writer_keys)
 from relay.manifest import (INDEX_NAME, MAX_INT, Buffer, Manifest, ObjRef, Part, Record, Snapshot, Step, TensorInfo,
                             delta_key, record_key, snapshot_prefix, tensor_blake3, tensor_infos)
 from relay.retry import Backoff
@@ -182,12 +183,10 @@ class _SnapshotJob:
         self.stored: dict[str, ObjRef] = {}  # files in the store, kept across attempts
 
 
-@dataclasses.dataclass
-class _Unsettled:
-    """A step whose manifest commit raised an error that is not a refusal (the store may have applied it), with
-    what moving the publisher to it takes if it did: its entry, payloads, digests and BLAKE3s."""
+@dataclasses.dataclass(frozen=True)
+class _Moves:
+    """What moving the publisher to a step whose commit may have landed takes: its payloads, digests, BLAKE3s."""
 
-    entry: Step
     payloads: list[bytes]
     digests: dict[str, codec.TensorDigests]
     strongs: dict[str, str]
@@ -372,7 +371,7 @@ class Publisher:
         self.prev: dict[str, torch.Tensor] | None = None  # the last committed step: ours alone, contiguous, CPU
         self.step: int | None = None  # last step published (committed) by this publisher
         self._head: int | None = None  # the head of our last commit (what every later commit builds on)
-        self._unsure: _Unsettled | None = None  # a step whose commit raised without a refusal: it may have landed
+        self._outcome: CommitOutcome[_Moves] = CommitOutcome()  # a commit that raised, but may have landed
         self._last_snapshot_step = 0  # meaningful once self.prev is set: both are set together
         self._last_snapshot_bytes = 0
         self._chain_bytes = 0
@@ -433,7 +432,7 @@ class Publisher:
             raise ValueError(f"step must be an integer from 0 to 2**63-1, got {step!r}")
         if self.step is not None and step <= self.step:
             raise ValueError(f"step {step} does not increase (last published step is {self.step})")
-        if self._unsure is not None and self._settle(step):
+        if self._outcome.pending is not None and self._settle(step):
             return  # this very step had landed: the call is the trainer's retry of it
         self._collect_background()
         live = live_tensors(state)
@@ -509,8 +508,8 @@ class Publisher:
         except BaseException as exc:
             if self.advance == "apply":
                 self.prev = None  # holds the uncommitted step: the next step starts from a snapshot
-            if committing and not isinstance(exc, ConflictError):  # refused is refused; anything else may have landed
-                self._unsure = _Unsettled(entry, payloads, digests, strongs)
+            if committing:  # refused is refused; anything else may have landed
+                self._outcome.failed(entry, exc, _Moves(payloads, digests, strongs))
             raise
         self.step = step
         self._blake3 = strongs
@@ -528,41 +527,32 @@ class Publisher:
             self._snapshot(step, weight_map, strong)
 
     def _settle(self, step: int) -> bool:
-        """Learn whether the step whose commit raised without a refusal landed, before building on it: read the
-        manifest (its failure is this publish's). Landed: the publisher moves to that step, as if the commit
-        had been reported (its base, with advance="copy", is rebuilt from the step's payloads; else, or if
-        that fails, the next step snapshots). Returns True if `step` is that step (nothing is left to do)."""
-        u = self._unsure
+        """Learn whether the step whose commit raised without a refusal landed, before building on it
+        (relay.commit.CommitOutcome; a failed read of the manifest is this publish's). Landed: the publisher
+        moves to that step, as if the commit had been reported (its base, with advance="copy", is rebuilt from
+        the step's payloads; else, or if that fails, the next step snapshots). Returns True if `step` is that
+        step (nothing is left to do)."""
+        u = self._outcome.settle(self._outcome.landed(self.store, self.run, self.writer), self.url)
         if u is None:
             return False
-        got = self.store.read_manifest()
-        m = None if got is None else Manifest.parse(got.data, f"{self.url}/manifest.json")
-        self._unsure = None
-        landed = (m is not None and m.run == self.run and m.writer == self.writer
-                  and m.step(u.entry.step) == u.entry)
-        if not landed:
-            log.info("%s: step %d's commit, reported as failed, did not land; carrying on from step %s",
-                     self.url, u.entry.step, self.step)
-            return False
-        log.warning("%s: step %d's commit, reported as failed, had landed; carrying on from it", self.url,
-                    u.entry.step)
+        moves = u.moves
         self._head = self.step = u.entry.step
-        self._blake3 = u.strongs
+        self._blake3 = moves.strongs
         self._chain_bytes += u.entry.delta_bytes
         if self.prev is not None:  # advance="copy": still the step before; a delta step's payloads move it
-            if not u.payloads:
+            if not moves.payloads:
                 self.prev = None
             else:
                 budget = int(self.snapshot_budget * sum(_nbytes(t) for t in self.prev.values()))
                 try:
-                    for payload in u.payloads:
+                    for payload in moves.payloads:
                         self._apply(payload, codec.digests(payload), budget)
                 except Exception as exc:  # noqa: BLE001 - the step is committed; the next one snapshots
                     log.error("%s: could not rebuild step %d from its own payloads (%s); the next step is a "
                               "snapshot", self.url, u.entry.step, exc)
                     self.prev = None
-        self._digests = {name: d.target for name, d in u.digests.items()} if self.prev is not None else {}
-        return step == u.entry.step
+        self._digests = {name: d.target for name, d in moves.digests.items()} if self.prev is not None else {}
+        return CommitOutcome.retried(u, step)
 
     def _blake3_of(self, target: Mapping[str, torch.Tensor], found: Mapping[str, codec.TensorDigests]
                    ) -> dict[str, str]:
@@ -635,10 +625,8 @@ class Publisher:
         entry = Step(step, rec_ref)
         try:
             self._commit(entry, snap)
-        except ConflictError:
-            raise
-        except BaseException:
-            self._unsure = _Unsettled(entry, [], {}, {})  # prev is None already: the next step snapshots anyway
+        except BaseException as exc:  # prev is None already: if it landed, the next step snapshots anyway
+            self._outcome.failed(entry, exc, _Moves([], {}, {}))
             raise
         self.prev, self.step = prev, step
         self._digests = {k: v.digest for k, v in infos.items()}

@@ -179,17 +179,15 @@ class Materialiser:
     `every`: also materialise when a step is this many steps past the region's newest snapshot. `keep`: the
     regional snapshots kept (older ones leave the announcement, then their objects are deleted).
     `trusted_keys`: only manifests signed by one of these are followed (the materialiser signs nothing).
-    `origin_snapshots`: what the announcement says about the trainer's snapshots/ objects in this region
-    (False: the region does not keep them, readers never wait for them there). `reroute_after`: seconds an
-    object the region's chain needs may be missing (a replication that failed for good, an expired regional
-    snapshot) before the materialiser bootstraps past it from the origin's newest snapshot.
+    `reroute_after`: seconds an object the region's chain needs may be missing (a replication that failed for
+    good, an expired regional snapshot) before the materialiser bootstraps past it from the origin's newest
+    snapshot. What it announces never decides which snapshots the region's readers use (PROTOCOL §8.1).
     """
 
     def __init__(self, region: str | Store, workdir: str | os.PathLike, *, bootstrap_from: str | Store | None = None,
                  every: int | None = None, keep: int = 2, trusted_keys: Any = None,
-                 storage_options: dict | None = None, bootstrap_options: dict | None = None,
-                 origin_snapshots: bool = False, workers: int = 4, retry_initial: float = 0.2,
-                 retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
+                 storage_options: dict | None = None, bootstrap_options: dict | None = None, workers: int = 4,
+                 retry_initial: float = 0.2, retry_max: float = 5.0, reroute_after: float | None = 300.0) -> None:
         if every is not None and every < 1:
             raise ValueError("every must be >= 1")
         if keep < 1:
@@ -201,7 +199,7 @@ class Materialiser:
             raise ValueError(f"{self.store.url}: bootstrap_from is the region itself")
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.every, self.keep, self.origin_snapshots, self.workers = every, keep, origin_snapshots, workers
+        self.every, self.keep, self.workers = every, keep, workers
         self.reroute_after = reroute_after
         options = {"trusted_keys": trusted_keys, "workers": workers, "retry_initial": retry_initial,
                    "retry_max": retry_max, "reroute_after": reroute_after}
@@ -350,7 +348,7 @@ class Materialiser:
             raise SyncError(f"{self.store.url}: step {rec.step} does not match the BLAKE3 of its record "
                             f"(tensors {bad[:5]}); dropped the held state")
         snap = write_snapshot(self.store, rec.step, tensors, rec, self.workers)
-        run, keep, keeps = m.run, self.keep, self.origin_snapshots
+        run, keep = m.run, self.keep
         overtaken: list[int] = []
 
         now = announce.region_head(self.store)  # read again: a materialiser behind works from an older one
@@ -358,14 +356,14 @@ class Materialiser:
 
         def add(cur: Announcement | None) -> Announcement | None:
             overtaken.clear()
-            base = cur if cur is not None and cur.run == run else Announcement(run, keeps)
-            past = [s.step for s in base.snapshots if s.step > head]
-            if past:  # entries past the region's head: nobody's snapshot (a forgery); dropped with this commit
-                log.warning("%s: the announcement names steps %s past the head %d; dropping them", self.store.url,
-                            past[:5], head)
-                base = Announcement(run, base.origin_snapshots, tuple(s for s in base.snapshots if s.step <= head))
-            elif base.snapshot(snap.step) == snap and base.origin_snapshots == keeps:
+            base = cur if cur is not None and cur.run == run else Announcement(run)
+            if base.snapshot(snap.step) == snap:
                 return None
+            # Entries past the head read here count for nothing (not newer, no place among the `keep`: a forged
+            # one at step 10^6 must not block us) but stay announced as they are, as in announce.collect: with
+            # an older manifest replayed into the region they are its genuine newer snapshots.
+            past = [s for s in base.snapshots if s.step > head]
+            base = Announcement(run, tuple(s for s in base.snapshots if s.step <= head))
             newer = [s.step for s in base.snapshots if s.step > snap.step]
             if newer:
                 # Another materialiser announced a newer snapshot while we wrote this one, and a collect since
@@ -373,8 +371,8 @@ class Materialiser:
                 # the region lacks (PROTOCOL §8.1 item 4).
                 overtaken.append(max(newer))
                 return None
-            snaps = sorted([s for s in base.snapshots if s.step != snap.step] + [snap], key=lambda s: s.step)
-            return Announcement(run, keeps, tuple(snaps[-keep:]))
+            snaps = sorted([s for s in base.snapshots if s.step != snap.step] + [snap], key=lambda s: s.step)[-keep:]
+            return Announcement(run, tuple(snaps + past[:announce.MAX_REGIONAL_SNAPSHOTS - len(snaps)]))
 
         self._announced = announce.update_announcement(self.store, add)
         if overtaken:

@@ -4,7 +4,10 @@ a conditional commit of the manifest, so two publishers can never fork a run.
 Three backends, chosen by protocol:
   * s3://   -- s3fs; the manifest commit is PutObject with If-None-Match: * (first) or If-Match:
                ETag (later); immutable objects are created with If-None-Match: * (large ones by a
-               multipart upload whose completion carries it). The manifest is read with a plain
+               multipart upload whose completion carries it). What the store honours of these is
+               probed before the first write (relay.s3probe, docs/STORES.md): If-Match in the form
+               it takes; where a completion is not create-only, large objects are spooled to a local
+               file and created by one create-only PutObject. The manifest is read with a plain
                GetObject (conditional on its ETag when polling), never a LIST, so s3fs's listing
                cache never serves a stale view. Large objects are read in ranged GETs If-Match
                the first answer's ETag.
@@ -31,6 +34,8 @@ import io
 import logging
 import os
 import re
+import stat
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, fields
@@ -41,8 +46,9 @@ from typing import Any, BinaryIO, Final, Literal, Union, overload
 import fsspec
 import xxhash
 
-from relay.files import create_exclusive, create_exclusive_with, write_all, write_atomic
+from relay.files import write_all
 from relay.retry import Backoff
+from relay.s3probe import Capabilities, StoreCapabilityError, capabilities
 
 log = logging.getLogger(__name__)
 
@@ -415,8 +421,24 @@ class Store(abc.ABC):
                     f"head)") from None
 
 
+class UnsafeStorePath(OSError):
+    """A file:// key whose path under the store root is not plain directories down to a regular file: a
+    symbolic link (planted by whoever can write the store directory), or a FIFO or device. Never followed or
+    opened, so no key operation reads, writes or unlinks outside the root; not transient."""
+
+
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO in place of an object is opened at once (then refused), not waited on
+_OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 class LocalStore(Store):
-    """file:// prefix: exclusive create via link(2), manifest swap via rename under flock."""
+    """file:// prefix: exclusive create via link(2), manifest swap via rename under flock.
+
+    The root may be reached through links; nothing under it is. Every key is resolved one name at a time
+    from the root's open directory (openat with O_NOFOLLOW), so a link planted anywhere under the root, in
+    place of a directory or of an object, is refused (UnsafeStorePath, naming it) by every operation: a `gc` run
+    by a more privileged user never unlinks, and no reader opens, a file outside the store."""
 
     def __init__(self, url: str, root: str, *, transfer: Transfer = DEFAULT_TRANSFER) -> None:
         self.url = url
@@ -426,11 +448,107 @@ class LocalStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def get(self, key: str) -> bytes:
+    def _refused(self, key: str, parts: list[str], dir_fd: int) -> UnsafeStorePath:
+        """The refusal of `key` at `parts` (a link, or neither a directory nor a regular file), naming what is there."""
         try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
+            what = f"a symbolic link to {os.readlink(parts[-1], dir_fd=dir_fd)}"
+        except OSError:
+            what = "neither a directory nor a regular file"
+        return UnsafeStorePath(f"{self.url}/{key}: {self.root.joinpath(*parts)} is {what}: refused (a file:// store "
+                               f"follows no link under its root)")
+
+    def _dirs(self, key: str, names: list[str], *, create: bool = False) -> list[int]:
+        """Open directories: the root, then each of `names` under it (created when `create`), none reached
+        through a link. The caller closes them. ObjectMissing if one is absent (or a file)."""
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            fds = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        except (FileNotFoundError, NotADirectoryError):
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+        try:
+            for i, name in enumerate(names):
+                if create:
+                    try:
+                        os.mkdir(name, dir_fd=fds[-1])
+                    except FileExistsError:
+                        pass
+                try:
+                    fds.append(os.open(name, _OPEN_DIR, dir_fd=fds[-1]))
+                except FileNotFoundError:
+                    raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+                except OSError as exc:  # ENOTDIR for a link too (O_DIRECTORY | O_NOFOLLOW)
+                    if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                        raise
+                    if stat.S_ISLNK(os.stat(name, dir_fd=fds[-1], follow_symlinks=False).st_mode):
+                        raise self._refused(key, names[: i + 1], fds[-1]) from None
+                    if create:
+                        raise
+                    raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _parts(self, key: str) -> list[str]:
+        parts = key.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise UnsafeStorePath(f"{self.url}/{key}: not a key (an empty, '.' or '..' name)")
+        return parts
+
+    def _open(self, key: str) -> BinaryIO:
+        *names, name = self._parts(key)
+        fds = self._dirs(key, names)
+        try:
+            try:
+                fd = os.open(name, _OPEN_FILE, dir_fd=fds[-1])
+            except FileNotFoundError:
+                raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._refused(key, [*names, name], fds[-1]) from None
+                raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise self._refused(key, [*names, name], fds[-1])
+        finally:
+            for d in fds:
+                os.close(d)
+        return open(fd, "rb", buffering=0)
+
+    def _write(self, key: str, write: Callable[[BinaryIO], object], *, replace: bool, mode: int) -> None:
+        """Create (link(2): FileExistsError if present) or replace (rename(2)) `key` with what `write` puts into
+        a dot-named temporary beside it, fsynced first and the directory after: the relay.files scheme, done
+        from the opened directory so that no link under the root is followed. The temporary goes on failure."""
+        *names, name = self._parts(key)
+        fds = self._dirs(key, names, create=True)
+        d = fds[-1]
+        tmp = f".{name}.{uuid.uuid4().hex}.tmp"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=d)
+            try:
+                with open(fd, "r+b", buffering=0) as f:
+                    os.fchmod(f.fileno(), mode)
+                    write(f)
+                    os.fsync(f.fileno())
+                if replace:
+                    os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+                else:
+                    os.link(tmp, name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+            finally:
+                try:
+                    os.unlink(tmp, dir_fd=d)
+                except FileNotFoundError:
+                    pass
+            os.fsync(d)
+        finally:
+            for dfd in fds:
+                os.close(dfd)
+
+    def get(self, key: str) -> bytes:
+        with self._open(key) as f:
+            return f.read()
 
     def get_at_most(self, key: str, limit: int) -> bytes:
         with self._open(key) as f:
@@ -444,15 +562,18 @@ class LocalStore(Store):
 
     def put_new(self, key: str, data: bytes) -> None:
         try:
-            create_exclusive(self._path(key), data)
+            self._write(key, lambda f: write_all(f, data), replace=False, mode=0o644)
         except FileExistsError:
             raise ObjectExists(f"{self.url}/{key}: exists") from None
 
     def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
         """Written chunk by chunk into a dot-named temporary file, fsynced, then link(2)ed into place (as
         put_new): memory holds one chunk; the temporary is removed on any failure."""
-        path = self._path(key)
-        if path.exists():  # the authoritative check is link(2)'s; this one spares reading the stream
+        try:  # the authoritative check is link(2)'s; this one spares reading the stream
+            self._open(key).close()
+        except ObjectMissing:
+            pass
+        else:
             raise ObjectExists(f"{self.url}/{key}: exists")
         checked = _Checked(f"{self.url}/{key}", chunks, size, xxh3, hashed=True)
 
@@ -462,15 +583,9 @@ class LocalStore(Store):
             checked.finish()
 
         try:
-            create_exclusive_with(path, write)
+            self._write(key, write, replace=False, mode=0o644)
         except FileExistsError:
             raise ObjectExists(f"{self.url}/{key}: exists") from None
-
-    def _open(self, key: str) -> BinaryIO:
-        try:
-            return open(self._path(key), "rb", buffering=0)
-        except FileNotFoundError:
-            raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
     def iter_chunks(self, key: str) -> Iterator[bytes]:
         with self._open(key) as f:
@@ -517,42 +632,89 @@ class LocalStore(Store):
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
-            parent = self._path(key).parent
-            while parent != self.root:  # drop emptied snapshot directories
+            *names, name = self._parts(key)
+            try:
+                fds = self._dirs(key, names)
+            except ObjectMissing:
+                continue
+            try:
                 try:
-                    parent.rmdir()
-                except OSError:
-                    break
-                parent = parent.parent
+                    if stat.S_ISLNK(os.stat(name, dir_fd=fds[-1], follow_symlinks=False).st_mode):
+                        raise self._refused(key, [*names, name], fds[-1])
+                    os.unlink(name, dir_fd=fds[-1])
+                except FileNotFoundError:
+                    pass
+                for i in range(len(names), 0, -1):  # drop emptied snapshot directories
+                    try:
+                        os.rmdir(names[i - 1], dir_fd=fds[i - 1])
+                    except OSError:
+                        break
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
     def list(self, prefix: str) -> dict[str, int]:
-        base = self._path(prefix)
-        if not base.exists():
+        names = self._parts(prefix.rstrip("/")) if prefix.strip("/") else []
+        try:
+            fds = self._dirs(prefix, names)
+        except ObjectMissing:
             return {}
-        out = {}
-        for p in base.rglob("*"):
-            if p.is_file() and not p.name.startswith("."):  # temporaries and the lock: keys never start with '.'
-                out[p.relative_to(self.root).as_posix()] = p.stat().st_size
+        out: dict[str, int] = {}
+
+        def walk(fd: int, parts: list[str]) -> None:
+            with os.scandir(fd) as it:
+                entries = list(it)
+            for e in entries:
+                if e.name.startswith("."):  # temporaries and the locks: keys never start with '.'
+                    continue
+                where = [*parts, e.name]
+                try:
+                    if e.is_symlink():
+                        raise self._refused("/".join(where), where, fd)
+                    if e.is_dir(follow_symlinks=False):
+                        sub = os.open(e.name, _OPEN_DIR, dir_fd=fd)
+                        try:
+                            walk(sub, where)
+                        finally:
+                            os.close(sub)
+                    elif e.is_file(follow_symlinks=False):
+                        out["/".join(where)] = e.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:  # deleted meanwhile
+                    continue
+
+        try:
+            walk(fds[-1], names)
+        finally:
+            for fd in fds:
+                os.close(fd)
         return out
 
-    def _lock_path(self, key: str) -> Path:
-        """The flock file that serialises compare-and-swap on `key` (dot-named: never listed as a key)."""
-        if key == MANIFEST_KEY:
-            return self.root / ".manifest.lock"
-        return self.root / f".cas-{key.replace('/', '%')}.lock"
+    def _lock(self, key: str) -> int:
+        """An open flock file that serialises compare-and-swap on `key`, in the root (dot-named: never listed as
+        a key; a link there is refused as under any key)."""
+        name = ".manifest.lock" if key == MANIFEST_KEY else f".cas-{key.replace('/', '%')}.lock"
+        fds = self._dirs(key, [], create=True)
+        try:
+            return os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=fds[0])
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._refused(key, [name], fds[0]) from None
+            raise
+        finally:
+            os.close(fds[0])
 
     def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self._lock_path(key), "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        lock = self._lock(key)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             current = self.read_object(key)
             current_tag = None if current is None else current.etag
             if current_tag != expected_etag:
                 raise ConflictError(f"{self.url}/{key}: changed by another writer "
                                     f"(expected {expected_etag or 'no object'}, found {current_tag or 'none'})")
-            self._path(key).parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self._path(key), data)
+            self._write(key, lambda f: write_all(f, data), replace=True, mode=0o600)
+        finally:
+            os.close(lock)
         return content_tag(data)
 
 
@@ -873,9 +1035,19 @@ class S3Store(Store):
         except FileNotFoundError:
             raise ObjectMissing(f"{self.url}/{key}: no such object", key) from None
 
-    def put_new(self, key: str, data: bytes | bytearray) -> None:
+    def capabilities(self) -> Capabilities:
+        """What this store honours of the conditional writes (probed once per endpoint and bucket)."""
+        return capabilities(self)
+
+    def put_new(self, key: str, data: bytes | bytearray | BinaryIO) -> None:
+        """PutObject If-None-Match: * of bytes or of a seekable file positioned at its start (S3's largest
+        single PutObject; larger bytes go as put_new_stream)."""
+        if not hasattr(data, "read") and len(data) > S3_MAX_PART:
+            self.put_new_stream(key, [data], len(data))
+            return
+        self.capabilities().require(self.url)
         try:
-            self.fs.pipe_file(self._path(key), data, mode="create")
+            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
         except FileExistsError:
             raise ObjectExists(f"{self.url}/{key}: exists") from None
         except OSError as exc:
@@ -883,12 +1055,14 @@ class S3Store(Store):
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 raise ObjectExists(f"{self.url}/{key}: exists ({code or status})") from None
             raise
+        finally:
+            self.fs.invalidate_cache(self._path(key))
 
     # -- large objects ---------------------------------------------------------------------------
     def put_new_stream(self, key: str, chunks: Iterable[Buffer], size: int, *, xxh3: str | None = None) -> None:
         """Up to `transfer.multipart_threshold` bytes: gathered (once, in one buffer) and created as put_new
         does, PutObject If-None-Match: *. Larger: a multipart upload that only its conditional completion
-        makes visible (_multipart)."""
+        makes visible (_multipart), or, on a store whose completion is not create-only, spooled (_spooled)."""
         where = f"{self.url}/{key}"
         if size <= self.transfer.multipart_threshold:
             checked = _Checked(where, chunks, size, xxh3, hashed=True)
@@ -900,7 +1074,32 @@ class S3Store(Store):
             checked.finish()
             self.put_new(key, buf)
             return
+        if not self.capabilities().create_only_completion:
+            self._spooled(key, _Checked(where, chunks, size, xxh3, hashed=True), size)
+            return
         self._multipart(key, _Checked(where, chunks, size, xxh3, hashed=False), size)
+
+    def _spooled(self, key: str, checked: _Checked, size: int) -> None:
+        """For a store that completes a multipart upload over an existing object whatever its If-None-Match
+        says (Ceph RGW 16): a completion cannot create without replacing another writer's object, so the
+        stream goes to an unlinked local file and then one create-only PutObject (which such a store does
+        honour) creates the key from it. Memory holds a chunk; disk holds the object until the PUT ends.
+        Above S3's largest PutObject there is no create-only way: StoreCapabilityError."""
+        if size > S3_MAX_PART:
+            raise StoreCapabilityError(
+                f"{self.url}/{key}: {size} bytes, and the store at {self.capabilities().store} completes multipart "
+                f"uploads over existing objects (CompleteMultipartUpload If-None-Match: * answered "
+                f"{self.capabilities().complete_exists}): an object larger than one PutObject ({S3_MAX_PART} bytes) "
+                f"cannot be created there without risking another writer's. Write smaller snapshot shards, or use "
+                f"a store whose completion is create-only (AWS S3; docs/STORES.md)")
+        if self._etag(key) is not None:  # the PUT's condition decides; this spares spooling in vain
+            raise ObjectExists(f"{self.url}/{key}: exists")
+        with tempfile.TemporaryFile(prefix="deltarelay-spool-", buffering=0) as f:
+            for view in checked:
+                write_all(f, view)
+            checked.finish()
+            f.seek(0)
+            self.put_new(key, f)
 
     def _multipart(self, key: str, checked: _Checked, size: int) -> None:
         """CreateMultipartUpload; parts filled from the stream and uploaded on `threads` threads; each part's
@@ -1238,7 +1437,12 @@ class S3Store(Store):
         return ManifestRead(body, resp["ETag"])
 
     def commit_object(self, key: str, data: bytes, expected_etag: str | None) -> str:
-        cond = {"IfMatch": expected_etag} if expected_etag else {"IfNoneMatch": "*"}
+        """PutObject If-Match the ETag, in the form the store takes (If-None-Match: * for none). A refusal is
+        another writer's doing only if the object changed: one that still has `expected_etag` means the
+        store refused a valid condition, StoreCapabilityError (retrying could never help)."""
+        caps = self.capabilities()
+        caps.require(self.url)
+        cond = {"IfMatch": caps.if_match(expected_etag)} if expected_etag else {"IfNoneMatch": "*"}
         try:
             resp = self.fs.call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,
                                    ContentType="application/json", **cond)
@@ -1246,7 +1450,16 @@ class S3Store(Store):
             code, status = _client_error(exc)
             if isinstance(exc, FileExistsError) or status in (409, 412) or code in (
                     "PreconditionFailed", "ConditionalRequestConflict"):
-                cond_text = f"If-Match {expected_etag}" if expected_etag else "If-None-Match *"
+                cond_text = f"If-Match {cond['IfMatch']}" if expected_etag else "If-None-Match *"
+                found = self._etag(key)
+                if expected_etag and found is not None and found.strip('"') == expected_etag.strip('"'):
+                    raise StoreCapabilityError(
+                        f"{self.url}/{key}: the store at {caps.store} refused a conditional write ({code or status} on "
+                        f"{cond_text}) although the object still has that ETag: a store capability problem, not "
+                        f"another writer (probed: {caps.if_match_form} If-Match; docs/STORES.md)") from None
+                if expected_etag and found is None:
+                    raise ConflictError(f"{self.url}/{key}: removed by another writer ({code or status} on "
+                                        f"{cond_text})") from None
                 raise ConflictError(f"{self.url}/{key}: changed by another writer "
                                     f"({code or status} on {cond_text})") from None
             if isinstance(exc, FileNotFoundError) and expected_etag:  # If-Match on a deleted object
@@ -1280,4 +1493,4 @@ def open_store(url: str, storage_options: dict | None = None, *, transfer: Trans
 
 __all__ = ["Store", "open_store", "Transfer", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError",
            "ObjectMissing", "ObjectExists", "ObjectChanged", "ManifestRead", "NOT_MODIFIED", "NotModified",
-           "MANIFEST_KEY", "content_tag"]
+           "MANIFEST_KEY", "content_tag", "StoreCapabilityError"]

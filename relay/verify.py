@@ -401,7 +401,8 @@ def _ranges(steps: list[int]) -> str:
 
 def _regional_view(store: Store, m: Manifest, report: Report) -> Manifest:
     """The snapshots to check in a region that announces its own (PROTOCOL §8.1): those, plus the trainer's
-    only where the announcement says the region keeps them (otherwise their absence is no problem)."""
+    that the region holds (any of their objects listed); one wholly absent there is no problem, a reader
+    plans around it."""
     ann, etag = announce.read_announcement(store)
     if ann is None:
         if etag is not None:
@@ -416,10 +417,17 @@ def _regional_view(store: Store, m: Manifest, report: Report) -> Manifest:
     unusable = [s.step for s in ann.snapshots if s.step not in listed]
     if unusable:
         report.notes.append(f"regional snapshots of steps the manifest no longer lists (gc drops them): {unusable}")
+    try:
+        held: dict[str, int] | None = store.list("snapshots/")
+    except Exception as exc:  # noqa: BLE001 - unknown: every trainer's snapshot is checked
+        report.notes.append(f"could not list snapshots/ ({type(exc).__name__}: {exc})")
+        held = None
+    trainers = [s for s in m.snapshots if held is None or any(r.key in held for r in (s.index, *s.files))]
+    absent = [s.step for s in m.snapshots if s not in trainers]
     report.notes.append(f"regional snapshots {[s.step for s in regional]} checked like the trainer's"
-                        + ("" if ann.origin_snapshots else "; the region keeps no trainer snapshots, so steps "
-                           "before its oldest snapshot are not reachable here"))
-    snaps = regional + (list(m.snapshots) if ann.origin_snapshots else [])
+                        + (f"; the region holds none of the trainer's snapshots {absent}, so a start from them "
+                           f"is not checked here" if absent else ""))
+    snaps = regional + trainers
     snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))
     report.snapshots = len(snaps)
     return dataclasses.replace(m, snapshots=snaps)

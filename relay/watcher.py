@@ -96,6 +96,18 @@ class _VerifyError(Exception):
         self.refs = refs
 
 
+def older_head_step(value: object) -> int | None:
+    """Check an `accept_older_head` value: the one older step a repair may go back to, or None. The boolean
+    form (any older head, armed until a move back happened) is refused: left in a unit file after a repair it
+    let a replayed manifest roll a host back later."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"accept_older_head={value!r}: name the step to go back to, e.g. accept_older_head=4 "
+                         f"(`deltarelay watch --accept-older-head 4`); the boolean form is no longer accepted")
+    return value
+
+
 def _blame(snap: Snapshot, files: tuple[ObjRef, ...] | None) -> list[ObjRef]:
     """What a snapshot that fails a check is blamed for: its index and the files the plan fetched (`files`, a
     partial replica's; None: all). Never empty, and always objects the plan fetches: blaming only others
@@ -113,6 +125,7 @@ class Plan:
     snapshot: Snapshot | None
     steps: list[Step]
     cost: int  # bytes to download
+    price: int  # what the plan is chosen by: cost, with a snapshot counted at no less than what it decodes to
     files: tuple[ObjRef, ...] | None = None  # the snapshot files to fetch; None: all of them
     want: shards.Selector | None = None
 
@@ -153,8 +166,14 @@ class Trail:
 
 def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *,
               want: shards.Selector | None = None,
-              snapshot_files: Mapping[ObjRef, tuple[ObjRef, ...]] | None = None) -> Plan | None:
+              snapshot_files: Mapping[ObjRef, tuple[ObjRef, ...]] | None = None,
+              snapshot_bytes: int = 0) -> Plan | None:
     """Cheapest path to the head in bytes: the chain from `held`, or any snapshot plus its chain.
+
+    A snapshot is priced at no less than `snapshot_bytes`, the tensor bytes the head's record implies (what
+    any snapshot decodes to, a second copy of the model beside what a holder has): its declared sizes are a
+    bucket writer's to choose where the snapshot is a region's own (unsigned), and a compressed one costs
+    its decoded size in memory and work whoever wrote it.
 
     Linear in the manifest's length (suffix sums over the steps), so a long or hostile manifest
     cannot stall the reader: trying m.chain() from every snapshot would be quadratic. Ties go to
@@ -187,9 +206,11 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *
             refs.append(head)
         if any(r.key in excluded for r in refs):
             return
-        cost = tail[i] + sum(r.size for r in refs)
-        if best is None or cost < best.cost:
-            best, best_i = Plan(snap, [], cost, files, want), i
+        declared = sum(r.size for r in refs)
+        cost = tail[i] + declared
+        price = cost if snap is None else tail[i] + max(declared, snapshot_bytes)
+        if best is None or price < best.price:
+            best, best_i = Plan(snap, [], cost, price, files, want), i
 
     if held is not None and held in index:
         consider(None, index[held])
@@ -202,10 +223,21 @@ def plan_path(m: Manifest, held: int | None, excluded: Set[str] = frozenset(), *
 
 @dataclass
 class _Failure:
-    """A reference that failed verification `count` times: not downloaded again before `retry_at` (monotonic)."""
+    """A source that failed verification `count` times: not downloaded from again before `retry_at` (monotonic)."""
 
     count: int
     retry_at: float
+
+
+def _source(ref: ObjRef) -> ObjRef | str:
+    """What a failure of `ref` is remembered under: the reference itself where the (trusted) manifest chose it;
+    for a region's own snapshot objects, their step's prefix (regional/snapshots/<step>/): the unsigned
+    announcement chooses their references, so a forger rotating them must not buy a fresh download and decode
+    each time, while the steps a reader plans from are the manifest's (so at most one try per listed step
+    per backoff), and a forgery at one step leaves the region's other snapshots usable."""
+    if not ref.key.startswith(announce.REGIONAL_PREFIX):
+        return ref
+    return announce.regional_prefix(int(ref.key[len(announce.REGIONAL_PREFIX):].split("/", 1)[0]))
 
 
 def _file_matches(fd: int, ref: ObjRef) -> str | None:
@@ -264,20 +296,41 @@ def _head_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, Tenso
     return bad
 
 
+def _check_compressed_index(ref: ObjRef, path: Path, rec: Record) -> None:
+    """A compressed snapshot file's own index (a few KiB at its end) against the step's record, before any
+    tensor is decoded: every tensor it lists is one the record has, with the record's dtype and shape (rows
+    of it, for a row slice) and, for a whole tensor, the record's digest (the same xxh3 of its elements).
+    A file of anything else, a forger's few KB of zeros included, is refused without decoding; one that
+    passes yields each tensor only once its digest (the record's) verifies, so a lie costs one tensor."""
+    try:
+        entries = codec.read_snapshot_index(path, where=ref.key)
+    except codec.SnapshotError as exc:
+        raise _VerifyError([ref], f"{ref.key}: not a snapshot file ({exc})") from None
+    for e in entries:
+        info = rec.tensors.get(e.name)
+        if info is None or e.dtype != info.dtype or (
+                e.shape != info.shape if info.slices is None else e.shape[1:] != info.shape[1:]) or (
+                info.slices is None and e.digest.hex() != info.digest):
+            raise _VerifyError([ref], f"{ref.key}: lists tensor {e.name[:200]!r} ({e.dtype} {list(e.shape)[:8]}), "
+                                      f"which record {rec.step} does not have as such; not decoded")
+
+
 class Reader:
     """Brings a state (or nothing) to a run's head, verified; waits out objects that are not there yet.
 
     A reference (key, size and tags) that fails verification twice is planned around, and not
     downloaded again, for failure_backoff_initial seconds, doubling at each further failure up to
     failure_backoff_max: a persistently bad object costs a bounded number of downloads, not two per
-    poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try.
+    poll. Failures are remembered per ObjRef, so a manifest naming other bytes is a fresh try; a region's
+    own snapshot (chosen by an unsigned announcement) is backed off per step, at its first failure (_source).
 
     `tensors` (names, or a predicate on names) makes a partial replica: it downloads only the delta
     parts and snapshot files that hold those tensors and returns and verifies exactly them.
 
     In a region that announces its own snapshots (regional/snapshots.json, PROTOCOL §8.1) it plans from
     those, checked against the record (index, digests, BLAKE3 with trusted keys), and from the manifest's
-    snapshots only if the region says it keeps them.
+    snapshots, whichever the region holds: a trainer's snapshot object missing there is planned around at
+    once (the region may never get it), and waited for only when no other path reaches the head.
     """
 
     def __init__(self, store: Store, *, workers: int = 8, retry_initial: float = 0.2, retry_max: float = 5.0,
@@ -308,11 +361,12 @@ class Reader:
         self._inflight: dict[int, int] = {}  # spool files being downloaded: fd -> size
         self._cache: dict[ObjRef, bytes] = {}  # by reference: bytes are reused only for what they were checked against
         self._spooled: dict[ObjRef, Path] = {}  # snapshot files verified on disk in this reach(), by reference
-        self._failures: dict[ObjRef, _Failure] = {}
+        self._refused: dict[ObjRef, _VerifyError] = {}  # the head's record, refused while pricing (_implied_bytes)
+        self._failures: dict[ObjRef | str, _Failure] = {}  # by _source()
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
-        self._refused: tuple[str, type[ManifestError], str] | None = None  # last refused manifest: ETag, error
-        self._hidden = ""  # what the announcement took out of the last planning view, for a failure to plan
+        self._refused_manifest: tuple[str, type[ManifestError], str] | None = None  # last refused manifest: ETag, error
+        self._own_snapshots = False  # the last planning view holds a region's own snapshots
         # key -> monotonic time it was first found missing, across reach() calls: a host that syncs with
         # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
         self._missing_since: dict[str, float] = {}
@@ -344,28 +398,28 @@ class Reader:
     def refused_etag(self) -> str | None:
         """The ETag of the manifest version last refused (None once one is accepted): pollers read
         conditionally on it, so a refused version is not downloaded again until it changes."""
-        return None if self._refused is None else self._refused[0]
+        return None if self._refused_manifest is None else self._refused_manifest[0]
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise). A version
         refused once is refused again from memory (one conditional read), not downloaded and parsed again."""
-        refused = self._refused
+        refused = self._refused_manifest
         got = self.store.read_manifest(if_none_match=None if refused is None else refused[0])
         where = f"{self.store.url}/manifest.json"
         if got is NOT_MODIFIED:
             assert refused is not None
             raise refused[1](f"{refused[2]} (this version, ETag {refused[0]}, was refused already)")
         if got is None:
-            self._refused = None
+            self._refused_manifest = None
             return None
         try:
             m = Manifest.parse(got.data, where)
             if self.trusted is not None:
                 self.trusted.verify(m, where)
         except ManifestError as exc:  # SignatureError included: deterministic for a given version and keys
-            self._refused = (got.etag, type(exc), str(exc))
+            self._refused_manifest = (got.etag, type(exc), str(exc))
             raise
-        self._refused = None
+        self._refused_manifest = None
         self.head_seen = m.head
         self.manifest_reads += 1
         if m.head not in self.heads_seen:
@@ -380,9 +434,9 @@ class Reader:
 
     def _planning_view(self, m: Manifest) -> Manifest:
         """The manifest as this store offers it (PROTOCOL §8.1): with the region's announced snapshots of steps
-        the manifest lists, and without the trainer's snapshots when the announcement says the region does not
-        keep them (they are then never planned from nor waited for). Without an announcement of this run: `m`."""
-        self._hidden = ""
+        the manifest lists, besides the trainer's (the announcement only adds candidates: no unsigned object
+        takes a snapshot the region holds out of planning). Without an announcement of this run: `m`."""
+        self._own_snapshots = False
         etag, ann = self._announced
         got = self.store.read_object(announce.ANNOUNCE_KEY, if_none_match=etag)
         if got is None:
@@ -398,17 +452,23 @@ class Reader:
         if ann is None or ann.run != m.run:
             return m
         listed = {s.step for s in m.steps}
-        snaps = [s for s in ann.snapshots if s.step in listed] + (list(m.snapshots) if ann.origin_snapshots else [])
-        if not ann.origin_snapshots and m.snapshots:  # said in a failure to plan: an unsigned object decided it
-            self._hidden = (f"; {self.store.url}/{announce.ANNOUNCE_KEY} (unsigned) says this store keeps none of "
-                            f"the trainer's {len(m.snapshots)} snapshots, and it announces "
-                            f"{len(snaps)} usable of its own")
+        own = [s for s in ann.snapshots if s.step in listed]
+        self._own_snapshots = bool(own)
+        snaps = own + list(m.snapshots)
         snaps.sort(key=lambda s: (s.step, not announce.is_regional(s)))  # a region's own first at equal cost
         return dataclasses.replace(m, snapshots=snaps)
+
+    def _maybe_never(self, key: str) -> bool:
+        """Whether a missing `key` may never arrive here: a trainer's snapshot object in a region that builds
+        its own (one fed by CRR or a regional-snapshot relay is never sent them; a plain relay copies them)."""
+        return self._own_snapshots and key.startswith("snapshots/")
 
     def _fetch_one(self, ref: ObjRef) -> bytes:
         if ref in self._cache:
             return self._cache[ref]
+        refused = self._refused.pop(ref, None)  # refused while pricing: the plan meets that, not a second download
+        if refused is not None:
+            raise refused
         data = ref.read(self.store)
         with self._count_lock:
             self.bytes_downloaded += len(data)
@@ -569,7 +629,11 @@ class Reader:
                 paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
         # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
         # DEST holds safetensors, written from the tensors in the record's layout
-        direct = direct and all(checkpoint.snapshot_file_format(p) == "safetensors" for p in paths)
+        formats = [checkpoint.snapshot_file_format(p) for p in paths]
+        direct = direct and all(f == "safetensors" for f in formats)
+        for f, p, kind in zip(fetch, paths, formats):
+            if kind == "compressed":
+                _check_compressed_index(f, p, rec)
         tensors: dict[str, torch.Tensor] = {}
         digests: dict[str, bytes] = {}  # of the streamed tensors, made as they arrived
         read = []
@@ -669,6 +733,7 @@ class Reader:
                         spool: Path | None, trail: Trail) -> tuple[dict[str, torch.Tensor], Record]:
         rec: Record | None = None
         trail.reset()  # what this attempt used, only
+        self._fetch_one(m.steps[-1].record)  # every plan needs the head's record: a problem with it ends the plan here
         if plan.snapshot is not None:
             tensors, rec = self._load_snapshot(m, plan.snapshot, spool, trail, plan.files)
             chain_log = codec.UndoLog()  # the snapshot's tensors are new: a failure just drops them
@@ -750,42 +815,67 @@ class Reader:
         return out
 
     def _backed_off(self, m: Manifest, now: float) -> set[str]:
-        """Keys of this manifest's references still inside their failure backoff; forgets stale failures."""
+        """Keys of this manifest's references still inside their (or their source's) failure backoff; forgets
+        stale failures."""
         refs = set(m.refs())
-        for ref in [r for r, f in self._failures.items() if r not in refs and f.retry_at <= now]:
-            del self._failures[ref]  # bounded: only references of the current manifest or still backing off
-        return {r.key for r in refs if r in self._failures and now < self._failures[r].retry_at}
+        live = {_source(r) for r in refs}
+        for src in [k for k, f in self._failures.items() if k not in live and f.retry_at <= now]:
+            del self._failures[src]  # bounded: only sources of the current manifest or still backing off
+        out = set()
+        for r in refs:
+            f = self._failures.get(_source(r))
+            if f is not None and now < f.retry_at:
+                out.add(r.key)
+        return out
 
     def _failed(self, refs: list[ObjRef], now: float) -> float:
-        """Back off from `refs` (doubling per failure); returns the longest backoff now in force."""
+        """Back off from the sources of `refs` (doubling per failure, once per source per call); returns the
+        longest backoff now in force."""
         longest = 0.0
-        for ref in refs:
-            f = self._failures.get(ref)
+        for src in dict.fromkeys(_source(r) for r in refs):
+            f = self._failures.get(src)
             count = 1 if f is None else f.count + 1
             backoff = self.failure_backoff.delay(count)
-            self._failures[ref] = _Failure(count, now + backoff)
+            self._failures[src] = _Failure(count, now + backoff)
             longest = max(longest, backoff)
         return longest
+
+    def _implied_bytes(self, m: Manifest) -> int:
+        """The tensor bytes the head's record implies (a partial replica's selection of them): what any snapshot
+        plan decodes, whatever its files declare. 0 when the record cannot be read or checked yet: every plan
+        reads it first (`_execute_logged`) and meets the same problem there, before any snapshot work."""
+        head = m.steps[-1]
+        try:
+            return checkpoint.tensor_bytes(self.expected(self._record(self._fetch_one(head.record), head.record,
+                                                                      m.run, head.step)))
+        except _VerifyError as exc:
+            self._refused[head.record] = exc
+            return 0
+        except (ObjectMissing, SyncError):
+            return 0
 
     # With nothing held the head is always new: the tensors and their record come back.
     @overload
     def reach(self, held_step: None, held: None, *, run: str | None = None, timeout: float | None = None,
               undo: codec.UndoLog | None = None, spool: str | os.PathLike | None = None,
-              trail: Trail | None = None, accept_older_head: bool = False
+              trail: Trail | None = None, accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor], Record]: ...
 
     @overload
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
+              spool: str | os.PathLike | None = None, trail: Trail | None = None,
+              accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]: ...
 
     def reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, *, run: str | None = None,
               timeout: float | None = None, undo: codec.UndoLog | None = None,
-              spool: str | os.PathLike | None = None, trail: Trail | None = None, accept_older_head: bool = False
+              spool: str | os.PathLike | None = None, trail: Trail | None = None,
+              accept_older_head: int | None = None
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
-        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; with
-        `accept_older_head`, an older head of the same run is reached as from nothing held).
+        """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; an
+        older head that is exactly step `accept_older_head`, an operator's repair, is reached as from nothing
+        held).
 
         A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
         `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
@@ -802,12 +892,13 @@ class Reader:
         elif len(undo):
             raise ValueError("reach() needs an empty UndoLog: it reverts everything logged there on failure")
         trail = Trail() if trail is None else trail
+        older_head_step(accept_older_head)
         return self._reach(held_step, held, run, timeout, undo, None if spool is None else Path(spool), trail,
                            accept_older_head)
 
     def _reach(self, held_step: int | None, held: dict[str, torch.Tensor] | None, run: str | None,
                timeout: float | None, undo: codec.UndoLog, spool: Path | None, trail: Trail,
-               accept_older_head: bool = False
+               accept_older_head: int | None = None
                ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         deadline = None if timeout is None else time.monotonic() + timeout
         waits = 0
@@ -825,9 +916,9 @@ class Reader:
                     if run is not None and held_step is not None and m.run != run:
                         raise SyncError(f"{self.store.url}: holds run {m.run}, the local step {held_step} is from run "
                                         f"{run}; refusing to mix runs")
-                    if held_step is not None and held_step > m.head and accept_older_head:
-                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head)",
-                                    self.store.url, m.head, held_step)
+                    if held_step is not None and held_step > m.head and m.head == accept_older_head:
+                        log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head=%d)",
+                                    self.store.url, m.head, held_step, m.head)
                         held_step, held = None, None  # from a snapshot, as a fresh host would
                     if held_step is not None and held_step >= m.head:
                         if held_step > m.head:
@@ -839,14 +930,21 @@ class Reader:
                     excluded = self._backed_off(m, time.monotonic()) | {r.key for r in m.refs() if r in failed_here}
                     kw: dict[str, Any] = {}
                     if self.want is not None:
-                        kw = {"want": self.want, "snapshot_files": self._snapshot_files(m, excluded)}
+                        kw.update(want=self.want, snapshot_files=self._snapshot_files(m, excluded))
                         excluded |= self._backed_off(m, time.monotonic())  # indexes refused just now
                     plan = (plan_path(m, held_step, excluded | rerouted, **kw)
                             or plan_path(m, held_step, excluded, **kw))
+                    if plan is not None and plan.snapshot is not None:
+                        # priced again at what a snapshot decodes to. The head's record is read only once a plan
+                        # exists (every plan reads it; with every path backed off a poll downloads nothing), and a
+                        # chain chosen at declared sizes stays chosen when snapshots cost more
+                        kw["snapshot_bytes"] = self._implied_bytes(m)
+                        plan = (plan_path(m, held_step, excluded | rerouted, **kw)
+                                or plan_path(m, held_step, excluded, **kw))
                     if plan is None:
                         raise SyncError(f"{self.store.url}: no verified path to head {m.head} "
                                         f"(objects that failed verification, not fetched again until their backoff "
-                                        f"ends: {sorted(excluded)[:5]}){self._hidden}")
+                                        f"ends: {sorted(excluded)[:5]})")
                     self._plan = (self.bytes_downloaded, plan.cost)
                     try:
                         tensors, rec = self._execute(m, plan, held, undo, spool, trail)
@@ -856,6 +954,11 @@ class Reader:
                         continue
                     except ObjectMissing as exc:
                         waiting_for = str(exc)
+                        if exc.key is not None and exc.key not in rerouted and self._maybe_never(exc.key):
+                            rerouted.add(exc.key)
+                            log.info("%s: not in this region (it holds snapshots of its own); planning from what "
+                                     "it holds, waiting for it only if nothing else reaches the head", exc)
+                            continue
                         if exc.key is not None and self.reroute_after is not None:
                             first = missing_since.setdefault(exc.key, time.monotonic())
                             if exc.key not in rerouted and time.monotonic() - first >= self.reroute_after:
@@ -869,7 +972,8 @@ class Reader:
                         for ref in exc.refs:
                             self._cache.pop(ref, None)
                             self._spooled.pop(ref, None)
-                        if any(r not in refetched and r not in self._failures for r in exc.refs):
+                        # refetched once (a torn or flipped read), except what an unsigned announcement chose
+                        if any(r not in refetched and _source(r) == r and r not in self._failures for r in exc.refs):
                             refetched.update(exc.refs)
                             log.warning("verification failed, discarding and refetching: %s", exc)
                         else:
@@ -886,7 +990,7 @@ class Reader:
                         continue
                     else:
                         for ref in plan.keys(m):
-                            self._failures.pop(ref, None)
+                            self._failures.pop(_source(ref), None)
                         missing_since.clear()  # at the head: what was missing is either here or not needed
                         return as_read, tensors, rec
                 waits += 1
@@ -899,6 +1003,7 @@ class Reader:
             self._plan = None
             self._cache.clear()
             self._spooled.clear()
+            self._refused.clear()
 
 
 def _failure_reason(exc: BaseException) -> str:
@@ -931,7 +1036,9 @@ class Watcher:
 
     Contract for readers of `dest`: ignoring names that begin with '.', and following symlinks,
     it shows exactly one complete, verified step (safetensors in the published layout plus
-    relay-state.json), or nothing before the first sync. It never moves to an older step.
+    relay-state.json), or nothing before the first sync. It never moves to an older step, except for an
+    operator's repair: `accept_older_head=STEP` lets the first successful sync take the store's head if it is
+    exactly STEP (same run), and is spent by that sync whether it moved back or not.
     on_update(step, tensors) runs after each persisted step with the live held tensors (updated in place
     by the next sync: valid until then); `module` is updated in place too. `persist` is "full" (every step a
     complete checkpoint under the visible names) or "journal" (a base plus the verified deltas since, only
@@ -965,7 +1072,8 @@ class Watcher:
                  compact_steps: int = 64, apply_workers: int = 2, host: str | None = None,
                  region: str | None = None, report_interval: float | None = fleet.DEFAULT_INTERVAL,
                  metrics_port: int | None = None, metrics_addr: str = "127.0.0.1",
-                 metrics_registry: Any = None, engine: Engine | None = None, accept_older_head: bool = False) -> None:
+                 metrics_registry: Any = None, engine: Engine | None = None,
+                 accept_older_head: int | None = None) -> None:
         if persist not in PERSIST_MODES:
             raise ValueError(f"persist must be one of {PERSIST_MODES}, got {persist!r}")
         if compact_fraction <= 0 or compact_steps < 1:
@@ -979,11 +1087,13 @@ class Watcher:
         self.url = url
         self.dest = Path(dest)
         self.persist = persist
-        # One-shot operator repair: the first sync that finds the store's head (same run) older than the step
-        # DEST holds takes that head anyway, then the watcher never moves back again. A watcher otherwise never
-        # does (a replayed or lagging manifest must not roll it back), so one that a forged manifest moved
-        # past the trainer (an unsigned run, a watcher without keys) would refuse every real head forever.
-        self.accept_older_head = accept_older_head
+        # One-shot operator repair, named by its step: the first successful sync may take the store's head
+        # (same run) if it is exactly that step, older than DEST's; then (moved or not) the permission is
+        # gone. A watcher otherwise never moves back (a replayed or lagging manifest must not roll it back),
+        # so one that a forged manifest moved past the trainer (an unsigned run, a watcher without keys)
+        # would refuse every real head forever. Spent at once: a flag left in a unit file never arms a
+        # watcher against a manifest replayed later.
+        self.accept_older_head = older_head_step(accept_older_head)
         # (step, run) DEST held before a start that could not build on it (another tensor selection): the first
         # sync must still not move back from it or across runs
         self._floor: tuple[int, str] | None = None
@@ -1296,8 +1406,7 @@ class Watcher:
         versions.mkdir(exist_ok=True)
         return versions
 
-    def _persist(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], trail: Trail,
-                 in_place: bool) -> None:
+    def _persist(self, rec: Record, tensors: dict[str, torch.Tensor], trail: Trail, in_place: bool) -> None:
         """Make the reached step DEST's: in journal mode, on the held journal version, the step's payloads and a
         new state file (`_append_journal`); otherwise a new version directory and the .current swap."""
         bad = sorted({v for v in rec.weight_map.values() if not safe_shard_name(v)})
@@ -1311,12 +1420,12 @@ class Watcher:
                     and self._version.is_dir() and not any(p.rows for _, p, _ in trail.parts)
                     and self._version_damaged != self._version
                     and self._journal_takes_appends(self._version, self._state)):
-                self._append_journal(m, rec, trail)
+                self._append_journal(rec, trail)
                 return
             versions = self._versions_dir()
             name = f"{rec.step}-{uuid.uuid4().hex[:8]}"
             try:
-                self._write_version(m, rec, tensors, versions, name, trail)
+                self._write_version(rec, tensors, versions, name, trail)
             except BaseException:
                 # A failed write (disk full, I/O error) must not leave a partial version behind: it would hold
                 # the space the next attempt needs until a restart. Past the swap the new version is DEST's.
@@ -1329,8 +1438,25 @@ class Watcher:
                     self._drop_dangling()
                 raise
 
-    def _write_version(self, m: Manifest, rec: Record, tensors: dict[str, torch.Tensor], versions: Path,
-                       name: str, trail: Trail) -> None:
+    def _hold_in_mode(self) -> None:
+        """Make the held version this watcher's persist mode before anything is delivered from it. A full-mode
+        watcher that starts on a journal version (DEST ran with persist="journal" before) rewrites the held step,
+        from the verified tensors loaded at start, as a full version with the .current swap: the journal
+        version's safetensors are its base, an older step, and an engine staging from that directory (or a
+        reader of the visible names) would get that step under the held step's label. A journal-mode watcher
+        keeps a held full version as it is: its files are the step, and its next step starts a journal."""
+        state, version = self._state, self._version
+        if (self.persist != "full" or state is None or state.persist == "full" or version is None
+                or self.tensors is None or self.step != state.step):
+            return
+        rec = Record(state.run, state.step, state.tensors,
+                     dest_mod.weight_map(version, set(state.base_tensors or state.tensors)))
+        self._persist(rec, self.tensors, Trail(), in_place=True)
+        log.info("%s: step %d rewritten from its verified tensors as a full version (it was held as a journal "
+                 "version, base step %s)", self.dest, state.step, state.base)
+
+    def _write_version(self, rec: Record, tensors: dict[str, torch.Tensor], versions: Path, name: str,
+                       trail: Trail) -> None:
         """Write the step as .versions/<name>, then make it DEST's step with one atomic swap of .current.
 
         Full mode: the step's safetensors, written from memory, or the snapshot's files as downloaded when the
@@ -1353,15 +1479,15 @@ class Watcher:
         partial = self.reader.want is not None  # then only the selected tensors, in their files of the layout
         infos = {k: rec.tensors[k] for k in tensors} if partial else rec.tensors
         if not journal:
-            state = DestState(m.run, rec.step, self.url, infos, partial=partial)
+            state = DestState(rec.run, rec.step, self.url, infos, partial=partial)
         elif from_snapshot and trail.snapshot_record is not None:
             (tmp / JOURNAL_DIR).mkdir()
             entries = [self._write_journal_file(tmp, s, p, data) for s, p, data in trail.parts]
-            state = DestState(m.run, rec.step, self.url, rec.tensors, "journal", trail.snapshot_record.step,
+            state = DestState(rec.run, rec.step, self.url, rec.tensors, "journal", trail.snapshot_record.step,
                               trail.snapshot_record.tensors, tuple(entries))
         else:
             (tmp / JOURNAL_DIR).mkdir()
-            state = DestState(m.run, rec.step, self.url, rec.tensors, "journal", rec.step, rec.tensors, ())
+            state = DestState(rec.run, rec.step, self.url, rec.tensors, "journal", rec.step, rec.tensors, ())
         (tmp / STATE_NAME).write_bytes(state.to_bytes())
         for f in tmp.iterdir():
             if f.is_file():
@@ -1431,7 +1557,7 @@ class Watcher:
             return False
         return True
 
-    def _append_journal(self, m: Manifest, rec: Record, trail: Trail) -> None:
+    def _append_journal(self, rec: Record, trail: Trail) -> None:
         """Journal mode, a chain applied to the held state: write the steps' payloads into the held version's
         journal, then a new state file naming them (temporary, fsync, rename: the commit point). Nothing else
         is written: disk writes are the delta and the state file. A failure before the rename removes the
@@ -1449,7 +1575,7 @@ class Watcher:
                 entries.append(self._write_journal_file(version, s, p, data))
                 written.append(version / entries[-1].file)
             fsync_dir(journal)
-            new = DestState(m.run, rec.step, self.url, rec.tensors, "journal", state.base, state.base_tensors,
+            new = DestState(rec.run, rec.step, self.url, rec.tensors, "journal", state.base, state.base_tensors,
                             state.journal + tuple(entries))
             self._commit_state(version, new)
         except BaseException:
@@ -1640,24 +1766,26 @@ class Watcher:
     def _sync_once(self, timeout: float | None, spool: Path) -> None:
         undo = codec.UndoLog()
         trail = Trail()
+        repair = self.accept_older_head
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
-                                            spool=spool, trail=trail, accept_older_head=self.accept_older_head)
+                                            spool=spool, trail=trail, accept_older_head=repair)
         if tensors is None:
+            self.accept_older_head = None  # a sync that found nothing to repair spends it too
             return
         in_place = tensors is self.tensors
-        back = self.accept_older_head and rec is not None and self.step is not None and rec.step < self.step
+        back = repair is not None and rec is not None and self.step is not None and rec.step == repair < self.step
         try:
             if rec is None:  # reach() returns the tensors with their record, or neither
                 raise SyncError("internal: tensors without a record")
             if self.step is not None and ((rec.step <= self.step and not back) or m.run != self.run_id):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} holds step "
                                 f"{self.step} of run {self.run_id} and never moves back or across runs")
-            if self._floor is not None and self.step is None and not self.accept_older_head and (
-                    rec.step < self._floor[0] or m.run != self._floor[1]):
+            if self._floor is not None and self.step is None and (
+                    (rec.step < self._floor[0] and rec.step != repair) or m.run != self._floor[1]):
                 raise SyncError(f"{self.url}: refusing step {rec.step} of run {m.run}; {self.dest} held step "
                                 f"{self._floor[0]} of run {self._floor[1]} (for another tensor selection, or in a "
                                 f"version found damaged) and never moves back or across runs")
-            self._persist(m, rec, tensors, trail, in_place)
+            self._persist(rec, tensors, trail, in_place)
         except BaseException:
             undo.revert()  # the held tensors are back at self.step, which DEST still shows
             raise
@@ -1669,9 +1797,10 @@ class Watcher:
                 # model, and they would grow with every step; the next hot-load keeps a copy of what it replaces
                 self._module_logs = None
         floor = self._floor
-        if back or (floor is not None and self.accept_older_head and rec.step < floor[0]):
-            log.warning("%s: moved back from step %d to %d", self.dest, floor[0] if floor else self.step, rec.step)
-            self.accept_older_head = False
+        if back or (floor is not None and rec.step == repair and rec.step < floor[0]):
+            log.warning("%s: moved back from step %d to %d (accept_older_head=%d)", self.dest,
+                        floor[0] if floor else self.step, rec.step, rec.step)
+        self.accept_older_head = None  # spent by the first successful sync, whether it moved back or not
         self._floor = None
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         self._held_partial = self.reader.want is not None
@@ -1683,6 +1812,12 @@ class Watcher:
         on_update(step, tensors) gets the watcher's live held state: valid until the next sync, which updates
         those tensors in place (copy what must outlive it)."""
         failure: BaseException | None = None
+        try:
+            self._hold_in_mode()
+        except Exception as exc:  # noqa: BLE001 - DEST still holds the step verified; only the engine must wait
+            log.error("%s: step %s could not be rewritten as a full version (the engine does not get it): %s",
+                      self.dest, self.step, exc)
+            failure = exc
         if self.module is not None and self.step is not None and self.module_step != self.step:
             try:
                 self._hot_load()
@@ -1767,6 +1902,11 @@ class Watcher:
         engine that fails either phase stays on its step, and engine_step does not move."""
         if self.engine is None or self._state is None or self._version is None or self.step is None:
             raise SyncError("internal: engine load without an engine or a persisted step")
+        if self._state.persist != "full" or self._state.step != self.step or self._state.partial:
+            # its files would be another step's (a journal version's base) under this step's label
+            raise EngineError(f"engine not given step {self.step}: {self._version} is not a full version of it "
+                              f"(persist {self._state.persist}, step {self._state.step}); it stays on step "
+                              f"{self.engine_step}")
         update = Update(self.step, self._state.run, self.tensors or {}, self._version,
                         changed_names(self._engine_tensors, self._state.tensors),
                         self._engine_version if self.engine_step is not None else None)

@@ -6,6 +6,10 @@
 * `s3_run`: a fresh bucket in the default region; `.url` and `.options` (s3fs storage_options).
 * `file_run`: a file:// run under tmp_path.
 * `run_store`: parametrized over both, for tests that must hold on every backend.
+* `rgw_run`: a fresh bucket on Ceph's S3 gateway (radosgw 16, a real S3 implementation), on a one-node
+  Ceph cluster that the session starts once (tests/ceph.py); skipped, saying how to install Ceph, where
+  its programs are missing.
+* `every_store`: file, moto S3 and Ceph RGW, for the pipeline, race and fence tests (docs/STORES.md).
 * `trainer`: factory for a small torch model with BF16 parameters and a deterministic step.
 """
 
@@ -106,6 +110,32 @@ def file_run(tmp_path) -> RunStore:
 
 @pytest.fixture(params=["file", "s3"])
 def run_store(request) -> RunStore:
+    return request.getfixturevalue(f"{request.param}_run")
+
+
+@pytest.fixture(scope="session")
+def ceph_rgw(tmp_path_factory):
+    """A one-node Ceph cluster with radosgw on loopback, for the whole session; its daemons are stopped by PID."""
+    import ceph
+
+    missing = ceph.missing_binaries()
+    if missing:
+        pytest.skip(f"Ceph RGW tests need {', '.join(missing)}: {ceph.INSTALL}")
+    cluster = ceph.start(str(tmp_path_factory.mktemp("ceph")))
+    print(f"\nceph: radosgw at {cluster.endpoint}, started in {cluster.started_s:.1f} s")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def rgw_run(ceph_rgw) -> RunStore:
+    name = f"relay-{os.getpid()}-{next(_bucket_ids)}"
+    ceph_rgw.client().create_bucket(Bucket=name)
+    return RunStore("rgw", f"s3://{name}/run", ceph_rgw.options(), None, name)
+
+
+@pytest.fixture(params=["file", "s3", "rgw"])
+def every_store(request) -> RunStore:
     return request.getfixturevalue(f"{request.param}_run")
 
 

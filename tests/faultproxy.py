@@ -27,6 +27,7 @@ A changed body travels without its x-amz-checksum-* / Content-MD5 headers (moto 
 botocore would then refuse every read): the faults model a store or path with no end-to-end
 checksum, so what must catch them is the relay's own verification, as on file:// or any fsspec store.
   drop             answer a PUT 200 with a made-up ETag without forwarding: a lost write
+  unconditional    forward without If-Match / If-None-Match: a store that ignores conditional writes
 
 Every injection is appended to `log` as an `Injection` (method, path, action, detail).
 """
@@ -49,7 +50,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
 ACTIONS = {"error", "error_after", "reset", "reset_after", "delay", "truncate", "truncate_request", "flip",
-           "flip_request", "drop"}
+           "flip_request", "drop", "unconditional"}
 
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect",
         "content-length", "host"}
@@ -107,7 +108,10 @@ _MESSAGES = {"SlowDown": "Please reduce your request rate.", "InternalError": "W
 class FaultProxy:
     """Threaded loopback proxy: forwards every request to `upstream`, injecting faults by rule."""
 
-    def __init__(self, upstream: str, seed: int = 0) -> None:
+    def __init__(self, upstream: str, seed: int = 0, keep_host: bool = False) -> None:
+        """`keep_host`: forward the client's Host header (a store that checks signatures, such as Ceph RGW,
+        refuses a request whose signed Host changed on the way; moto checks none)."""
+        self.keep_host = keep_host
         u = urlsplit(upstream)
         self.upstream_host, self.upstream_port = u.hostname, u.port or 80
         self.rng = random.Random(seed)
@@ -212,7 +216,8 @@ class FaultProxy:
             if body is not None:  # a body changed on the way: the store cannot tell (no end-to-end checksum)
                 headers = {k: v for k, v in headers.items() if not _checksum_header(k)}
             data = req.body if body is None else body
-            headers["Host"] = f"{self.upstream_host}:{self.upstream_port}"
+            host = next((v for k, v in req.headers if k.lower() == "host"), None) if self.keep_host else None
+            headers["Host"] = host or f"{self.upstream_host}:{self.upstream_port}"
             if req.method not in ("GET", "HEAD") or data:
                 headers["Content-Length"] = str(len(data))
             conn.request(req.method, req.target, body=data if data else None, headers=headers)
@@ -324,6 +329,11 @@ class _Handler(BaseHTTPRequestHandler):
         if act == "delay":
             owner._record(req, rule, f"{rule.seconds:g}s stall")
             time.sleep(rule.seconds)
+        if act == "unconditional":
+            dropped = [k for k, _ in req.headers if k.lower() in ("if-match", "if-none-match")]
+            if dropped:
+                owner._record(req, rule, f"dropped {', '.join(dropped)}")
+                req.headers = [(k, v) for k, v in req.headers if k not in dropped]
         body = None
         if act == "truncate_request" and req.body:
             body = req.body[: int(len(req.body) * rule.fraction)]

@@ -8,7 +8,11 @@ is driven in tests/test_engine_vllm.py.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import socket
@@ -19,9 +23,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from relay import dest as dest_mod
 from relay.engines import Engine, EngineError, Update, changed_names
 from relay.engines.vllm import VLLMEngine, VLLMServer, layer_of, widen_to_layers
-from relay.manifest import TensorInfo
+from relay.manifest import Manifest, Record, TensorInfo, mismatches
+from relay.store import open_store
 from relay.publisher import Publisher
 from relay.watcher import Watcher
 
@@ -478,3 +484,126 @@ def test_fleet_ledger_records_a_vllm_engine_s_state(tmp_path):
         assert report.engine["last_stage.tensors"] == 1
         again = fleet.HostReport.parse(report.to_bytes(), "fleet/hosts/h1.json")
         assert again.engine == report.engine
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def watch_once(url: str, dest: Path, persist: str) -> dict:
+    """`deltarelay watch --once` in a process of its own; the state file of the version DEST then holds."""
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", "watch", url, "--dest", str(dest), "--persist", persist,
+                           "--once", "--no-report", "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = dest_mod.current_version(dest)
+    assert version is not None
+    state = dest_mod.read_state(version)
+    return {"step": state.step, "persist": state.persist, "base": state.base, "journal": len(state.journal)}
+
+
+def record_of(url: str, step: int) -> Record:
+    """The trainer's record of `step`, as published in the store (what the engine's label claims it serves)."""
+    store = open_store(url)
+    got = store.read_manifest()
+    assert got is not None
+    ref = Manifest.parse(got.data).step(step).record
+    return Record.parse(store.get(ref.key))
+
+
+def test_engine_serves_the_labelled_step_after_restarts_across_persist_modes(tmp_path):
+    """A host ran `deltarelay watch --persist journal` (a process; its DEST holds an older base's safetensors plus
+    verified deltas) and is restarted in full mode with an engine, with no new step in the store: the engine
+    must get the held step's weights, not the base's under the held step's label, and later partial updates
+    (only the changed tensors) must build on that step. Then back to journal mode (a process) and to full mode
+    again. After every move the weights the engine serves match the record of the step it reports, bit for bit."""
+    url = (tmp_path / "store").as_uri()
+    d = tmp_path / "dest"
+    t = Trainer(seed=8)
+    engine = MemoryEngine()
+    states: list[dict[str, torch.Tensor]] = []
+
+    def publish(pub: Publisher, whole: bool = False) -> None:
+        nxt = t.state() if not states else t.step()
+        if states and not whole:  # a partial step: one tensor moves, the rest keep their bits
+            nxt = {**states[-1], "2.weight": nxt["2.weight"]}
+        states.append(nxt)
+        pub.publish(nxt, len(states) - 1)
+
+    def serves_its_label(w: Watcher) -> int:
+        label = engine.state()["step"]
+        assert label == w.step == w.engine_step, (label, w.step, w.engine_step)
+        bad = mismatches(engine.weights, record_of(url, label).tensors, strong=False)
+        assert not bad, f"the engine labelled step {label} serves other weights in {bad[:5]}"
+        assert same_bits(engine.weights, states[label])
+        return label
+
+    with Publisher(url, background=False, snapshot_every=100) as pub:  # step 0 the only snapshot
+        for _ in range(3):
+            publish(pub, whole=True)
+        assert watch_once(url, d, "journal") == {"step": 2, "persist": "journal", "base": 0, "journal": 2}
+        assert not same_bits(states[0], states[2]), "premise: the journal's base is another step"
+        # journal -> full with an engine, nothing new in the store
+        with Watcher(url, d, engine=engine) as w:
+            assert w.sync() == 2 and serves_its_label(w) == 2
+            assert dest_mod.read_state(dest_mod.current_version(d)).persist == "full"
+            assert same_bits(checkpoint_under_visible_names(d), states[2])  # full mode's readers see it too
+            publish(pub)
+            assert w.sync() == 3 and engine.loaded[-1] == {"2.weight"} and serves_its_label(w) == 3
+        # full -> journal (a process): the held full version is its base; a step later it journals a delta
+        publish(pub)
+        assert watch_once(url, d, "journal")["step"] == 4
+        publish(pub)
+        assert watch_once(url, d, "journal") == {"step": 5, "persist": "journal", "base": 4, "journal": 1}
+        # journal -> full again, the engine still up (on step 3): it gets step 5 whole, then a partial step 6
+        with Watcher(url, d, engine=engine) as w:
+            w.redeliver()  # from DEST alone (the store down at start): the same rewrite before the engine
+            assert engine.loaded[-1] == set(states[5]) and serves_its_label(w) == 5
+            assert w.sync() == 5
+            publish(pub)
+            assert w.sync() == 6 and engine.loaded[-1] == {"2.weight"} and serves_its_label(w) == 6
+        # full -> full: nothing to rewrite, the engine (restarted: no step known) gets the held version whole
+        engine.step, engine.weights = None, {}
+        version = dest_mod.current_version(d)
+        with Watcher(url, d, engine=engine) as w:
+            assert w.sync() == 6 and serves_its_label(w) == 6 and dest_mod.current_version(d) == version
+
+
+def test_a_failed_rewrite_of_a_journal_version_gives_the_engine_nothing_and_is_retried(tmp_path, monkeypatch):
+    """journal -> full with an engine, the disk full at the rewrite's .current swap: the engine gets no step (not
+    the journal's base under the held step's label), DEST still shows the held step as the journal version did,
+    and the next sync, with room again, completes the rewrite and the delivery."""
+    url = (tmp_path / "store").as_uri()
+    d = tmp_path / "dest"
+    t = Trainer(seed=9)
+    states = [t.state(), t.step(), t.step()]
+    with Publisher(url, background=False, snapshot_every=100) as pub:
+        for k, s in enumerate(states):
+            pub.publish(s, k)
+    assert watch_once(url, d, "journal") == {"step": 2, "persist": "journal", "base": 0, "journal": 2}
+    real_symlink = os.symlink
+
+    def no_space_for_the_swap(src, dst, *a, **kw):
+        if os.path.basename(os.fspath(dst)).startswith(".current.tmp-"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(dst))
+        return real_symlink(src, dst, *a, **kw)
+
+    engine = MemoryEngine()
+    with Watcher(url, d, engine=engine) as w:
+        monkeypatch.setattr(os, "symlink", no_space_for_the_swap)
+        with pytest.raises(OSError, match="No space"):
+            w.sync()
+        monkeypatch.setattr(os, "symlink", real_symlink)
+        assert engine.step is None and engine.weights == {} and w.engine_step is None
+        assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == [dest_mod.STATE_NAME]
+        step, held = dest_mod.open_head(d)
+        assert step == 2 and same_bits(held, states[2])
+        assert w.sync() == 2 and engine.step == w.engine_step == 2 and same_bits(engine.weights, states[2])
+        assert dest_mod.read_state(dest_mod.current_version(d)).persist == "full"
+
+
+def checkpoint_under_visible_names(d: Path) -> dict[str, torch.Tensor]:
+    """What a reader of DEST's visible names (a full-mode consumer) loads."""
+    from relay import checkpoint
+
+    tensors, _ = checkpoint.load(d)
+    return tensors

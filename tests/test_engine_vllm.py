@@ -385,3 +385,73 @@ def test_sidecar_drives_vllm_serve_over_http(run):
             server.kill()
             server.wait()
         log.close()
+
+
+def watch_once(url: str, dest: Path, persist: str) -> dict:
+    """`deltarelay watch --once` in a process of its own; what the version DEST then holds says."""
+    from relay import dest as dest_mod
+
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", "watch", url, "--dest", str(dest), "--persist", persist,
+                           "--once", "--no-report", "--no-progress"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = dest_mod.read_state(dest_mod.current_version(dest))
+    return {"step": state.step, "persist": state.persist, "base": state.base, "journal": len(state.journal)}
+
+
+def test_engine_serves_the_labelled_step_after_restarts_across_persist_modes(run, monkeypatch):
+    """A host ran `deltarelay watch --persist journal` (a process: its DEST holds step 0's safetensors as the
+    base plus the verified deltas of steps 1 and 2); the operator restarts it in full mode with a live vLLM
+    engine, nothing new in the store. The engine must then compute with step 2's weights (a fresh engine's on
+    step 2, bit for bit), not the base's under the label "2", and a later step that moves only a few layers
+    must build on step 2. Then journal mode again (processes: the full version as the base, a journaled
+    delta) and full mode again, the engine still up on its old step: it gets the held step whole."""
+    engine_env(monkeypatch, ENV)
+    root, states, refs, digests = run
+    from vllm import LLM
+
+    url, d = (root / "store-modes").as_uri(), root / "dest-modes"
+    llm = LLM(model=str(root / "model"), worker_extension_cls="vllm_faults.FaultyExtension", **ENGINE_ARGS)
+    engine = VLLMEngine(llm)
+
+    def serves(k: int, w: Watcher) -> None:
+        st = engine.state()
+        assert w.step == w.engine_step == st["step"] == k and st["weight_version"] == str(k), (w.step, st)
+        got = digest(llm)
+        served = [j for j, dj in enumerate(digests) if dj == got]
+        assert got == digests[k], f"the engine labelled step {k} computes with the weights of step(s) {served}"
+
+    try:
+        assert digest(llm) == digests[0], "premise: the engine starts on step 0's checkpoint"
+        with Publisher(url, background=False, snapshot_every=100) as pub:  # step 0 the only snapshot
+            for k in range(3):
+                pub.publish(states[k], k)
+            assert watch_once(url, d, "journal") == {"step": 2, "persist": "journal", "base": 0, "journal": 2}
+            with Watcher(url, d, engine=engine) as w:  # journal -> full, the engine live, no new step
+                assert w.sync() == 2
+                serves(2, w)
+                pub.publish(states[3], 3)  # 3 tensors move: only their layers are staged
+                assert w.sync() == 3 and engine.last_stage["tensors"] < engine.last_stage["of_tensors"]
+                serves(3, w)
+            pub.publish(states[4], 4)  # full -> journal (processes): the held full version as the base
+            assert watch_once(url, d, "journal")["step"] == 4
+            pub.publish(states[5], 5)
+            assert watch_once(url, d, "journal") == {"step": 5, "persist": "journal", "base": 4, "journal": 1}
+            # the worker extension itself refuses a directory that is not a full version of the step it is told
+            from relay import dest as dest_mod
+
+            journal_version = dest_mod.current_version(d)
+            with pytest.raises(EngineError, match="persist journal: not a complete checkpoint of step 5"):
+                engine.stage(Update(5, "r", {}, journal_version, None))
+            assert engine.state()["step"] == 3 and digest(llm) == digests[3], "a refused stage changed the engine"
+            with Watcher(url, d, engine=engine) as w:  # journal -> full again, the engine up on step 3
+                assert w.sync() == 5 and engine.last_stage["tensors"] == engine.last_stage["of_tensors"]
+                serves(5, w)
+                pub.publish(states[6], 6)
+                assert w.sync() == 6 and engine.last_stage["tensors"] < engine.last_stage["of_tensors"]
+                serves(6, w)
+                outs = generate(llm)
+                assert all(o["weight_versions"] == ["6"] for o in outs), outs
+                assert not (off := differences(outs, refs[6], SERVED_LOGPROB_TOL)), off[:3]
+    finally:
+        llm.llm_engine.engine_core.shutdown()

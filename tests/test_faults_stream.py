@@ -32,6 +32,7 @@ def origin(moto_regions):
         proxies.append(p)
         store = open_store(f"s3://{bucket}/run", p.options(region.options, **{**CFG, **config}), transfer=transfer)
         assert isinstance(store, S3Store)
+        store.capabilities()  # the store's probe (relay.s3probe) before any rule: the rules count the upload's requests
         return p, store
 
     direct = open_store(f"s3://{bucket}/run", region.options, transfer=SMALL)

@@ -8,6 +8,8 @@ import copy
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,10 +21,10 @@ from hypothesis import strategies as st
 from relay.manifest import (MAX_MANIFEST_BYTES, MAX_RECORD_BYTES, Manifest, ManifestError, ObjRef, Record, Step,
                             TensorInfo, safe_shard_name, step_of_key)
 from relay.publisher import Publisher
-from relay.store import open_store
+from relay.store import UnsafeStorePath, open_store
 from relay.watcher import SyncError, Trail, Watcher
 
-from conftest import Trainer, same_bits
+from conftest import Trainer, publish_steps, same_bits
 
 H32, H64 = "a" * 32, "b" * 64
 
@@ -248,7 +250,7 @@ def test_persist_refuses_unsafe_names_even_past_the_parser(tmp_path):
                  {k: "../../escaped.safetensors" for k in tensors})
     before = files_under(tmp_path)
     with pytest.raises(SyncError, match="refusing to write shard names"):
-        w._persist(m, rec, tensors, Trail(), in_place=False)
+        w._persist(rec, tensors, Trail(), in_place=False)
     assert files_under(tmp_path) == before
 
 
@@ -406,3 +408,103 @@ def test_long_manifest_plans_in_linear_time():
     plan = plan_path(m, 3)
     assert time.monotonic() - start < 5.0
     assert plan.snapshot is None and len(plan.steps) == n - 4
+
+
+# -- links planted in a file:// store (issue 37) --------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "relay.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+
+
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_links_planted_in_a_file_store_are_never_followed(tmp_path, trainer):
+    """Issue 37 (suspected, confirmed): whoever can write a file:// store's directory plants links in it: the
+    run's deltas/ directory is moved out and linked back, and so is the newest snapshot's shard. `gc` (run by a
+    more privileged operator) listed deltas/ through the link and unlinked the old deltas outside the store
+    (`unlink` follows directory links in the path); `verify` and a fresh watcher read both objects from outside
+    the store. Every key operation should refuse a link anywhere under the root, naming it, and touch nothing
+    outside."""
+    root = tmp_path / "store" / "run"
+    url = f"file://{root}"
+    publish_steps(url, trainer, 8)  # snapshots 0, 3, 6; head 7
+    m = Manifest.parse((root / "manifest.json").read_bytes())
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.rename(root / "deltas", outside / "deltas")
+    os.symlink(outside / "deltas", root / "deltas")
+    shard = root / m.snapshots[-1].files[0].key
+    os.rename(shard, outside / shard.name)
+    os.symlink(outside / shard.name, shard)
+    kept, manifest = _contents(outside), (root / "manifest.json").read_bytes()
+    assert sorted(kept) == [*(f"deltas/{s}-0.drd" for s in range(1, 8)), shard.name]
+
+    gc = _cli("gc", url, "--keep-snapshots", "1")
+    assert gc.returncode == 1, gc.stderr
+    assert f"{root / 'deltas'} is a symbolic link to {outside / 'deltas'}: refused" in gc.stderr, gc.stderr
+    assert _contents(outside) == kept, "gc deleted files outside the store"
+    assert (root / "manifest.json").read_bytes() == manifest  # refused before anything was trimmed
+
+    check = _cli("verify", url)
+    assert check.returncode == 1, check.stdout
+    assert f"{shard} is a symbolic link to {outside / shard.name}: refused" in check.stdout, check.stdout
+    assert f"{root / 'deltas'} is a symbolic link" in check.stdout, check.stdout
+
+    dest = tmp_path / "dest"
+    watch = _cli("watch", url, "--dest", str(dest), "--once", "--timeout", "60", "--no-report", "--no-progress")
+    assert watch.returncode == 1, watch.stderr
+    assert "is a symbolic link to" in watch.stderr and ": refused" in watch.stderr, watch.stderr
+    assert not (dest / shard.name).exists()
+    assert _contents(outside) == kept
+
+
+def test_no_key_operation_of_a_file_store_passes_a_planted_link(tmp_path):
+    """The store's side of the case above, per operation: reads, create-only writes, compare-and-swap, listing
+    and deletion through a directory link, a file link and a lock-file link all refuse, naming the link, and
+    leave the outside as it was; a FIFO in place of an object is refused at once, not waited on."""
+    root = tmp_path / "run"
+    store = open_store(f"file://{root}")
+    store.put_new("records/1.json", b"{}")
+    store.put_new("snapshots/3/a.safetensors", b"x" * 10)
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "1-0.drd").write_bytes(b"theirs")
+    (outside / "f").write_bytes(b"theirs too")
+    os.symlink(outside / "d", root / "deltas")
+    os.symlink(outside / "f", root / "records" / "2.json")
+    os.symlink(outside / "lock", root / ".cas-regional%snapshots.json.lock")
+    os.mkfifo(root / "records" / "3.json")
+    kept = _contents(outside)
+    spool = os.open(tmp_path / "spool", os.O_RDWR | os.O_CREAT)
+
+    refused = {"get": lambda: store.get("deltas/1-0.drd"),
+               "get_at_most": lambda: store.get_at_most("records/2.json", 100),
+               "iter_chunks": lambda: list(store.iter_chunks("deltas/1-0.drd")),
+               "download": lambda: store.download("records/2.json", spool),
+               "read_object": lambda: store.read_object("records/2.json"),
+               "put_new": lambda: store.put_new("deltas/2-0.drd", b"ours"),
+               "put_new_stream": lambda: store.put_new_stream("deltas/2-0.drd", [b"ours"], 4),
+               "commit_object (through a link)": lambda: store.commit_object("deltas/x.json", b"{}", None),
+               "commit_object (onto a link)": lambda: store.commit_object("records/2.json", b"{}", None),
+               "commit_object (lock)": lambda: store.commit_object("regional/snapshots.json", b"{}", None),
+               "list": lambda: store.list("deltas/"),
+               "list_run": lambda: store.list_run(),
+               "delete (through a link)": lambda: store.delete(["deltas/1-0.drd"]),
+               "delete (a link)": lambda: store.delete(["records/2.json"])}
+    for what, call in refused.items():
+        with pytest.raises(UnsafeStorePath, match="is a symbolic link to") as exc:
+            call()
+        assert str(outside) in str(exc.value), what
+    os.close(spool)
+    assert _contents(outside) == kept and not (outside / "lock").exists()
+    with pytest.raises(UnsafeStorePath, match="records/3.json is neither a directory nor a regular file"):
+        store.get("records/3.json")
+    assert store.get("snapshots/3/a.safetensors") == b"x" * 10  # what is the store's own still works
+    assert store.list("snapshots/") == {"snapshots/3/a.safetensors": 10}
+    store.delete(["snapshots/3/a.safetensors"])
+    assert not (root / "snapshots").exists()

@@ -17,6 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("codec", "relay")
 LAB = ("codec.lab", "relay.lab")
+# Drop-ins for trainers (relay.integrations.trl, .verl): they import their trainer's packages, which a rollout host
+# and a plain trainer never install, so the runtime never imports them.
+INTEGRATIONS = ("relay.integrations",)
+TRAINER_PACKAGES = ("transformers", "trl", "accelerate", "datasets", "verl", "ray")
 # What the lab may import from the runtime: the packages' top level (their __all__) and the
 # modules their docstrings declare public. Names with a leading underscore are never public.
 PUBLIC = {"codec", "codec.tensors", "codec.compressors", "codec.wire",
@@ -25,6 +29,10 @@ PUBLIC = {"codec", "codec.tensors", "codec.compressors", "codec.wire",
 
 def is_lab(module: str) -> bool:
     return any(module == lab or module.startswith(lab + ".") for lab in LAB)
+
+
+def is_integration(module: str) -> bool:
+    return any(module == i or module.startswith(i + ".") for i in INTEGRATIONS)
 
 
 def module_name(path: Path) -> str:
@@ -128,8 +136,22 @@ def _loaded_lab(code: str) -> list[str]:
 
 
 def test_importing_the_runtime_loads_no_lab_module():
-    runtime = sorted(n for n in MODULES if not is_lab(n))
+    runtime = sorted(n for n in MODULES if not is_lab(n) and not is_integration(n))
     assert _loaded_lab("import codec, relay, relay.cli\n" + "".join(f"import {n}\n" for n in runtime)) == []
+
+
+def test_no_runtime_module_imports_an_integration_or_a_trainer_package():
+    bad = [f"{name} ({path.relative_to(ROOT)}:{line}) imports {mod}"
+           for name, path in MODULES.items() if not is_lab(name) and not is_integration(name)
+           for line, mod, n in imports(name, path)
+           if is_integration(mod) or mod.split(".")[0] in TRAINER_PACKAGES]
+    assert not bad, "the runtime must not import relay.integrations or a trainer's packages:\n" + "\n".join(bad)
+    runtime = sorted(n for n in MODULES if not is_lab(n) and not is_integration(n))
+    probe = ("import json, sys\nimport codec, relay, relay.cli\n" + "".join(f"import {n}\n" for n in runtime)
+             + f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {TRAINER_PACKAGES!r})))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
 def test_runtime_commands_load_no_lab_module():

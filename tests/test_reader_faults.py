@@ -19,19 +19,19 @@ from test_regional import start_run
 
 
 def _region_with_both_snapshots(tmp_path, trainer):
-    """Steps 0-9, trainer snapshots at 0, 3, 6, 9; a region that keeps the trainer's snapshots too
-    (`origin_snapshots: true`) and announces its own, materialised at the same steps (6 and 9)."""
+    """Steps 0-9, trainer snapshots at 0, 3, 6, 9; a region that keeps the trainer's snapshots too and
+    announces its own, materialised at the same steps (6 and 9)."""
     run = start_run(tmp_path, trainer, "both")
     run.publish(range(10))
     for key in sorted(run.src.list_run()):
         if key.startswith("snapshots/"):
             run.dst.put_immutable(key, run.src.get(key))
-    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, origin_snapshots=True) as mat:
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin) as mat:
         assert mat.sync_once(timeout=60)
     run.pub.close()
     ann, _ = read_announcement(run.dst)
     m = Manifest.parse(run.dst.read_manifest().data)
-    assert ann.origin_snapshots and ann.snapshot(9) is not None and m.snapshot(9) is not None  # premise
+    assert ann.snapshot(9) is not None and m.snapshot(9) is not None  # premise
     return run, ann, m
 
 
@@ -82,7 +82,7 @@ def test_partial_replica_planning_does_not_download_an_unplanned_oversized_index
     fref = ObjRef.of(regional_prefix(step) + real.key.rsplit("/", 1)[1], fdata)
     run.dst.put_new(index.key, junk)
     run.dst.put_new(fref.key, fdata)
-    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, True, (Snapshot(step, index, (fref,)),)).to_bytes(),
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, (Snapshot(step, index, (fref,)),)).to_bytes(),
                           None)
     name = sorted(run.states[3])[0]
     needed = m.snapshot(3).bytes + m.step(3).record.size

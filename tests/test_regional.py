@@ -103,7 +103,7 @@ def test_materialiser_bootstraps_once_then_builds_the_region_s_snapshots(materia
     assert not any(k.startswith("snapshots/") for k in run.dst.list_run())
     assert not run.dst.list("regional/snapshots/3/")  # left the announcement (keep 2), objects deleted
     ann, _ = read_announcement(run.dst)
-    assert ann.run == origin.run and not ann.origin_snapshots and [s.step for s in ann.snapshots] == [6, 9]
+    assert ann.run == origin.run and [s.step for s in ann.snapshots] == [6, 9]
     # deterministic serialization: the region's snapshot is the trainer's, byte for byte
     for f in origin.snapshot(9).files:
         assert run.dst.get("regional/" + f.key) == run.src.get(f.key)
@@ -151,7 +151,7 @@ def _forge(run: Run, step: int, how: str) -> None:
         snap = dataclasses.replace(snap, index=ObjRef.of(snap.index.key, data))
     else:
         raise AssertionError(how)
-    forged = Announcement(ann.run, ann.origin_snapshots, tuple(snap if s.step == step else s for s in ann.snapshots))
+    forged = Announcement(ann.run, tuple(snap if s.step == step else s for s in ann.snapshots))
     update_announcement(run.dst, lambda cur: forged)
 
 
@@ -164,8 +164,8 @@ def test_a_forged_regional_snapshot_is_refused_and_the_watcher_takes_another_pat
     with Watcher(run.region, tmp_path / "dest") as w:
         assert w.sync(timeout=60) == 9  # from regional snapshot 6 and the chain 7-9
         assert bits_equal(w.tensors, run.states[9])
-        forged = read_announcement(run.dst)[0].snapshot(9)
-        assert set(w.reader._failures) & {forged.index, *forged.files}  # refused, and backed off
+        assert "regional/snapshots/9/" in w.reader._failures  # refused, and its step backed off, whatever the refs
+        assert w.reader.verify_failures == 1  # not refetched: the unsigned announcement chose the reference
     assert "verification failed again" in caplog.text
     assert not verify(run.region, deep=True).ok  # and verify says so
 
@@ -180,7 +180,7 @@ def test_an_announcement_of_garbage_or_another_run_is_ignored(materialised, tmp_
         with pytest.raises(SyncTimeout):
             w.sync(timeout=1.5)
         assert w.step is None
-    other = Announcement("f" * 32, False, ann.snapshots)
+    other = Announcement("f" * 32, ann.snapshots)
     update_announcement(run.dst, lambda cur: other)
     with Watcher(run.region, tmp_path / "dest2", retry_initial=0.05, retry_max=0.1) as w:
         with pytest.raises(SyncTimeout):
@@ -277,7 +277,7 @@ def test_end_to_end_on_s3(moto_regions, tmp_path, trainer, bits_equal):
     with Watcher(region, tmp_path / "dest", storage_options=west.options) as w:
         assert w.sync(timeout=30) == 11 and bits_equal(w.tensors, run.states[11])
     doc = json.loads(run.dst.get(ANNOUNCE_KEY))
-    assert doc["format"] == "deltarelay.regional-snapshots" and doc["origin_snapshots"] is False
+    assert doc["format"] == "deltarelay.regional-snapshots" and doc["origin_snapshots"] is True  # a constant
 
 
 def test_signed_records_without_blake3_give_no_regional_snapshot_to_a_trusting_reader(tmp_path, trainer, bits_equal,
@@ -296,10 +296,13 @@ def test_signed_records_without_blake3_give_no_regional_snapshot_to_a_trusting_r
     assert all(i.blake3 is None for i in run.record(3).tensors.values())
     with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, trusted_keys=[pub]) as mat:
         assert mat.sync_once(timeout=60) and mat.status()["regional_snapshots"] == [3]
-    with Watcher(run.region, tmp_path / "trusting", trusted_keys=[pub]) as w:
-        with pytest.raises(SyncError, match="no verified path"):
-            w.sync(timeout=30)
+    with Watcher(run.region, tmp_path / "trusting", trusted_keys=[pub], retry_initial=0.05, retry_max=0.2) as w:
+        # refused and backed off; then only the trainer's snapshot is left, which this region lacks: waited for
+        with pytest.raises(SyncError, match="no verified path|snapshots/3/"):
+            w.sync(timeout=5)
         assert w.step is None
+        own = read_announcement(run.dst)[0].snapshot(3)
+        assert {own.index, *own.files} <= set(w.reader._failures)
     with Watcher(run.region, tmp_path / "keyless") as w:
         assert w.sync(timeout=30) == 3 and bits_equal(w.tensors, run.states[3])
 
@@ -334,7 +337,7 @@ def _regional_snapshot_of(run: Run, step: int, tensors: dict, metadata: dict) ->
     snap = relay.manifest.Snapshot(step, ObjRef.of(f"regional/snapshots/{step}/model.safetensors.index.json", index),
                                    tuple(files))
     m = Manifest.parse(run.dst.read_manifest().data)
-    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, True, (snap,)).to_bytes(), None)
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, (snap,)).to_bytes(), None)
 
 
 def test_a_regional_snapshots_headers_do_not_reach_dest_in_a_signed_run(tmp_path, trainer, bits_equal):
@@ -396,28 +399,27 @@ def test_a_streamed_snapshot_may_not_declare_more_than_its_record(tmp_path, trai
     run.dst.put_new("regional/snapshots/4/model.safetensors.index.json", index)
     snap = relay.manifest.Snapshot(4, ObjRef.of("regional/snapshots/4/model.safetensors.index.json", index),
                                    (ObjRef(f"regional/snapshots/4/{shard}", size, "0" * 32, None),))
-    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, (snap,)).to_bytes(), None)
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, (snap,)).to_bytes(), None)
     with pytest.raises(SyncError):
         Reader(run.dst, trusted_keys=[pub]).reach(None, None, timeout=3)
 
 
-def test_an_announcement_that_hides_the_trainers_snapshots_is_named(tmp_path, trainer):
-    """An unsigned announcement saying a store keeps none of the trainer's snapshots, and announcing none of
-    its own, leaves a fresh host no path: the error says which object decided that (it is a bucket writer's
-    150 bytes as easily as a materialiser's)."""
+def test_an_announcement_saying_the_store_keeps_no_trainer_snapshots_hides_none(tmp_path, trainer, bits_equal):
+    """An unsigned announcement that says a store keeps none of the trainer's snapshots (`origin_snapshots:
+    false`, as an earlier materialiser wrote it, or a bucket writer's 150 bytes) and announces none of its own
+    used to leave a fresh host no path. The field decides nothing now: readers use the snapshots the store
+    holds."""
     key, pub, _ = generate_keypair(tmp_path / "trainer")
     run = start_run(tmp_path, trainer, "a", signing_key=key)
     run.publish(range(5))
     run.pub.close()
     m = Manifest.parse(run.src.read_manifest().data)
-    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, ()).to_bytes(), None)
+    doc = {"format": "deltarelay.regional-snapshots", "version": 1, "run": m.run, "origin_snapshots": False,
+           "snapshots": []}
+    run.src.commit_object(ANNOUNCE_KEY, json.dumps(doc).encode(), None)
+    assert read_announcement(run.src)[0] is not None  # premise: read, not ignored as unreadable
     with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
-        with pytest.raises(SyncError, match=r"snapshots\.json \(unsigned\) says this store keeps none of the "
-                                            r"trainer's 2 snapshots, and it announces 0 usable"):
-            w.sync(timeout=10)
-    run.src.delete([ANNOUNCE_KEY])
-    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
-        assert w.sync(timeout=30) == 4
+        assert w.sync(timeout=30) == 4 and bits_equal(w.tensors, run.states[4])
 
 
 def test_snapshot_files_declaring_far_more_than_their_record_are_not_downloaded(tmp_path, trainer, bits_equal,
@@ -439,12 +441,16 @@ def test_snapshot_files_declaring_far_more_than_their_record_are_not_downloaded(
     snap = relay.manifest.Snapshot(4, ObjRef.of("regional/snapshots/4/model.safetensors.index.json", index),
                                    (ObjRef.of(f"regional/snapshots/4/{shard}", junk),))
     m = Manifest.parse(run.src.read_manifest().data)
-    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, (snap,)).to_bytes(), None)  # the only start
-    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
-        with pytest.raises(SyncError, match="regional/snapshots/4"):
+    trainers = {r.key: run.src.get(r.key) for t in m.snapshots for r in (t.index, *t.files)}
+    run.src.delete(sorted(trainers))  # a bucket writer may delete: the announced one is the only start
+    run.src.commit_object(ANNOUNCE_KEY, Announcement(m.run, (snap,)).to_bytes(), None)
+    with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub], retry_initial=0.05, retry_max=0.2) as w:
+        with pytest.raises(SyncError):
             w.sync(timeout=10)
         assert w.bytes_downloaded < 1 << 20
-    run.src.delete([ANNOUNCE_KEY])  # repaired: the trainer's snapshots again
+        assert snap.files[0] in w.reader._failures  # refused unread, and backed off
+    for k, data in trainers.items():  # repaired: the trainer's snapshots again
+        run.src.put_new(k, data)
     with Watcher(run.origin, tmp_path / "dest", trusted_keys=[pub]) as w:
         assert w.sync(timeout=60) == 4 and bits_equal(w.tensors, run.states[4])
 
@@ -494,7 +500,7 @@ def test_verify_reports_a_region_with_no_start_and_a_delta_with_the_wrong_parent
     run.publish(range(6))
     run.pub.close()
     m = Manifest.parse(run.dst.read_manifest().data)
-    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, False, ()).to_bytes(), None)
+    run.dst.commit_object(ANNOUNCE_KEY, Announcement(m.run, ()).to_bytes(), None)
     report = verify(run.region, deep=True)
     assert not report.ok and any("no snapshot a reader of this store can start from" in p for p in report.problems)
 
@@ -515,12 +521,12 @@ def test_verify_deep_rebuilds_every_snapshot_of_a_step(tmp_path, trainer):
     for key in sorted(run.src.list_run()):  # the trainer's snapshots cross too
         if key.startswith("snapshots/"):
             run.dst.put_immutable(key, run.src.get(key))
-    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, origin_snapshots=True) as mat:
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin) as mat:
         assert mat.sync_once(timeout=60)
     run.pub.close()
     ann, _ = read_announcement(run.dst)
     m = Manifest.parse(run.dst.read_manifest().data)
-    assert ann.origin_snapshots and 9 in {s.step for s in ann.snapshots} and m.snapshot(9) is not None  # premise
+    assert 9 in {s.step for s in ann.snapshots} and m.snapshot(9) is not None  # premise
     assert verify(run.region, deep=True).ok
     # the trainer's snapshot 9 in the region replaced by step 8's tensors, the unsigned manifest rewritten to match
     snap = m.snapshot(9)

@@ -15,7 +15,7 @@ from relay.manifest import INDEX_NAME, Manifest
 from relay.publisher import Publisher
 from relay.regional import Materialiser
 from relay.store import open_store
-from relay.watcher import Reader, SyncError
+from relay.watcher import Reader, SyncError, Watcher
 
 from conftest import same_bits
 from test_regional import replicate, start_run
@@ -107,8 +107,8 @@ def test_a_forged_announced_step_past_the_head_does_not_stop_the_materialiser_fo
     ("a newer one serves every reader") and `add` refuses to announce under it, forever, even after the
     attacker is gone; the region gets no new snapshot again (and once the origin trims the manifest past the
     last real one, the relay in regional-snapshot mode has nothing servable and stops committing). The
-    materialiser should disregard announced steps its manifest does not list above its head (and drop them
-    at its next commit), and announce its snapshot of step 9."""
+    materialiser should disregard announced steps its manifest does not list above its head (they stay
+    announced: see the replayed-manifest test below), and announce its snapshot of step 9."""
     run = start_run(tmp_path, trainer)
     run.publish(range(5))  # trainer snapshots 0, 3
     with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, keep=2) as mat:
@@ -150,3 +150,38 @@ def test_a_restarted_materialiser_whose_announced_snapshots_expired_bootstraps_a
     run.pub.close()
 
 
+
+
+def test_a_replayed_older_manifest_does_not_take_a_genuine_snapshot_out_of_the_announcement(tmp_path, trainer,
+                                                                                            bits_equal):
+    """Issue 37 (suspected, confirmed here): a bucket writer puts back the region's manifest of head 4 (a genuine,
+    older one: a keyless materialiser and a trusting one both accept it) while the region announces its own
+    snapshot 6. A materialiser that starts then (a restart: nothing held) bootstraps at step 3 and materialises
+    it; its swap took every announced step past the head it read for a forgery and dropped it, so the region's
+    genuine snapshot 6 left the announcement (its files kept, readers no longer told of it) until written again.
+    Entries past the head should stay announced as they are (they count for nothing there: not newer, no place
+    among the `keep`), and the region's readers start from 6 again once the real manifest is back."""
+    run = start_run(tmp_path, trainer)
+    run.publish(range(5))  # trainer snapshots 0, 3; head 4
+    older = run.dst.read_manifest().data
+    run.publish(range(5, 8))  # trainer snapshot 6; head 7
+    with Materialiser(run.region, tmp_path / "work", bootstrap_from=run.origin, keep=1) as mat:
+        assert mat.sync_once(timeout=30) and mat.step == 7
+    genuine = read_announcement(run.dst)[0]
+    assert [s.step for s in genuine.snapshots] == [6]
+
+    run.dst.commit_manifest(older, run.dst.read_manifest().etag)  # the replay
+    with Materialiser(run.region, tmp_path / "work2", bootstrap_from=run.origin, keep=1) as again:
+        assert again.sync_once(timeout=30) and again.step == 4
+    ann = read_announcement(run.dst)[0]
+    assert [s.step for s in ann.snapshots] == [3, 6], "the genuine snapshot 6 left the announcement"
+    assert ann.snapshot(6) == genuine.snapshot(6)  # untouched, and the keep (1) counted only step 3
+
+    run.publish(range(8, 9))  # the real manifest is back (head 8)
+    with Watcher(run.region, tmp_path / "dest") as w:  # a fresh host in the region (it holds no trainer snapshot)
+        assert w.sync(timeout=30) == 8
+        assert bits_equal(w.tensors, run.states[8])
+        m = Manifest.parse(run.dst.read_manifest().data)
+        chain = sum(m.step(s).record.size + sum(p.ref.size for p in m.step(s).parts) for s in (7, 8))
+        assert w.bytes_downloaded == genuine.snapshot(6).bytes + chain  # from the region's snapshot 6, not 3
+    run.pub.close()

@@ -32,27 +32,27 @@ def _race(url, options, states, step):
     return outcome
 
 
-def test_two_publishers_race_for_the_same_step(run_store, trainer, bits_equal, tmp_path):
+def test_two_publishers_race_for_the_same_step(every_store, trainer, bits_equal, tmp_path):
     a, b = trainer(seed=10), trainer(seed=11)
-    with relay.Publisher(run_store.url, storage_options=run_store.options) as pub:
+    with relay.Publisher(every_store.url, storage_options=every_store.options) as pub:
         pub.publish(a.step(), 0)
-    w = relay.Watcher(run_store.url, tmp_path / "w", storage_options=run_store.options)
+    w = relay.Watcher(every_store.url, tmp_path / "w", storage_options=every_store.options)
     for step in range(1, 5):
         states = [a.step(), b.step()]
-        outcome = _race(run_store.url, run_store.options, states, step)
+        outcome = _race(every_store.url, every_store.options, states, step)
         winners = [i for i, o in outcome.items() if o == "won"]
         assert len(winners) == 1, outcome
         loser = 1 - winners[0]
         assert isinstance(outcome[loser], ConflictError)
-        m = Manifest.parse(open_store(run_store.url, run_store.options).read_manifest().data)
+        m = Manifest.parse(open_store(every_store.url, every_store.options).read_manifest().data)
         assert m.head == step and m.step(step).parent == step - 1
         assert w.sync() == step
         assert bits_equal(w.tensors, states[winners[0]])
 
 
-def test_two_fresh_publishers_cannot_both_start_a_run(run_store, trainer):
+def test_two_fresh_publishers_cannot_both_start_a_run(every_store, trainer):
     states = [trainer(seed=12).state(), trainer(seed=13).state()]
-    pubs = [relay.Publisher(run_store.url, storage_options=run_store.options, background=False) for _ in states]
+    pubs = [relay.Publisher(every_store.url, storage_options=every_store.options, background=False) for _ in states]
     gate = threading.Barrier(2)
     results = [None, None]
 
@@ -71,7 +71,7 @@ def test_two_fresh_publishers_cannot_both_start_a_run(run_store, trainer):
         th.join(60)
     assert sorted(r == "won" for r in results) == [False, True], results
     winner = pubs[results.index("won")]
-    m = Manifest.parse(open_store(run_store.url, run_store.options).read_manifest().data)
+    m = Manifest.parse(open_store(every_store.url, every_store.options).read_manifest().data)
     assert m.run == winner.run and m.head == 0
 
 

@@ -72,7 +72,7 @@ def test_what_the_code_writes_follows_the_schemas(run_docs, file_run, trainer, t
     validator("relay-state").validate(run_docs["state"])
     DestState.parse(json.dumps(run_docs["state"]).encode())
     validator("regional-snapshots").validate(run_docs["announcement"])
-    assert run_docs["announcement"]["snapshots"] and run_docs["announcement"]["origin_snapshots"] is False
+    assert run_docs["announcement"]["snapshots"] and run_docs["announcement"]["origin_snapshots"] is True
     assert run_docs["journal_state"]["persist"] == "journal" and len(run_docs["journal_state"]["journal"]) == 2
     validator("relay-state").validate(run_docs["journal_state"])
     DestState.parse(json.dumps(run_docs["journal_state"]).encode())
@@ -110,7 +110,7 @@ RECORD_MUTATIONS = [
 
 ANNOUNCE_MUTATIONS = [
     lambda a: a.update(version=2), lambda a: a.update(format="x"), lambda a: a.update(extra=1),
-    lambda a: a.update(run="r"), lambda a: a.update(origin_snapshots="no"), lambda a: a.pop("origin_snapshots"),
+    lambda a: a.update(run="r"), lambda a: a.update(origin_snapshots="no"),
     lambda a: a["snapshots"][0].update(step=-1), lambda a: a["snapshots"][0].update(files=[]),
     lambda a: a["snapshots"][0]["index"].update(key="snapshots/3/model.safetensors.index.json"),
     lambda a: a["snapshots"][0]["files"][0].update(key="regional/snapshots/1/../../manifest.json"),

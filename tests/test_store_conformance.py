@@ -1,5 +1,6 @@
 """One conformance suite over every kind of store (#14): memory:// and another fsspec filesystem through the
-generic FsspecStore path, file:// (LocalStore) and S3 on a moto server (S3Store). Every store keeps the
+generic FsspecStore path, file:// (LocalStore) and S3 (S3Store) on a moto server and on Ceph RGW 16 (a real S3
+implementation whose conditional writes differ from AWS's: docs/STORES.md). Every store keeps the
 contract of relay.store.Store; the publisher, watcher and relay rely on nothing else."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from relay.store import (NOT_MODIFIED, Buffer, ConflictError, FsspecStore, LocalStore, ObjectExists, ObjectMissing,
                          S3Store, Store, Transfer, content_tag, open_store)
 
-KINDS = {"memory": FsspecStore, "dir": FsspecStore, "file": LocalStore, "s3": S3Store}
+KINDS = {"memory": FsspecStore, "dir": FsspecStore, "file": LocalStore, "s3": S3Store, "rgw": S3Store}
 
 
 def make_store(request, tmp_path, kind: str) -> Store:
@@ -404,7 +405,8 @@ def test_racing_streamed_creates_have_one_winner(request, tmp_path, kind):
     """Four writers stream different multipart objects to one key at once: one wins whole, the others get
     ObjectExists, and no upload is left open. Not on moto: its check of If-None-Match on a completion is
     not atomic with the completion (S3's is), so concurrent completions all pass there; S3 is held to the
-    overtaken case above, where the completions do not overlap."""
+    overtaken case above, where the completions do not overlap. On RGW, whose completions are not
+    create-only at all, the store creates such objects by one create-only PutObject (docs/STORES.md)."""
     big = with_transfer(make_store(request, tmp_path, kind), SMALL)
     key = "snapshots/3/model.safetensors"
     size = SIZES["three-parts"]

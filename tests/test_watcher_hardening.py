@@ -563,8 +563,8 @@ def test_signed_run_without_trusted_keys_warns_once(tmp_path, caplog):
 def test_a_watcher_a_forged_head_moved_past_the_trainer_is_repaired_once_by_accept_older_head(tmp_path):
     """An unsigned run: a bucket writer commits a manifest whose head is step 2**62 (the trainer's own step-3
     weights under a new step number: nothing looks wrong), and a watcher moves there. Once the bucket is
-    repaired the watcher refuses every real head, across restarts: it never moves back. accept_older_head
-    (`deltarelay watch --accept-older-head`) takes the older head once; after that the rule holds again."""
+    repaired the watcher refuses every real head, across restarts: it never moves back. accept_older_head=6
+    (`deltarelay watch --accept-older-head 6`) takes that older head once; after that the rule holds again."""
     from relay.manifest import Snapshot, Step
     from relay.manifest import record_key as rkey
     from relay.manifest import snapshot_prefix as sprefix
@@ -605,9 +605,9 @@ def test_a_watcher_a_forged_head_moved_past_the_trainer_is_repaired_once_by_acce
             pub.publish(states[step], step)
     with Watcher(url, dest, report_interval=None) as w:
         assert w.sync(timeout=30) == huge  # never moves back on its own
-    with Watcher(url, dest, report_interval=None, accept_older_head=True) as w:
+    with Watcher(url, dest, report_interval=None, accept_older_head=6) as w:
         assert w.sync(timeout=30) == 6 and same_bits(w.tensors, states[6])
-        assert not w.accept_older_head
+        assert w.accept_older_head is None
         assert same_bits(dest_state(dest), states[6])
         replay = Manifest.parse(genuine)  # an older manifest of the run again: kept at 6 (once means once)
         store.commit_manifest(replay.to_bytes(), store.read_manifest().etag)

@@ -118,6 +118,24 @@ def test_materialize_command_and_modes_switch(run, file_run, tmp_path):
     assert dest.open_head(d)[0] == 4 and same_bits(dest.open_head(d)[1], run.states[4])
 
 
+def test_restart_in_full_mode_shows_the_held_step_complete_without_a_new_step(run, file_run, tmp_path):
+    """journal -> full, no engine, nothing new in the store (processes): the full-mode watcher's first sync
+    rewrites the held journal version as a full one, so DEST's visible names are a complete checkpoint of the
+    held step at once, as full mode promises (and an engine would stage those files)."""
+    for _ in range(3):
+        run.step()
+    d = tmp_path / "dest"
+    cmd = [sys.executable, "-m", "relay.cli", "watch", file_run.url, "--dest", str(d), "--once", "--no-report",
+           "--no-progress", "--persist"]
+    for persist in ("journal", "full"):
+        proc = subprocess.run(cmd + [persist], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        state = dest.read_state(version_of(d))
+        assert (state.step, state.persist) == (2, persist), (state.step, state.persist, state.base)
+    assert STATE_NAME in visible(d) and len(visible(d)) > 1
+    assert same_bits(checkpoint.load(d)[0], run.states[2])
+
+
 def test_torn_journal_tail_is_removed_and_a_bad_journal_is_proven_bad(run, file_run, tmp_path):
     """A journal file the committed state does not name (a crash between the payload and the state file) is
     removed at start; a named journal file that was altered makes the version proven bad (removed)."""

@@ -159,11 +159,11 @@ def test_background_snapshot_commit_verifies_and_checks_the_head(file_run, train
 
 
 # -- finding 4: resume no longer deletes a live publisher's objects ---------------------------------
-def test_resume_fences_a_live_publisher_instead_of_deleting_its_objects(run_store, trainer, tmp_path):
+def test_resume_fences_a_live_publisher_instead_of_deleting_its_objects(every_store, trainer, tmp_path):
     """A restarted trainer resumes while the old one is between uploading step 3 and committing it. The old
     one's commit is refused (it is fenced), no manifest ever names a missing object, and the new one then
     publishes its own step 3, replacing the old one's uncommitted objects."""
-    url, opts = run_store.url, run_store.options
+    url, opts = every_store.url, every_store.options
     old_t, new_t = trainer(seed=6), trainer(seed=7)
     old = Publisher(url, storage_options=opts, snapshot_every=100, background=False)
     for step in range(3):

@@ -99,7 +99,9 @@ class WorkerExtension:
         all tensors when "changed" is null or the model's layers cannot be told apart) into memory,
         while the engine keeps serving, and check them against the step the engine serves ("previous",
         its version directory; null: the engine's own checkpoint, as started): same names, shapes and
-        dtypes, so an apply cannot fail on bad input and a failed one can be rolled back.
+        dtypes, so an apply cannot fail on bad input and a failed one can be rolled back; and against the
+        record of "step" in the directory's state file (_check_labelled), so that nothing but that step's
+        weights is ever served as it.
         spec: {"step": int, "files": dir, "changed": [names] | null, "previous": dir | null}."""
         req = json.loads(spec)
         step, files, changed = int(req["step"]), Path(req["files"]), req.get("changed")
@@ -121,6 +123,7 @@ class WorkerExtension:
             load = widen_to_layers(changed, names, packed)
         _check_fits(step, files, load, previous, self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         staged = dict(_read(files, load))  # a copy in memory: the files may go with the next step
+        _check_labelled(step, files, staged)
         self._deltarelay_staged = (step, [(n, staged[n]) for n in load], previous)
         return {"step": step, "tensors": len(load), "bytes": sum(t.nbytes for t in staged.values()),
                 "layers": len({layer_of(n, packed) for n in load}), "of_tensors": len(names)}
@@ -244,6 +247,26 @@ def _check_fits(step: int, files: Path, load: list[str], previous: Path | None, 
                  for n in load if n in ref and ref[n] != new[n]]
     if problems:
         raise ValueError(f"{files}: step {step} does not fit the model the engine serves: {'; '.join(problems[:5])}")
+
+
+def _check_labelled(step: int, files: Path, staged: dict[str, torch.Tensor]) -> None:
+    """Refuse tensors that are not the step they would be served as: `files` must be a watcher's full version
+    of `step` (its relay-state.json says so; a journal version's safetensors are its base, an older step), and
+    every tensor read must match that state's record digests. The engine's weight version then names what it
+    computes with, whatever a directory happens to hold."""
+    from relay import dest
+    from relay.manifest import mismatches
+
+    try:
+        state = dest.read_state(files)
+    except (dest.BadVersion, OSError) as exc:
+        raise ValueError(f"{files}: not a watcher's version of step {step} ({exc}); refused") from None
+    if state.persist != "full" or state.step != step or state.partial:
+        raise ValueError(f"{files}: its state file says step {state.step}, persist {state.persist}"
+                         f"{', partial' if state.partial else ''}: not a complete checkpoint of step {step}; refused")
+    bad = mismatches(staged, {n: state.tensors[n] for n in staged if n in state.tensors}, strong=False)
+    if bad:
+        raise ValueError(f"{files}: tensor(s) {bad[:5]} do not match the record of step {step}; refused")
 
 
 CHECKPOINT_VERSION = "default"  # vLLM's weight version of an engine as started from its checkpoint
