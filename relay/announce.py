@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from relay.manifest import (INDEX_NAME, MAX_MANIFEST_BYTES, Manifest, ManifestError, ObjRef, Snapshot, _hex32,
-                            _load_json, _need, _only, _step_int, safe_file_name)
+                            load_json, _need, _only, _step_int, safe_file_name)
 from relay.store import ConflictError, ObjectMissing, Store
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Announcement:
 
     @classmethod
     def parse(cls, data: bytes, where: str = ANNOUNCE_KEY) -> "Announcement":
-        doc = _load_json(data, where, MAX_MANIFEST_BYTES)
+        doc = load_json(data, where, MAX_MANIFEST_BYTES)
         _only(doc, {"format", "version", "run", "origin_snapshots", "snapshots"}, where)
         if doc.get("format") != ANNOUNCE_FORMAT:
             raise ManifestError(f"{where}: format is {str(doc.get('format'))[:80]!r}, expected {ANNOUNCE_FORMAT!r}")

@@ -19,6 +19,8 @@ import importlib.metadata
 import logging
 import sys
 
+from relay.cli_options import ShownFormatter, shown
+
 COMMAND_MODULES = (
     "relay.cli_codec",  # encode, decode, inspect
     "relay.cli_relay",  # publish, watch, rebase, gc, status
@@ -95,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(_command_of(argv)).parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(ShownFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one line, no traceback, for operators and scripts
         if args.verbose >= 2:
             raise
-        print(f"deltarelay {args.command}: error: {exc}", file=sys.stderr)
+        print(shown(f"deltarelay {args.command}: error: {exc}"), file=sys.stderr)
         return 1
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import codec
 from codec import container
 from relay import checkpoint
+from relay.cli_options import shown
 from relay.files import write_atomic
 
 _ROW_KEYS = {"name", "dtype", "shape", "method", "changed", "changed_fraction", "bytes", "streams"}
@@ -86,7 +87,7 @@ def _inspect(args: argparse.Namespace) -> int:
         for name, n in r["streams"].items():
             per_stream[name] = per_stream.get(name, 0) + n
         extra = {k: v for k, v in r.items() if k not in _ROW_KEYS}
-        rows.append([r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "()",
+        rows.append([shown(r["name"]), r["dtype"], "x".join(map(str, r["shape"])) or "()",
                      f"{100 * r['changed_fraction']:.4f}%", r["method"], f"{r['bytes']:,}",
                      _fmt(r["streams"]) or "-", _fmt(extra)])
     changed = info["changed"] / info["elements"] if info["elements"] else 0.0

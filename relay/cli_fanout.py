@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from relay import fleet
-from relay.cli_options import add_metrics, add_trusted_key, storage_options
+from relay.cli_options import add_metrics, add_trusted_key, shown, storage_options
 from relay.fanout import Destination, Fanout
 
 
@@ -151,7 +151,8 @@ def _relay_with(fan: Fanout, args: argparse.Namespace) -> int:
         state = "REFUSED" if r["run_refused"] else (
             "ok" if r["head"] is not None and head is not None and r["head"] >= head else "BEHIND")
         err = f"  last error: {r['last_error']}" if r["last_error"] and state != "ok" else ""
-        print(f"{name:20} head {r['head']!s:>6} / {head!s:<6} {state:6} {r['bytes_copied']:>12} bytes copied{err}")
+        print(shown(f"{name:20} head {r['head']!s:>6} / {head!s:<6} {state:6} {r['bytes_copied']:>12} bytes copied"
+                    f"{err}"))
     if not ok:
         print(f"deltarelay relay: not every destination reached step {head}"
               f"{f' within {args.timeout:g}s' if args.timeout is not None else ''}", file=sys.stderr)

@@ -12,7 +12,7 @@ import json
 import sys
 
 from relay import fleet
-from relay.cli_options import add_storage_options, storage_options
+from relay.cli_options import add_storage_options, shown, storage_options
 from relay.manifest import Manifest
 from relay.store import Store, open_store
 
@@ -54,23 +54,23 @@ def fleet_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
-    print(f"{stores[0].url}: run {run or '?'} head {head if head is not None else '?'}")
+    print(shown(f"{stores[0].url}: run {run or '?'} head {head if head is not None else '?'}"))
     print(f"{'region':24} {'hosts':>5} {'ok':>4} {'behind':>6} {'stale':>5} {'bad':>4} {'max lag':>7} "
           f"{'oldest':>6}  steps held (hosts)")
     for name, r in summary["regions"].items():
         steps = " ".join(f"{s}:{n}" for s, n in r["steps"].items()) or "-"
         lag = "-" if r["max_lag_steps"] is None else str(r["max_lag_steps"])
         gathered = f"  (gathered {_age(r['gathered_age_s'])} ago)" if "gathered_age_s" in r else ""
-        print(f"{name[:24]:24} {r['hosts']:>5} {r['ok']:>4} {r['behind'] + r['other-run']:>6} {r['stale']:>5} "
-              f"{r['bad']:>4} {lag:>7} {_age(r['oldest_report_s']):>6}  {steps}{gathered}")
+        print(shown(f"{shown(name)[:24]:24} {r['hosts']:>5} {r['ok']:>4} {r['behind'] + r['other-run']:>6} "
+                    f"{r['stale']:>5} {r['bad']:>4} {lag:>7} {_age(r['oldest_report_s']):>6}  {steps}{gathered}"))
     for row in summary["hosts"]:
         if row["state"] == "bad":
-            print(f"bad entry {row['where']}: {row['error']}")
+            print(shown(f"bad entry {row['where']}: {row['error']}"))
         elif row["state"] != "ok" and args.verbose_hosts:
-            print(f"{row['state']:9} {row['host']} ({row['region']}): step {row['step']}, reported "
-                  f"{_age(row['age_s'])} ago{'; ' + row['last_error'] if row['last_error'] else ''}")
+            print(shown(f"{row['state']:9} {row['host']} ({row['region']}): step {row['step']}, reported "
+                        f"{_age(row['age_s'])} ago{'; ' + row['last_error'] if row['last_error'] else ''}"))
     for p in summary["problems"]:
-        print(f"problem: {p}", file=sys.stderr)
+        print(shown(f"problem: {p}"), file=sys.stderr)
     return 0
 
 
@@ -88,7 +88,7 @@ def _wait(args: argparse.Namespace) -> int:
     except fleet.FleetTimeout as exc:
         if args.json:
             print(json.dumps({"reached": False, **_progress(exc.progress)}, indent=1))
-        print(f"deltarelay wait-fleet: {exc}", file=sys.stderr)
+        print(shown(f"deltarelay wait-fleet: {exc}"), file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"reached": True, **_progress(progress)}, indent=1))

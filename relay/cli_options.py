@@ -4,6 +4,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
+
+# What a terminal acts on rather than shows: C0 and C1 controls (escape sequences, carriage returns, newlines that
+# forge lines), DEL, and the invisible or reordering Unicode format characters (bidi overrides, zero widths)
+_UNSHOWN = re.compile("[\x00-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+                      "\ufeff\ufff9-\ufffb]")
+
+
+def shown(text: object) -> str:
+    """`text` as an operator's terminal may show it: every character it would act on instead is written as
+    its escape (\\x1b, \\u202e). Text from a bucket (an entry, a region document, an error quoting one) is
+    anybody's who can write there; every line the CLI prints or logs goes through this."""
+    s = str(text)
+    if _UNSHOWN.search(s) is None:
+        return s
+    return _UNSHOWN.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", s)
+
+
+class ShownFormatter(logging.Formatter):
+    """Log lines with their message escaped by shown() (a traceback, appended after it, is the program's)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = shown(record.message)
+        return super().formatMessage(record)
 
 _TRUSTED_HELP = {
     "reader": "act only on manifests signed by this Ed25519 public key (PEM); repeat to trust several (key rotation)",

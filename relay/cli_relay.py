@@ -19,7 +19,7 @@ from relay import checkpoint, dest, fleet, ops, progress
 from relay.manifest import PERSIST_MODES
 from relay.cli_fleet import add_fleet_status, fleet_status
 from relay.cli_options import (add_metrics, add_no_progress, add_storage_options, add_trusted_key, add_writer_keys,
-                               storage_options)
+                               shown, storage_options)
 from relay.publisher import Publisher
 from relay.watcher import SyncError, Watcher
 
@@ -163,7 +163,7 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{'url':40} {'head':>8} {'base':>8} {'chain':>6} {'chain bytes':>12} {'base bytes':>12}")
         for r in rows:
             if "error" in r:
-                print(f"{r['url']:40} error: {r['error']}")
+                print(shown(f"{r['url']:40} error: {r['error']}"))
             else:
                 print(f"{r['url']:40} {r['head']:>8} {r['base']:>8} {r['chain_length']:>6} {r['chain_bytes']:>12} "
                       f"{r['base_bytes']:>12}")

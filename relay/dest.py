@@ -16,7 +16,6 @@ streams a version's head into a plain shard directory for tools that need files.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 import re
@@ -29,7 +28,7 @@ import xxhash
 import codec
 from relay import checkpoint
 from relay.files import fsync_dir
-from relay.manifest import INDEX_NAME, DestState, JournalEntry, ManifestError, TensorInfo, mismatches, \
+from relay.manifest import INDEX_NAME, DestState, JournalEntry, ManifestError, TensorInfo, load_json, mismatches, \
     safe_shard_name, tensor_infos
 
 STATE_NAME = "relay-state.json"
@@ -82,7 +81,7 @@ def _read_small(path: Path, limit: int = MAX_INDEX_BYTES) -> bytes:
 def weight_map(version: Path, names: set[str]) -> dict[str, str]:
     """The version's tensor -> shard file map (its HF index), covering exactly `names`; BadVersion else."""
     try:
-        doc = json.loads(_read_small(version / INDEX_NAME))
+        doc = load_json(_read_small(version / INDEX_NAME), INDEX_NAME, MAX_INDEX_BYTES)
         wm = doc["weight_map"]
     except FileNotFoundError:
         raise BadVersion(f"no {INDEX_NAME}") from None

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import xxhash
 
+from relay.manifest import ManifestError, load_json
 from relay.store import NOT_MODIFIED, ConflictError, ManifestRead, Store
 
 if TYPE_CHECKING:
@@ -213,9 +214,9 @@ class HostReport:
         if len(data) > MAX_ENTRY_BYTES:
             raise FleetError(f"{where}: {len(data)} bytes, over the {MAX_ENTRY_BYTES} an entry may have")
         try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
-            raise FleetError(f"{where}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+            obj = load_json(data, where, MAX_ENTRY_BYTES)
+        except ManifestError as exc:
+            raise FleetError(str(exc)) from None
         return cls.from_json(obj, where)
 
 
@@ -410,6 +411,15 @@ class Fleet:
     regions: dict[str, dict] = field(default_factory=dict)  # gathered regions: name -> {updated, url, ...}
 
 
+@dataclass
+class FleetCache:
+    """What a repeated reader (wait_for_fleet) read before, by ETag: an unchanged host entry or region document
+    is not downloaded or parsed again, nor is a refused one (a region document may have 64 MiB)."""
+
+    hosts: dict[str, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # store URL -> _read_hosts' etags
+    regions: dict[str, tuple[str, Fleet]] = field(default_factory=dict)  # document URL -> (ETag, what it gave)
+
+
 def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, tuple[str, bytes]] | None = None
                 ) -> list[tuple[str, bytes]]:
     """(key, bytes) of every host entry under `store`'s HOSTS_PREFIX (bounded), appending bad ones to
@@ -455,6 +465,12 @@ def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, 
             continue  # removed since the listing
         if got is NOT_MODIFIED and old is not None:
             data = old[1]
+        elif isinstance(got, ManifestRead) and len(got.data) > MAX_ENTRY_BYTES:  # replaced since it was listed
+            if etags is not None:
+                etags.pop(key, None)  # neither kept (up to 64 MiB an entry) nor counted by what it said before
+            fleet.entries.append(Entry(label or store.url, where, error=f"{len(got.data)} bytes, over the "
+                                                                          f"{MAX_ENTRY_BYTES} an entry may have"))
+            continue
         elif isinstance(got, ManifestRead):
             data = got.data
             if etags is not None:
@@ -481,13 +497,16 @@ def _host_entry(data: bytes | Any, key: str, where: str, label: str | None, fall
     return Entry(label or report.region or fallback, where, report=report, via=via)
 
 
-def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = None) -> Fleet:
+def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = None,
+               cache: FleetCache | None = None) -> Fleet:
     """Add to `fleet` the host entries `store` holds directly (labelled by `label`, else the host's region,
     else the store URL) and the regions a relay gathered there (labelled by region). Never raises for
-    what the store holds: bad entries and unreadable objects are reported in the result."""
+    what the store holds: bad entries and unreadable objects are reported in the result. With `cache`,
+    what is unchanged since the last call is taken from it (conditional reads)."""
     fleet = Fleet() if fleet is None else fleet
+    etags = None if cache is None else cache.hosts.setdefault(store.url, {})
     try:
-        for key, data in _read_hosts(store, label, fleet):
+        for key, data in _read_hosts(store, label, fleet, etags):
             fleet.entries.append(_host_entry(data, key, f"{store.url}/{key}", label, store.url))
     except ListingFailed as exc:  # one unreadable store must not hide the others
         fleet.problems.append(str(exc))
@@ -496,25 +515,45 @@ def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = 
     except Exception as exc:  # noqa: BLE001 - reported
         fleet.problems.append(f"{store.url}/{REGIONS_PREFIX}: cannot list ({type(exc).__name__}: {exc})")
         return fleet
-    for key in sorted(k for k in regions if k.endswith(".json") and not k.rsplit("/", 1)[-1].startswith(".")):
+    keys = sorted(k for k in regions if k.endswith(".json") and not k.rsplit("/", 1)[-1].startswith("."))
+    if cache is not None:
+        for gone in [w for w in cache.regions if w.startswith(store.url + "/") and w[len(store.url) + 1:] not in keys]:
+            del cache.regions[gone]
+    for key in keys:
         where = f"{store.url}/{key}"
+        old = None if cache is None else cache.regions.get(where)
         try:
             if regions[key] > MAX_REGION_BYTES:
                 raise FleetError(f"{regions[key]} bytes, over the {MAX_REGION_BYTES} a region may have")
-            got = store.read_object(key)
-            if got is None:
-                continue
-            _read_region(got.data, key, where, fleet)
+            got = store.read_object(key, None if old is None else old[0])
         except Exception as exc:  # noqa: BLE001 - a bad aggregate is reported, the rest is read
             fleet.problems.append(f"{where}: {exc}")
+            continue
+        if got is None:
+            continue
+        if got is NOT_MODIFIED and old is not None:
+            part = old[1]
+        elif isinstance(got, ManifestRead):
+            part = Fleet()
+            try:
+                _read_region(got.data, key, where, part)
+            except Exception as exc:  # noqa: BLE001 - reported, and remembered with its ETag like a good one
+                part = Fleet(problems=[f"{where}: {exc}"])
+            if cache is not None:
+                cache.regions[where] = (got.etag, part)
+        else:
+            continue
+        fleet.entries += part.entries
+        fleet.regions.update(part.regions)
+        fleet.problems += part.problems
     return fleet
 
 
 def _read_region(data: bytes, key: str, where: str, fleet: Fleet) -> None:
     try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
-        raise FleetError(f"not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+        doc = load_json(data, key, MAX_REGION_BYTES)
+    except ManifestError as exc:
+        raise FleetError(str(exc)) from None
     if not isinstance(doc, dict) or doc.get("format") != REGION_FORMAT or doc.get("version") != VERSION:
         raise FleetError(f"not a {REGION_FORMAT} version {VERSION} document")
     extra = set(doc) - {"format", "version", "region", "url", "updated", "interval", "hosts", "bad", "truncated"}
@@ -544,12 +583,13 @@ def _read_region(data: bytes, key: str, where: str, fleet: Fleet) -> None:
                                    error=str(text)[:1024] if text else "reported bad by the relay", via=interval))
 
 
-def read_fleet(stores: Iterable[Store]) -> Fleet:
+def read_fleet(stores: Iterable[Store], cache: FleetCache | None = None) -> Fleet:
     """Every entry the stores hold (directly, and gathered by relays); one host seen twice (in a regional
-    store read directly and in the relay's gathering) counts once, by its newest report."""
+    store read directly and in the relay's gathering) counts once, by its newest report. `cache`: kept
+    between calls by a repeated reader, so that only what changed is downloaded and parsed."""
     fleet = Fleet()
     for store in stores:
-        read_store(store, fleet)
+        read_store(store, fleet, cache=cache)
     newest: dict[str, Entry] = {}
     rest = []
     for e in fleet.entries:
@@ -672,8 +712,9 @@ def wait_for_fleet(stores: Iterable[Store], step: int, fraction: float = 1.0, ti
         raise ValueError("min_hosts must be >= 1")
     stores = list(stores)
     deadline = time.monotonic() + timeout
+    cache = FleetCache()  # every poll reads only what changed (a region document may have 64 MiB)
     while True:
-        progress = fleet_progress(read_fleet(stores), step, fraction, run=run, ttl=ttl)
+        progress = fleet_progress(read_fleet(stores, cache), step, fraction, run=run, ttl=ttl)
         if progress.live >= min_hosts and progress.holding >= fraction * progress.live - 1e-9:
             return progress
         if time.monotonic() >= deadline:
@@ -831,5 +872,5 @@ class RegionGatherer:
 
 
 __all__ = ["HostReport", "FleetReporter", "FleetError", "FleetTimeout", "FleetProgress", "Fleet", "Entry",
-           "RegionGatherer", "read_store", "read_fleet", "summarize", "fleet_progress", "wait_for_fleet", "judge",
-           "host_key", "region_key", "default_host_id", "HOSTS_PREFIX", "REGIONS_PREFIX"]
+           "RegionGatherer", "FleetCache", "read_store", "read_fleet", "summarize", "fleet_progress", "wait_for_fleet",
+           "judge", "host_key", "region_key", "default_host_id", "HOSTS_PREFIX", "REGIONS_PREFIX"]

@@ -31,6 +31,11 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_MANIFEST_BYTES = 64 << 20  # ~100k steps; refused before json.loads so a hostile store cannot make us allocate
 MAX_RECORD_BYTES = 64 << 20  # ~300k tensors
 MAX_SIGNATURES = 16
+# Untrusted JSON's element budget (load_json): an honest document spends at least this many bytes per array
+# element or object member (the densest, a compact list of 5-character names, spends 8), so a hostile one
+# builds at most ~10x its size in objects instead of ~25x; JSON_MIN_ITEMS keeps tiny documents unaffected.
+JSON_BYTES_PER_ITEM = 8
+JSON_MIN_ITEMS = 1024
 SIGNED_PAYLOAD_PREFIX = b"deltarelay.manifest signed payload v1\n"  # domain separation for the signing key
 SLICED_DIGEST_PREFIX = b"deltarelay.sliced-digest v1\n"  # domain separation of a row-sliced tensor's digest
 BLAKE3_PREFIX = b"deltarelay.tensor-blake3 v1\n"  # domain separation of a tensor's cryptographic digest
@@ -120,8 +125,15 @@ def _printable(value: str, where: str) -> str:
     return value
 
 
-def _load_json(data: Any, where: str, limit: int) -> Any:
-    """json.loads of a size-capped document; every failure is a ManifestError."""
+def load_json(data: Any, where: str, limit: int, bytes_per_item: int = JSON_BYTES_PER_ITEM,
+              max_items: int | None = None) -> Any:
+    """The one reader of untrusted JSON (bucket documents, DEST state, snapshot indexes, safetensors headers):
+    every failure is a ManifestError naming `where`.
+
+    Bounded before any object is built: by size (`limit` bytes), by element count (array elements plus object
+    members: at most one per `bytes_per_item` bytes, the fewest an honest document of that kind spends on one,
+    and at most `max_items` where the trusted state says how many it may hold) and by nesting (the
+    interpreter's recursion limit). A size cap alone lets `[{},{},...]` build one object per 3 bytes."""
     if not isinstance(data, (bytes, bytearray, memoryview, str)):
         raise ManifestError(f"{where}: expected bytes, got {type(data).__name__}")
     if len(data) > limit:
@@ -134,6 +146,15 @@ def _load_json(data: Any, where: str, limit: int) -> Any:
         raise ManifestError(f"{where}: not UTF-8 ({exc})") from None
     if text.startswith("\ufeff"):
         raise ManifestError(f"{where}: begins with a byte order mark (JSON here is UTF-8 without one)")
+    # every element after a container's first follows a ',', every first one a '[' or '{': their count bounds
+    # the elements (those inside strings only overcount), at C speed and before json.loads allocates
+    items = text.count(",") + text.count("[") + text.count("{")
+    cap = len(text) // bytes_per_item + JSON_MIN_ITEMS
+    if max_items is not None:
+        cap = min(cap, max_items)
+    if items > cap:
+        raise ManifestError(f"{where}: up to {items} JSON elements in {len(text)} bytes, more than the {cap} "
+                            f"this document may hold (refused before parsing)")
     try:
         return json.loads(text, object_pairs_hook=_unique_members)
     except json.JSONDecodeError as exc:
@@ -601,7 +622,7 @@ class Manifest:
 
     @classmethod
     def parse(cls, data: bytes, where: str = "manifest") -> "Manifest":
-        doc = _load_json(data, where, MAX_MANIFEST_BYTES)
+        doc = load_json(data, where, MAX_MANIFEST_BYTES)
         _only(doc, {"format", "version", "run", "head", "base", "snapshots", "steps", "signatures", "writer"}, where)
         if doc.get("format") != MANIFEST_FORMAT:
             raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
@@ -737,7 +758,7 @@ class Record:
 
     @classmethod
     def parse(cls, data: bytes, where: str = "record") -> "Record":
-        doc = _load_json(data, where, MAX_RECORD_BYTES)
+        doc = load_json(data, where, MAX_RECORD_BYTES)
         _only(doc, {"format", "version", "run", "step", "tensors", "weight_map"}, where)
         if doc.get("format") != RECORD_FORMAT or doc.get("version") != VERSION:
             raise ManifestError(f"{where}: not a {RECORD_FORMAT} v{VERSION} document")
@@ -902,7 +923,7 @@ class DestState:
 
     @classmethod
     def parse(cls, data: bytes, where: str = "relay-state.json") -> "DestState":
-        doc = _load_json(data, where, MAX_RECORD_BYTES)
+        doc = load_json(data, where, MAX_RECORD_BYTES)
         _only(doc, {"run", "step", "url", "tensors", "partial", "persist", "base", "journal", "check"}, where)
         if isinstance(doc, dict) and "check" in doc:  # absent in state files written before it existed
             check = doc.pop("check")

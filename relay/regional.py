@@ -433,7 +433,7 @@ class Materialiser:
         self._stop.clear()
         while not self._stop.is_set():
             try:
-                got = self.store.read_manifest(if_none_match=etag)
+                got = self.store.read_manifest(if_none_match=self._manifest_reader.refused_etag or etag)
                 if got is not NOT_MODIFIED and got is not None:
                     self.sync_once(timeout=SYNC_TIMEOUT)
                     if isinstance(got, ManifestRead):

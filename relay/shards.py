@@ -11,14 +11,13 @@ slice twice or leave rows unverified. They also tell a partial replica which obj
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 import codec
-from relay.checkpoint import MAX_HEADER_BYTES, tensor_bytes
-from relay.manifest import (MAX_RECORD_BYTES, ManifestError, ObjRef, Part, Snapshot, TensorInfo, _load_json,
+from relay.checkpoint import HEADER_BYTES_PER_ITEM, MAX_HEADER_BYTES, tensor_bytes
+from relay.manifest import (MAX_RECORD_BYTES, ManifestError, ObjRef, Part, Snapshot, TensorInfo, load_json,
                             safe_shard_name)
 
 ROWS_KEY = "rows"  # safetensors metadata of a snapshot file holding row slices: JSON {name: [start, stop]}
@@ -116,9 +115,10 @@ def _header(data: bytes, ref: ObjRef) -> dict:
     if n > min(len(data) - 8, MAX_HEADER_BYTES):
         raise ShardError([ref], f"{where}: not a safetensors file (header of {n} bytes)")
     try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except (ValueError, RecursionError) as exc:
-        raise ShardError([ref], f"{where}: unreadable safetensors header ({type(exc).__name__}: {exc})") from None
+        header = load_json(bytes(data[8:8 + n]), f"{where}: safetensors header", MAX_HEADER_BYTES,
+                           HEADER_BYTES_PER_ITEM)
+    except ManifestError as exc:
+        raise ShardError([ref], f"{where}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise ShardError([ref], f"{where}: unreadable safetensors header (not an object)")
     return header
@@ -145,8 +145,8 @@ def metadata_rows(meta: Any, ref: ObjRef) -> dict[str, tuple[int, int]]:
     relay.checkpoint's strict reader returns it): {} for a file of whole tensors."""
     where = ref.key
     try:
-        raw = json.loads(meta[ROWS_KEY]) if ROWS_KEY in meta else {}
-    except (ValueError, AttributeError, TypeError, RecursionError) as exc:
+        raw = load_json(meta[ROWS_KEY], f"{where}: {ROWS_KEY}", MAX_HEADER_BYTES) if ROWS_KEY in meta else {}
+    except (ManifestError, AttributeError, TypeError) as exc:
         raise ShardError([ref], f"{where}: unreadable safetensors metadata ({type(exc).__name__}: {exc})") from None
     if not isinstance(raw, dict):
         raise ShardError([ref], f"{where}: metadata {ROWS_KEY!r} is not an object")
@@ -245,7 +245,7 @@ def index_files(data: bytes, snap: Snapshot) -> dict[str, set[str]]:
     """Snapshot file key -> the tensors it holds, from the snapshot's index (weight_map, plus the
     metadata's slices for row-sliced tensors). ManifestError if the index is not one of this snapshot."""
     where = snap.index.key
-    doc = _load_json(data, where, MAX_RECORD_BYTES)
+    doc = load_json(data, where, MAX_RECORD_BYTES)
     prefix = snap.index.key.rsplit("/", 1)[0] + "/"
     keys = {f.key for f in snap.files}
     out: dict[str, set[str]] = {}

@@ -13,7 +13,6 @@ It never writes to the store. Problems are collected, never raised, so one run l
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,8 @@ import torch
 import codec
 from relay import announce, checkpoint, shards
 from relay.checkpoint import index_bytes_of
-from relay.manifest import INDEX_NAME, Manifest, ManifestError, ObjRef, Record, mismatches, step_of_key
+from relay.manifest import (INDEX_NAME, MAX_RECORD_BYTES, Manifest, ManifestError, ObjRef, Record, load_json,
+                            mismatches, step_of_key)
 from relay.signing import SignatureError, TrustedKeys
 from relay.store import MANIFEST_KEY, ObjectMissing, Store, open_store
 
@@ -176,12 +176,12 @@ class _Checker:
         if snap is None:  # an index in m.refs() is its snapshot's
             raise AssertionError(f"unreachable: {ref.key} is no snapshot's index")
         try:
-            index = json.loads(data)
+            index = load_json(data, ref.key, MAX_RECORD_BYTES)
             weight_map = index["weight_map"]
             files = set(weight_map.values())
             sliced = (index.get("metadata") or {}).get(shards.SLICES_KEY, {})  # a sharded trainer's row slices
             files |= {item[2] for slices in sliced.values() for item in slices}
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # ManifestError included
             self._bad(ref.key, f"{ref.key}: not a safetensors index ({type(exc).__name__}: {exc})")
             return
         with self._lock:

@@ -365,6 +365,7 @@ class Reader:
         self._failures: dict[ObjRef | str, _Failure] = {}  # by _source()
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
+        self._refused_manifest: tuple[str, type[ManifestError], str] | None = None  # last refused manifest: ETag, error
         self._own_snapshots = False  # the last planning view holds a region's own snapshots
         # key -> monotonic time it was first found missing, across reach() calls: a host that syncs with
         # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
@@ -393,15 +394,32 @@ class Reader:
                 pass
         return min(done, plan[1]), plan[1]
 
+    @property
+    def refused_etag(self) -> str | None:
+        """The ETag of the manifest version last refused (None once one is accepted): pollers read
+        conditionally on it, so a refused version is not downloaded again until it changes."""
+        return None if self._refused_manifest is None else self._refused_manifest[0]
+
     def read_manifest(self) -> Manifest | None:
-        """The current manifest; with trusted keys, only one they signed (SignatureError otherwise)."""
-        got = self.store.read_manifest()
-        if got is None:
-            return None
+        """The current manifest; with trusted keys, only one they signed (SignatureError otherwise). A version
+        refused once is refused again from memory (one conditional read), not downloaded and parsed again."""
+        refused = self._refused_manifest
+        got = self.store.read_manifest(if_none_match=None if refused is None else refused[0])
         where = f"{self.store.url}/manifest.json"
-        m = Manifest.parse(got.data, where)
-        if self.trusted is not None:
-            self.trusted.verify(m, where)
+        if got is NOT_MODIFIED:
+            assert refused is not None
+            raise refused[1](f"{refused[2]} (this version, ETag {refused[0]}, was refused already)")
+        if got is None:
+            self._refused_manifest = None
+            return None
+        try:
+            m = Manifest.parse(got.data, where)
+            if self.trusted is not None:
+                self.trusted.verify(m, where)
+        except ManifestError as exc:  # SignatureError included: deterministic for a given version and keys
+            self._refused_manifest = (got.etag, type(exc), str(exc))
+            raise
+        self._refused_manifest = None
         self.head_seen = m.head
         self.manifest_reads += 1
         if m.head not in self.heads_seen:
@@ -1964,7 +1982,7 @@ class Watcher:
             try:
                 got: ManifestRead | None | Unchanged
                 try:
-                    got = self.store.read_manifest(if_none_match=etag)
+                    got = self.store.read_manifest(if_none_match=self.reader.refused_etag or etag)
                 except Exception as exc:  # noqa: BLE001 - the store is down: the held step may still be delivered
                     self.failures["poll"] += 1
                     log.error("%s: reading the manifest failed, keeping step %s: %s", self.dest, self.step, exc)

@@ -119,6 +119,7 @@ class FaultProxy:
         self.log: list[Injection] = []
         self.requests = 0
         self.forwarded = 0
+        self.served: list[tuple[str, str, int, int]] = []  # (method, path, status, body bytes) of each answer relayed
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -358,6 +359,8 @@ class _Handler(BaseHTTPRequestHandler):
             payload, detail = _flip(payload, rng)
             headers = [(k, v) for k, v in headers if not _checksum_header(k)]  # so our own check must catch it
             owner._record(req, rule, detail)
+        with owner._lock:
+            owner.served.append((req.method, req.path, status, len(payload)))
         self._send(status, reason, headers, payload)
 
     def do_GET(self) -> None:

@@ -1,0 +1,170 @@
+"""Untrusted JSON costs what its kind of document can legitimately cost, once per version (issue 37.4, 37.5).
+
+A hostile writer of a bucket object must not make a reader build far more objects than an honest document of
+that size holds, nor make it download and parse the same refused version at every poll; text it wrote reaches
+an operator's terminal escaped."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from faultproxy import FaultProxy
+from relay import cli, fleet
+from relay.store import open_store
+from relay.watcher import Watcher
+
+
+def hostile_manifest(size: int) -> bytes:
+    """`[{},{},...]`: one object per 3 bytes, under every size cap."""
+    n = (size - 2) // 3
+    return b"[" + b"{}," * (n - 1) + b"{}]"
+
+
+def manifest_gets(proxy: FaultProxy) -> list[tuple[int, int]]:
+    """(status, body bytes) of each manifest GET the store answered."""
+    return [(status, n) for method, path, status, n in list(proxy.served)
+            if method == "GET" and path.endswith("/manifest.json")]
+
+
+def test_a_hostile_manifest_is_downloaded_and_parsed_once_per_version(s3_run, tmp_path):
+    proxy = FaultProxy(s3_run.region.endpoint, seed=37).start()
+    options = proxy.options(s3_run.options)
+    doc = hostile_manifest(8 << 20)
+    open_store(s3_run.url, s3_run.options).commit_manifest(doc, None)
+    w = Watcher(s3_run.url, tmp_path / "dest", poll_interval=0.1, storage_options=options)
+    tracemalloc.start()
+    try:
+        thread = threading.Thread(target=w.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(manifest_gets(proxy)) < 8:
+            time.sleep(0.1)
+        w.stop()
+        thread.join(60)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        w.close()
+        proxy.stop()
+    bodies = [n for status, n in manifest_gets(proxy) if status == 200]
+    assert len(manifest_gets(proxy)) >= 8  # it kept polling
+    # one version: read by the poll and by the sync that refuses it, then only conditional reads (304)
+    assert len(bodies) <= 2 and all(n == len(doc) for n in bodies), manifest_gets(proxy)
+    assert sum(w.failures.values()) == 1, w.failures
+    assert "JSON elements" in str(w.last_error) and "manifest.json" in str(w.last_error), w.last_error
+    # refused before json.loads built its ~2.8M objects (~200 MiB): copies of the bytes and their text (~60 MB)
+    assert peak < 12 * len(doc), peak
+
+
+def test_status_fleet_escapes_what_a_region_document_says(file_run, capsys):
+    store = open_store(file_run.url)
+    evil = "\x1b]0;owned\x07\x1b[2J\u202e"
+    doc = {"format": fleet.REGION_FORMAT, "version": fleet.VERSION, "region": "eu", "url": "s3://eu" + evil,
+           "updated": time.time(), "interval": 15.0, "hosts": [], "truncated": False,
+           "bad": [{"where": "fleet/hosts/x.json" + evil, "error": "broken" + evil}]}
+    store.commit_object(fleet.region_key("eu"), json.dumps(doc).encode(), None)
+    store.commit_object(fleet.host_key("h" + "x"), ("{\"host\": \"" + evil + "\"}").encode(), None)
+    assert cli.main(["status", "--fleet", file_run.url, "--hosts"]) == 0
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "bad entry" in text and "broken" in text
+    assert "\\x1b]0;owned\\x07" in text  # shown, as its escape
+    assert not any(c in text for c in "\x1b\x07\u202e"), repr(text)
+
+
+def test_wait_for_fleet_reads_a_region_document_once_per_version(s3_run):
+    """A region document (up to 64 MiB, anybody's who can write the origin's fleet/regions/) is downloaded and
+    parsed once per ETag by a waiting trainer, not at every 2 s poll; a refused one counts as bad each poll."""
+    proxy = FaultProxy(s3_run.region.endpoint, seed=38).start()
+    store = open_store(s3_run.url, proxy.options(s3_run.options))
+    hostile = hostile_manifest(2 << 20)
+    store.commit_object(fleet.region_key("eu"), hostile, None)
+    good = {"format": fleet.REGION_FORMAT, "version": fleet.VERSION, "region": "us", "url": "s3://us",
+            "updated": time.time(), "interval": 15.0, "hosts": [], "bad": [], "truncated": False}
+    store.commit_object(fleet.region_key("us"), json.dumps(good).encode(), None)
+    try:
+        with pytest.raises(fleet.FleetTimeout) as got:
+            fleet.wait_for_fleet([store], 1, timeout=3.0, poll_interval=0.2)
+    finally:
+        proxy.stop()
+    gets = {k: [s for m, p, s, _ in proxy.served if m == "GET" and p.endswith(fleet.region_key(k))]
+            for k in ("eu", "us")}
+    assert len(gets["eu"]) >= 5 and gets["eu"].count(200) == 1, gets  # then 304s
+    assert gets["us"].count(200) == 1, gets
+    assert "0 of 0 live" in str(got.value)
+
+
+def test_the_gatherer_keeps_no_entry_swapped_for_a_large_one_after_listing(s3_run):
+    """An entry listed small and replaced by a large one before its GET is reported bad, and neither its bytes
+    nor its last good report stay in the gatherer's cache."""
+    proxy = FaultProxy(s3_run.region.endpoint, seed=39).start()
+    region = open_store(s3_run.url + "-eu", proxy.options(s3_run.options))
+    origin = open_store(s3_run.url, s3_run.options)
+    entry = fleet.host_key("h1")
+    region.commit_object(entry, b"{}", None)
+    gatherer = fleet.RegionGatherer(origin, {"eu": region}, 15.0)
+    direct = open_store(s3_run.url + "-eu", s3_run.options)
+    proxy.add("delay", methods=("GET",), key=entry + "$", seconds=6.0, times=1)
+    big = b" " * (8 << 20) + b"{}"
+
+    def swap() -> None:  # while the GET is held, after the listing; then what the gatherer keeps is traced
+        while not proxy.injected("delay"):
+            time.sleep(0.02)
+        got = direct.read_object(entry)
+        direct.commit_object(entry, big, got.etag)
+        tracemalloc.start()
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        gatherer.gather("eu")
+        swapper.join(30)
+        assert tracemalloc.is_tracing()  # the swap landed while the GET was held
+        kept = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+        proxy.stop()
+    doc = json.loads(origin.read_object(fleet.region_key("eu")).data)
+    assert len(doc["bad"]) == 1 and f"{len(big)} bytes, over the {fleet.MAX_ENTRY_BYTES}" in doc["bad"][0]["error"]
+    assert kept < (2 << 20), kept  # not the 8 MiB entry
+
+
+def _as_safetensors(header: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header
+
+
+@pytest.mark.parametrize("kind", ["announcement", "snapshot index", "safetensors file", "region document"])
+def test_each_untrusted_document_is_refused_before_its_objects_are_built(kind, tmp_path):
+    """Every reader of a bucket document refuses `[{},{},...]` with the reason, at the cost of its bytes."""
+    from relay import announce, checkpoint, shards
+    from relay.manifest import ManifestError, ObjRef, Snapshot
+
+    doc = hostile_manifest(4 << 20)
+    tracemalloc.start()
+    try:
+        if kind == "announcement":
+            with pytest.raises(ManifestError, match="JSON elements"):
+                announce.Announcement.parse(doc)
+        elif kind == "snapshot index":
+            snap = Snapshot(3, ObjRef("snapshots/3/model.safetensors.index.json", len(doc), "0" * 32), ())
+            with pytest.raises(ManifestError, match="JSON elements"):
+                shards.index_files(doc, snap)
+        elif kind == "safetensors file":
+            path = tmp_path / "model.safetensors"
+            path.write_bytes(_as_safetensors(doc))
+            with pytest.raises(checkpoint.SafetensorsError, match="JSON elements"):
+                checkpoint.read_file_into(path)
+        else:
+            store = open_store(f"file://{tmp_path}/store/run")
+            store.commit_object(fleet.region_key("eu"), doc, None)
+            problems = fleet.read_fleet([store]).problems
+            assert any("JSON elements" in p and "fleet/regions/eu.json" in p for p in problems), problems
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(doc), peak  # json.loads would build ~1.4M objects (~100 MiB)
