@@ -147,3 +147,34 @@ def test_keyed_gc_and_rebase_refuse_a_replayed_manifest(tmp_path, trainer, bits_
     assert "base is now step 9" in deltarelay("rebase", url, *keys).stdout
     with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], report_interval=None) as w:
         assert w.sync(timeout=60) == 9 and bits_equal(w.tensors, states[9])
+
+
+def test_accept_older_head_is_spent_by_a_first_sync_that_found_another_head(tmp_path, trainer, bits_equal):
+    """Review of issue 45, move 2. The permission was spent only by a *successful* sync: a watcher restarted
+    with `accept_older_head=4` still in its unit file whose first sync found head 10 but failed (an object of
+    step 10 missing: a bucket writer deleted it) stayed armed, and the bucket writer's later copy-back of the
+    signed head-4 manifest rolled it from step 9 to step 4, trusted keys on. The permission is for the head
+    found at start: once the watcher has read any other head it is gone."""
+    key, pub_key, _ = generate_keypair(tmp_path / "keys" / "trainer")
+    url = f"file://{tmp_path}/run"
+    store = open_store(url)
+    t, states = trainer(seed=47), {}
+    with Publisher(url, snapshot_every=3, snapshot_fraction=100.0, background=False, signing_key=key) as pub:
+        publish(pub, t, states, range(5))
+        old = store.read_manifest().data  # head 4, signed by the trainer
+        publish(pub, t, states, range(5, 10))
+        with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], report_interval=None) as w:
+            assert w.sync(timeout=60) == 9
+        publish(pub, t, states, range(10, 11))
+    m = Manifest.parse(store.read_manifest().data, "manifest")
+    store.delete([p.ref.key for p in m.step(10).delta_parts])  # the bucket writer makes the first sync fail
+    with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], accept_older_head=4, report_interval=None) as w:
+        try:
+            w.sync(timeout=3)
+        except Exception as exc:  # noqa: BLE001 - the sync must fail: step 10's delta is gone
+            assert "10" in str(exc), exc
+        else:
+            raise AssertionError("the sync reached step 10 without its delta")
+        store.commit_manifest(old, store.read_manifest().etag)  # then replays the signed head-4 manifest
+        assert w.sync(timeout=60) == 9 and bits_equal(w.tensors, states[9])
+    assert bits_equal(checkpoint.load(tmp_path / "dest")[0], states[9])
