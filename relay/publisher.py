@@ -290,7 +290,8 @@ class Publisher:
     resume: attach to an existing run at its head (its state is read back, waiting at most resume_timeout
     seconds for objects that are not there yet) and take it over: the manifest then names this
     publisher as the run's writer, and any earlier publisher of the run (a trainer thought dead, a
-    split brain) is fenced: its next commit fails with ConflictError (PROTOCOL §4.3). Without
+    split brain) is fenced: its next commit fails with ConflictError (PROTOCOL §4.3). A manifest older
+    than the store's records and deltas show (a replay) is refused, as by gc and rebase. Without
     resume the run must be empty.
     keep_snapshots: when set, each snapshot commit also drops older snapshots and steps from the
     manifest (as `gc` does), so the manifest stays small; `gc` or lifecycle rules delete the objects.
@@ -391,10 +392,14 @@ class Publisher:
 
     def _attach(self, m: Manifest) -> None:
         """Read the head back (as a watcher would), then take the run over with one commit."""
+        from relay.ops import refuse_replayed  # the operator moves' rule: a resume is one
         from relay.watcher import Reader  # reading back the head is the watcher's job
 
         where = f"{self.url}/manifest.json"
         check_writable(m, where, self.signer, self.trusted, self._adopt_unsigned)
+        # a replayed older manifest would be re-signed by the take-over, and the next steps would replace the
+        # objects above its head that the real manifest names (create_owned takes them for leftovers)
+        refuse_replayed(self.url, m, {**self.store.list("records/"), **self.store.list("deltas/")}, "resume")
         # a signed run is read back as a watcher would: only manifests our trusted keys signed
         trusted = writer_keys(self.signer, self.trusted) if m.signatures else None
         m, tensors, _ = Reader(self.store, trusted_keys=trusted).reach(None, None, timeout=self.resume_timeout)

@@ -875,7 +875,7 @@ class Reader:
               ) -> tuple[Manifest, dict[str, torch.Tensor] | None, Record | None]:
         """(manifest, tensors, record) at the head; tensors None if already there (or the head is older; an
         older head that is exactly step `accept_older_head`, an operator's repair, is reached as from nothing
-        held).
+        held, as long as it is the only head this Reader has read: a repair is of the head found at start).
 
         A chain is applied to `held` itself, in place (no copy of the model): the returned tensors are then
         `held`, at the head. If anything fails (a bad part, the head's record, an object missing mid-chain,
@@ -916,7 +916,8 @@ class Reader:
                     if run is not None and held_step is not None and m.run != run:
                         raise SyncError(f"{self.store.url}: holds run {m.run}, the local step {held_step} is from run "
                                         f"{run}; refusing to mix runs")
-                    if held_step is not None and held_step > m.head and m.head == accept_older_head:
+                    if (held_step is not None and held_step > m.head and m.head == accept_older_head
+                            and self.heads_seen.keys() == {m.head}):  # the only head this reader has read
                         log.warning("%s: head %d is older than the held step %d; taking it (accept_older_head=%d)",
                                     self.store.url, m.head, held_step, m.head)
                         held_step, held = None, None  # from a snapshot, as a fresh host would
@@ -1038,7 +1039,8 @@ class Watcher:
     it shows exactly one complete, verified step (safetensors in the published layout plus
     relay-state.json), or nothing before the first sync. It never moves to an older step, except for an
     operator's repair: `accept_older_head=STEP` lets the first successful sync take the store's head if it is
-    exactly STEP (same run), and is spent by that sync whether it moved back or not.
+    exactly STEP (same run) and no other head was read before, and is spent by that sync whether it moved back
+    or not.
     on_update(step, tensors) runs after each persisted step with the live held tensors (updated in place
     by the next sync: valid until then); `module` is updated in place too. `persist` is "full" (every step a
     complete checkpoint under the visible names) or "journal" (a base plus the verified deltas since, only
@@ -1773,6 +1775,9 @@ class Watcher:
             self.accept_older_head = None  # a sync that found nothing to repair spends it too
             return
         in_place = tensors is self.tensors
+        # a repair is of the head found at start: once another head was read (a first sync that failed, a wait
+        # inside it), a manifest replayed at step `repair` is no repair
+        repair = repair if repair is not None and self.reader.heads_seen.keys() == {repair} else None
         back = repair is not None and rec is not None and self.step is not None and rec.step == repair < self.step
         try:
             if rec is None:  # reach() returns the tensors with their record, or neither

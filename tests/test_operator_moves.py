@@ -147,3 +147,70 @@ def test_keyed_gc_and_rebase_refuse_a_replayed_manifest(tmp_path, trainer, bits_
     assert "base is now step 9" in deltarelay("rebase", url, *keys).stdout
     with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], report_interval=None) as w:
         assert w.sync(timeout=60) == 9 and bits_equal(w.tensors, states[9])
+
+
+def test_accept_older_head_is_spent_by_a_first_sync_that_found_another_head(tmp_path, trainer, bits_equal):
+    """Review of issue 45, move 2. The permission was spent only by a *successful* sync: a watcher restarted
+    with `accept_older_head=4` still in its unit file whose first sync found head 10 but failed (an object of
+    step 10 missing: a bucket writer deleted it) stayed armed, and the bucket writer's later copy-back of the
+    signed head-4 manifest rolled it from step 9 to step 4, trusted keys on. The permission is for the head
+    found at start: once the watcher has read any other head it is gone."""
+    key, pub_key, _ = generate_keypair(tmp_path / "keys" / "trainer")
+    url = f"file://{tmp_path}/run"
+    store = open_store(url)
+    t, states = trainer(seed=47), {}
+    with Publisher(url, snapshot_every=3, snapshot_fraction=100.0, background=False, signing_key=key) as pub:
+        publish(pub, t, states, range(5))
+        old = store.read_manifest().data  # head 4, signed by the trainer
+        publish(pub, t, states, range(5, 10))
+        with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], report_interval=None) as w:
+            assert w.sync(timeout=60) == 9
+        publish(pub, t, states, range(10, 11))
+    m = Manifest.parse(store.read_manifest().data, "manifest")
+    store.delete([p.ref.key for p in m.step(10).delta_parts])  # the bucket writer makes the first sync fail
+    with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], accept_older_head=4, report_interval=None) as w:
+        try:
+            w.sync(timeout=3)
+        except Exception as exc:  # noqa: BLE001 - the sync must fail: step 10's delta is gone
+            assert "10" in str(exc), exc
+        else:
+            raise AssertionError("the sync reached step 10 without its delta")
+        store.commit_manifest(old, store.read_manifest().etag)  # then replays the signed head-4 manifest
+        assert w.sync(timeout=60) == 9 and bits_equal(w.tensors, states[9])
+    assert bits_equal(checkpoint.load(tmp_path / "dest")[0], states[9])
+
+
+def test_a_resume_refuses_a_replayed_manifest(tmp_path, trainer, bits_equal):
+    """Review of issue 45, move 3: keyed gc and rebase refuse a replayed manifest, `publish --resume` did not.
+    After a bucket writer copies back an old, validly signed manifest (head 4 of a run at 9), a resume took the
+    run over at step 4 and re-signed it; the trainer's next steps (5..9, from its checkpoint) then replaced
+    the objects of those steps that the real manifest names (records/8.json among them), so `verify` failed
+    once the real manifest was restored, and hosts holding step 9 kept it under a step the run had rewritten.
+    The resume refuses it now, before reading the model back, and changes nothing."""
+    key, pub_key, _ = generate_keypair(tmp_path / "keys" / "trainer")
+    url = f"file://{tmp_path}/run"
+    store = open_store(url)
+    t, states = trainer(seed=49), {}
+    with Publisher(url, snapshot_every=3, snapshot_fraction=100.0, background=False, signing_key=key) as pub:
+        publish(pub, t, states, range(5))
+        old = store.read_manifest().data  # head 4, signed by the trainer
+        publish(pub, t, states, range(5, 10))
+    real = store.read_manifest().data
+    held = {k: store.read_object(k).data for k in store.list_run() if not k.startswith("snapshots/")}
+    store.commit_manifest(old, store.read_manifest().etag)
+    try:
+        with Publisher(url, resume=True, background=False, signing_key=key, resume_timeout=60) as pub:
+            pub.publish(t.step(), 8)  # the trainer, from its checkpoint at step 7
+    except ValueError as exc:
+        assert "replay" in str(exc) and "head is step 4" in str(exc), exc
+    else:
+        raise AssertionError("a resume took over a replayed manifest")
+    assert store.read_manifest().data == old  # not re-signed, no writer fenced
+    assert {k: store.read_object(k).data for k in held} == held  # no object of the real run replaced
+    store.commit_manifest(real, store.read_manifest().etag)  # the operator restores the real manifest
+    assert verify(url, deep=True, trusted_keys=[pub_key]).ok
+    with Publisher(url, resume=True, background=False, signing_key=key, resume_timeout=60) as pub:
+        states[10] = t.step()
+        pub.publish(states[10], 10)
+    with Watcher(url, tmp_path / "dest", trusted_keys=[pub_key], report_interval=None) as w:
+        assert w.sync(timeout=60) == 10 and bits_equal(w.tensors, states[10])
