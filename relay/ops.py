@@ -37,7 +37,9 @@ def refuse_replayed(url: str, m: Manifest, listed: Mapping[str, int], move: str)
             f"{url}/manifest.json: head is step {m.head}, but the store holds records and deltas of steps "
             f"{_steps(above)} above it: an older manifest was copied back (a replay), or a relay copied steps it "
             f"has not committed yet. {move} refused, nothing changed: acting on it would trim, delete and re-sign "
-            f"by a stale manifest. Restore the newest manifest (or let the relay commit), then run it again")
+            f"by a stale manifest. Restore the newest manifest (or let the relay commit), then run it again. If no "
+            f"newer manifest ever existed (the bucket's object versions tell), these are leftovers of steps whose "
+            f"commits failed: delete records/ and deltas/ of steps above {m.head}, then run it again")
 
 
 def _steps(steps: list[int]) -> str:
