@@ -18,6 +18,8 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+import tomllib
+from pathlib import Path
 
 COMMAND_MODULES = (
     "relay.cli_codec",  # encode, decode, inspect
@@ -40,6 +42,19 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def package_version() -> str:
+    """The installed distribution's version; from a source tree that was never installed, its pyproject's."""
+    try:
+        return importlib.metadata.version("deltarelay")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return str(tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+                   ["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
 def command_entry_points() -> list[importlib.metadata.EntryPoint]:
     """The installed entry points of COMMAND_GROUP, by name."""
     return sorted(importlib.metadata.entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
@@ -51,6 +66,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="deltarelay",
         description="Lossless BF16 checkpoint deltas, and an object-store relay that keeps rollout hosts on the "
                     "trainer's weights.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
