@@ -130,3 +130,34 @@ def test_rebase_gives_up_after_its_timeout_on_a_missing_object(file_run, trainer
     assert main(["rebase", file_run.url, "--timeout", "1"]) != 0
     assert time.monotonic() - started < 30
     assert store.read_manifest().data == before
+
+
+BAD_URLS = [("s3//bucket/run", "mistyped URL"), ("s3:/bucket/run", "mistyped URL"),
+            ("nosuchscheme://bucket/run", "unknown scheme 'nosuchscheme'"), ("s3://", "no bucket"),
+            ("s3:///run", "no bucket")]
+
+
+def test_watch_refuses_a_mistyped_url_at_once(tmp_path):
+    """`deltarelay watch s3//bucket/run` (a typo) used to be read as a local path, create it and wait forever in
+    silence; the real command now exits 1 with one line naming the URL and the reason, and writes nothing."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", "watch", "s3//bucket/run", "--dest", "d", "--once"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "'s3//bucket/run'" in proc.stderr and "mistyped URL" in proc.stderr and "s3://bucket/run" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("url,reason", BAD_URLS)
+def test_every_command_refuses_malformed_urls(url, reason, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "c.safetensors"
+    checkpoint.save({"w": __import__("torch").zeros(4, dtype=__import__("torch").bfloat16)}, ckpt)
+    for argv in (["publish", url, str(ckpt), "--step", "0"], ["watch", url, "--dest", "d", "--once"],
+                 ["gc", url, "--keep-snapshots", "1"], ["rebase", url], ["verify", url], ["status", url],
+                 ["relay", "--source", url, "--dest", f"file://{tmp_path}/r", "--once"]):
+        assert main(argv) == 1, argv
+        said = capsys.readouterr()
+        text = said.err + said.out
+        assert repr(url) in text and reason in text, (argv, text)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
