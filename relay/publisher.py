@@ -383,7 +383,8 @@ class Publisher:
         existing = self.store.read_manifest()
         if existing is not None and not resume:
             m = Manifest.parse(existing.data, f"{url}/manifest.json")
-            raise ValueError(f"{url}: the run already has steps (head {m.head}); pass resume=True to continue it")
+            raise ValueError(f"{url}: the run already has steps (head {m.head}); pass resume=True (--resume on the "
+                             f"command line) to continue it")
         if existing is not None:
             self._attach(Manifest.parse(existing.data, f"{url}/manifest.json"))
         else:

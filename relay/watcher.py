@@ -1063,7 +1063,7 @@ class Watcher:
         if persist == "journal" and tensors is not None:
             # a journal replays whole payloads over its base (relay.dest); a partial DEST holds only some of
             # their tensors, which dest's replay and compaction do not select yet
-            raise ValueError("a partial replica (tensors=...) needs persist=\"full\"")
+            raise ValueError("a partial replica (tensors=..., --tensors) needs persist=\"full\" (--persist full)")
         if engine is not None and (persist != "full" or tensors is not None):
             raise ValueError("an engine loads complete steps from DEST: it needs persist=\"full\" and no tensors=")
         self.url = url

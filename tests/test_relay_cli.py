@@ -31,7 +31,7 @@ def test_cli_round_trip(s3_run, trainer, bits_equal, tmp_path, capsys):
                      "--storage-options", opts, *resume]) == 0
     capsys.readouterr()
     assert main(["publish", s3_run.url, str(tmp_path / "ckpt-3"), "--step", "9", "--storage-options", opts]) == 1
-    assert "resume=True" in capsys.readouterr().err
+    assert "--resume" in capsys.readouterr().err
 
     dest = tmp_path / "dest"
     assert main(["watch", s3_run.url, "--dest", str(dest), "--once", "--storage-options", opts]) == 0
@@ -161,3 +161,23 @@ def test_every_command_refuses_malformed_urls(url, reason, tmp_path, capsys, mon
         text = said.err + said.out
         assert repr(url) in text and reason in text, (argv, text)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+def test_cli_errors_name_the_flags(file_run, trainer, tmp_path):
+    """Errors the Python API raises in its own words ("pass resume=True") name the flag when the real command
+    shows them."""
+    t = trainer(seed=35)
+    checkpoint.save(t.step(), tmp_path / "a.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "relay.cli", *argv], capture_output=True, text=True, env=env,
+                              timeout=120, cwd=ROOT)
+
+    assert cli("publish", file_run.url, str(tmp_path / "a.safetensors"), "--step", "0").returncode == 0
+    again = cli("publish", file_run.url, str(tmp_path / "a.safetensors"), "--step", "1")
+    assert again.returncode == 1 and "--resume" in again.stderr, again.stderr
+    partial = cli("watch", file_run.url, "--dest", str(tmp_path / "d"), "--once", "--tensors", "0.*",
+                  "--persist", "journal")
+    assert partial.returncode == 1 and "--persist full" in partial.stderr and "--tensors" in partial.stderr, \
+        partial.stderr
