@@ -181,3 +181,29 @@ def test_cli_errors_name_the_flags(file_run, trainer, tmp_path):
                   "--persist", "journal")
     assert partial.returncode == 1 and "--persist full" in partial.stderr and "--tensors" in partial.stderr, \
         partial.stderr
+
+
+def test_gc_dry_run_lists_what_gc_deletes_and_deletes_nothing(file_run, trainer, tmp_path):
+    """`deltarelay gc --dry-run` (the real command) prints each object gc would delete with its bytes, changes
+    nothing, and names exactly what the real gc then deletes."""
+    t = trainer(seed=36)
+    for step in range(5):
+        checkpoint.save(t.step(), tmp_path / "a.safetensors")
+        assert main(["publish", file_run.url, str(tmp_path / "a.safetensors"), "--step", str(step),
+                     "--snapshot-every", "2", *(["--resume"] if step else [])]) == 0
+    store = open_store(file_run.url)
+    before, manifest = store.list_run(), store.read_manifest().data
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", "gc", file_run.url, "--keep-snapshots", "1", "--dry-run"],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    listed = {}
+    for line in proc.stdout.splitlines()[:-1]:
+        key, size = line.removeprefix("would delete ").removesuffix(" bytes)").split(" (")
+        listed[key] = int(size)
+    assert listed and all(k.startswith(("deltas/", "records/", "snapshots/")) for k in listed), proc.stdout
+    assert f"would delete {len(listed)} objects ({sum(listed.values())} bytes)" in proc.stdout.splitlines()[-1]
+    assert store.list_run() == before and store.read_manifest().data == manifest
+    assert {k: before[k] for k in listed} == listed
+    assert main(["gc", file_run.url, "--keep-snapshots", "1"]) == 0
+    assert set(before) - set(store.list_run()) == set(listed)
