@@ -33,8 +33,8 @@ def _publish(args: argparse.Namespace) -> int:
         start = pub.bytes_uploaded
         with progress.Poller(lambda: (pub.bytes_uploaded - start, None), f"publish step {args.step}",
                              enabled=progress.wanted() and not args.no_progress):
-            pub.publish(tensors, args.step)
-    print(f"published step {args.step} to {args.url}")
+            done = pub.publish(tensors, args.step)
+    print(f"published to {args.url}: {done.line()}")
     return 0
 
 

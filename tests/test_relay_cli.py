@@ -207,3 +207,26 @@ def test_gc_dry_run_lists_what_gc_deletes_and_deletes_nothing(file_run, trainer,
     assert {k: before[k] for k in listed} == listed
     assert main(["gc", file_run.url, "--keep-snapshots", "1"]) == 0
     assert set(before) - set(store.list_run()) == set(listed)
+
+
+def test_cli_publish_prints_what_it_did(file_run, trainer, tmp_path):
+    """The real `publish` prints one line from Publisher.publish's result: kind, bytes written, changed fraction."""
+    import re
+
+    t = trainer(seed=37)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    outs = []
+    for step in range(2):
+        checkpoint.save(t.step(), tmp_path / "a.safetensors")
+        proc = subprocess.run([sys.executable, "-m", "relay.cli", "publish", file_run.url,
+                               str(tmp_path / "a.safetensors"), "--step", str(step), *(["--resume"] if step else [])],
+                              capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout.strip())
+    sizes = open_store(file_run.url).list_run()
+    got = re.fullmatch(rf"published to {re.escape(file_run.url)}: step 1: delta, (\d+) bytes written, "
+                       r"([\d.]+)% changed; .*s \(encode .*s, upload .*s, commit .*s\)", outs[1])
+    assert got, outs
+    assert int(got.group(1)) == sum(n for k, n in sizes.items() if k.startswith(("deltas/1-", "records/1")))
+    assert 0 < float(got.group(2)) <= 100
+    assert outs[0].startswith(f"published to {file_run.url}: step 0: snapshot, ")
