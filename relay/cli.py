@@ -35,6 +35,7 @@ LAB_HINT = "The lab commands (demo, bench) come with the demo extra: pip install
 
 class _Parser(argparse.ArgumentParser):
     note = ""  # said after "invalid choice" when no command of COMMAND_GROUP could be loaded
+    runtime: frozenset[str] = frozenset()  # the commands of COMMAND_MODULES
 
     def error(self, message: str):
         if self.note and "invalid choice" in message:
@@ -60,7 +61,7 @@ def command_entry_points() -> list[importlib.metadata.EntryPoint]:
     return sorted(importlib.metadata.entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> _Parser:
     """The parser. With `command` a runtime command, the entry point commands are not loaded."""
     parser = _Parser(
         prog="deltarelay",
@@ -77,9 +78,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    parser.runtime = frozenset(sub.choices)
     if command in sub.choices:
         return parser
-    runtime = set(sub.choices)
+    runtime = parser.runtime
     loaded, failed = [], []
     for ep in command_entry_points():
         if ep.name in runtime:
@@ -109,9 +111,14 @@ def _command_of(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_command_of(argv)).parse_args(argv)
+    parser = build_parser(_command_of(argv))
+    args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command in parser.runtime:  # a runtime command's one line per step (relay.progress.STEP_LOG)
+        from relay.progress import STEP_LOG
+
+        STEP_LOG.setLevel(min(level, logging.INFO))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -230,3 +230,36 @@ def test_cli_publish_prints_what_it_did(file_run, trainer, tmp_path):
     assert int(got.group(1)) == sum(n for k, n in sizes.items() if k.startswith(("deltas/1-", "records/1")))
     assert 0 < float(got.group(2)) <= 100
     assert outs[0].startswith(f"published to {file_run.url}: step 0: snapshot, ")
+
+
+def test_watch_and_relay_log_one_line_per_step_by_default(file_run, trainer, tmp_path):
+    """A healthy watcher and relay are not silent: the real commands, with no -v, log one INFO line per step
+    with the step, the bytes it moved (checked against the store) and seconds."""
+    import re
+
+    t = trainer(seed=38)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "relay.cli", *argv], capture_output=True, text=True, env=env,
+                              timeout=120, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    for step in range(2):
+        checkpoint.save(t.step(), tmp_path / "a.safetensors")
+        assert main(["publish", file_run.url, str(tmp_path / "a.safetensors"), "--step", str(step),
+                     *(["--resume"] if step else [])]) == 0
+        watched = cli("watch", file_run.url, "--dest", str(tmp_path / "d"), "--once", "--no-report")
+    sizes = open_store(file_run.url).list_run()
+    got = re.search(rf"relay.steps INFO {re.escape(str(tmp_path / 'd'))}: now at step 1 \({re.escape(file_run.url)}\): "
+                    r"(\d+) bytes downloaded, [\d.]+ s", watched.stderr)
+    assert got, watched.stderr
+    assert int(got.group(1)) == sizes["deltas/1-0.drd"] + sizes["records/1.json"]
+    region = f"file://{tmp_path}/region"
+    relayed = cli("relay", "--source", file_run.url, "--dest", region, "--once")
+    got = re.search(rf"relay.steps INFO {re.escape(region)}: now at step 1 \(origin 1\): (\d+) bytes copied",
+                    relayed.stderr)
+    assert got, relayed.stderr
+    held = open_store(region).list_run()
+    assert int(got.group(1)) == sum(n for k, n in held.items() if k.startswith(("deltas/", "records/", "snapshots/")))
