@@ -215,7 +215,9 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
         if got is None:
             raise FileNotFoundError(f"{url}/manifest.json: no run here")
         current = Manifest.parse(got.data, f"{url}/manifest.json")
-        m = trim(current) or current
+        commit.check_writable(current, f"{url}/manifest.json", _signer(signing_key),
+                              TrustedKeys.from_option(trusted_keys), adopt_unsigned)
+        m = trim(current) or current  # what the real gc would commit (refused where it would be refused)
     else:
         m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
     oldest = m.snapshots[0].step
