@@ -54,12 +54,13 @@ def describe(payload: bytes | bytearray | memoryview, base: Mapping[str, torch.T
 
 class TensorDigests(NamedTuple):
     """One tensor of a payload: dtype name, shape, and the digests (hex, `codec.hashing.digest_elements`) of
-    its base and of its target, as encode computed them."""
+    its base and of its target, as encode computed them; `changes`, how many of its elements changed."""
 
     dtype: str
     shape: tuple[int, ...]
     base: str
     target: str
+    changes: int = 0
 
 
 def digests(payload: bytes | bytearray | memoryview, *, compiled: bool = True) -> dict[str, TensorDigests]:
@@ -68,5 +69,5 @@ def digests(payload: bytes | bytearray | memoryview, *, compiled: bool = True) -
     The payload's checksum and structure are checked (DeltaError); nothing is decoded. compiled=False
     parses in Python only (no kernel runs: `encode(..., compiled=False)`'s caller)."""
     parsed = container.unpack(payload, compiled=compiled)
-    return {e.name: TensorDigests(e.dtype.name, e.shape, e.base_digest.hex(), e.target_digest.hex())
+    return {e.name: TensorDigests(e.dtype.name, e.shape, e.base_digest.hex(), e.target_digest.hex(), e.changes)
             for e in parsed.entries}

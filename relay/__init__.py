@@ -19,12 +19,13 @@ from relay.distributed import RowSlice, ShardedPublisher, ShardedPublishError
 from relay.fleet import FleetTimeout, wait_for_fleet
 from relay.manifest import Manifest, ManifestError, Record
 from relay.ops import gc, rebase, status
-from relay.publisher import Publisher, close_publishers, publish
+from relay.publisher import Published, Publisher, close_publishers, publish
 from relay.regional import Materialiser
 from relay.store import ConflictError, ObjectMissing, open_store
 from relay.watcher import Reader, SyncError, SyncTimeout, Watcher
 
-__all__ = ["Publisher", "publish", "close_publishers", "ShardedPublisher", "ShardedPublishError", "RowSlice",
-           "Watcher", "Reader", "ConflictError", "SyncError", "SyncTimeout", "ObjectMissing", "ManifestError",
-           "Manifest", "Record", "open_store", "rebase", "gc", "status", "Materialiser", "FleetTimeout",
+__all__ = ["Publisher", "Published", "publish", "close_publishers", "ShardedPublisher", "ShardedPublishError",
+           "RowSlice", "Watcher", "Reader", "ConflictError", "SyncError", "SyncTimeout", "ObjectMissing",
+           "ManifestError", "Manifest", "Record", "open_store", "rebase", "gc", "status", "Materialiser",
+           "FleetTimeout",
            "wait_for_fleet"]

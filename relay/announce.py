@@ -141,13 +141,14 @@ def update_announcement(store: Store, change: Callable[[Announcement | None], An
     raise ConflictError(f"{store.url}/{ANNOUNCE_KEY}: {_COMMIT_TRIES} conflicting commits in a row")
 
 
-def collect(store: Store, keep: int) -> dict:
+def collect(store: Store, keep: int, *, dry_run: bool = False) -> dict:
     """Regional gc: keep the newest `keep` announced snapshots (dropped from the announcement first, by
     compare-and-swap), then delete every regional/snapshots/ object that no announced snapshot names, except
     at steps above the newest announced one (a snapshot being written). Entries past the head of the region's
     manifest (or of another run) count for neither: they stay announced, take no place among the `keep`, and
     do not raise that line (a forged far-future entry would otherwise push out every real snapshot). Without
-    a readable announcement nothing is deleted. Returns what was done."""
+    a readable announcement nothing is deleted. Returns what was done (`dry_run`: would be done, changing
+    nothing), with the keys deleted and their sizes under "regional_doomed"."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
     head = region_head(store)
@@ -163,20 +164,25 @@ def collect(store: Store, keep: int) -> dict:
         kept = credible(cur)[-keep:]
         return Announcement(cur.run, tuple(s for s in cur.snapshots if s in kept or s not in credible(cur)))
 
-    now = update_announcement(store, trim)
+    if dry_run:
+        cur = read_announcement(store)[0]
+        now = trim(cur) or cur
+    else:
+        now = update_announcement(store, trim)
     if now is None:
-        return {"regional_snapshots": [], "regional_deleted": 0, "regional_freed_bytes": 0}
+        return {"regional_snapshots": [], "regional_deleted": 0, "regional_freed_bytes": 0, "regional_doomed": {}}
     named = {r.key for s in now.snapshots for r in (s.index, *s.files)}
     newest = max((s.step for s in credible(now)), default=-1)
     listed = store.list(REGIONAL_PREFIX)
     doomed = sorted(k for k in listed if k not in named and (m := _REGIONAL_KEY.fullmatch(k)) is not None
                     and int(m.group(1)) <= newest)
     try:
-        store.delete(doomed)
+        if not dry_run:
+            store.delete(doomed)
     except ObjectMissing:  # another gc got there first
         pass
-    return {"regional_snapshots": [s.step for s in now.snapshots],
-            "regional_deleted": len(doomed), "regional_freed_bytes": sum(listed[k] for k in doomed)}
+    return {"regional_snapshots": [s.step for s in now.snapshots], "regional_deleted": len(doomed),
+            "regional_freed_bytes": sum(listed[k] for k in doomed), "regional_doomed": {k: listed[k] for k in doomed}}
 
 
 def region_head(store: Store) -> tuple[int, str] | None:

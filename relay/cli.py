@@ -18,6 +18,8 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+import tomllib
+from pathlib import Path
 
 from relay.cli_options import ShownFormatter, shown
 
@@ -35,6 +37,7 @@ LAB_HINT = "The lab commands (demo, bench) come with the demo extra: pip install
 
 class _Parser(argparse.ArgumentParser):
     note = ""  # said after "invalid choice" when no command of COMMAND_GROUP could be loaded
+    runtime: frozenset[str] = frozenset()  # the commands of COMMAND_MODULES
 
     def error(self, message: str):
         if self.note and "invalid choice" in message:
@@ -42,17 +45,31 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def package_version() -> str:
+    """The installed distribution's version; from a source tree that was never installed, its pyproject's."""
+    try:
+        return importlib.metadata.version("deltarelay")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return str(tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+                   ["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
 def command_entry_points() -> list[importlib.metadata.EntryPoint]:
     """The installed entry points of COMMAND_GROUP, by name."""
     return sorted(importlib.metadata.entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> _Parser:
     """The parser. With `command` a runtime command, the entry point commands are not loaded."""
     parser = _Parser(
         prog="deltarelay",
         description="Lossless BF16 checkpoint deltas, and an object-store relay that keeps rollout hosts on the "
                     "trainer's weights.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -63,9 +80,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    parser.runtime = frozenset(sub.choices)
     if command in sub.choices:
         return parser
-    runtime = set(sub.choices)
+    runtime = parser.runtime
     loaded, failed = [], []
     for ep in command_entry_points():
         if ep.name in runtime:
@@ -95,11 +113,16 @@ def _command_of(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_command_of(argv)).parse_args(argv)
+    parser = build_parser(_command_of(argv))
+    args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     handler = logging.StreamHandler()
     handler.setFormatter(ShownFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
+    if args.command in parser.runtime:  # a runtime command's one line per step (relay.progress.STEP_LOG)
+        from relay.progress import STEP_LOG
+
+        STEP_LOG.setLevel(min(level, logging.INFO))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -33,8 +33,8 @@ def _publish(args: argparse.Namespace) -> int:
         start = pub.bytes_uploaded
         with progress.Poller(lambda: (pub.bytes_uploaded - start, None), f"publish step {args.step}",
                              enabled=progress.wanted() and not args.no_progress):
-            pub.publish(tensors, args.step)
-    print(f"published step {args.step} to {args.url}")
+            done = pub.publish(tensors, args.step)
+    print(f"published to {args.url}: {done.line()}")
     return 0
 
 
@@ -136,10 +136,14 @@ def _rebase(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace) -> int:
     out = ops.gc(args.url, args.keep_snapshots, storage_options(args.storage_options), signing_key=args.signing_key,
-                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned, regional_only=args.regional_only)
+                 trusted_keys=args.trusted_key, adopt_unsigned=args.adopt_unsigned, regional_only=args.regional_only,
+                 dry_run=args.dry_run)
     regional = f", regional snapshots {out['regional_snapshots']}" if out["regional_snapshots"] else ""
-    print(f"{args.url}: kept snapshots {out['snapshots']}{regional}, deleted {out['deleted']} objects "
-          f"({out['freed_bytes']} bytes)")
+    if args.dry_run:
+        for key, size in sorted(out["doomed"].items()):
+            print(f"would delete {key} ({size} bytes)")
+    print(f"{args.url}: {'would keep' if args.dry_run else 'kept'} snapshots {out['snapshots']}{regional}, "
+          f"{'would delete' if args.dry_run else 'deleted'} {out['deleted']} objects ({out['freed_bytes']} bytes)")
     return 0
 
 
@@ -252,6 +256,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--regional-only", action="store_true",
                    help="a regional store: collect only its own snapshots (regional/snapshots/), leave the manifest "
                         "alone (a signed run's region, whose manifest only the trainer's key may change)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print each object gc would delete (key and bytes) and the total; change nothing")
     add_writer_keys(p)
     add_storage_options(p)
     p.set_defaults(func=_gc)

@@ -61,6 +61,7 @@ from typing import Any, overload
 from relay import fleet
 from relay.announce import Announcement, read_announcement
 from relay.manifest import Manifest, ManifestError, ObjRef, Snapshot, step_of_key
+from relay.progress import STEP_LOG
 from relay.regional import Materialiser
 from relay.retry import Backoff
 from relay.signing import SignatureError, TrustedKeys
@@ -243,6 +244,7 @@ class _Region:
     synced_head: int | None = None  # and that version's head
     bytes_copied: int = 0
     objects_copied: int = 0
+    bytes_committed: int = 0  # bytes_copied at the last regional commit: what each commit's step line reports
     counted: CountingStore | None = None  # store as wrapped: what we wrote into the region, by kind
     # regional-snapshot mode: the region's materialiser, its view of the region, its origin reads (bootstrap)
     materialiser: Materialiser | None = None
@@ -500,9 +502,12 @@ class Fanout:
                     region.delays.append((step, now_mono - seen_mono))
             del region.delays[:-1000]
             region.head, region.run, region.last_commit = new.head, new.run, now_wall
-        log.info("%s: head %d (origin %d), snapshots %s, %d objects / %d bytes copied so far", region.dest.name,
-                 new.head, self._origin.head if self._origin else new.head, [s.step for s in new.snapshots],
-                 region.objects_copied, region.bytes_copied)
+            seen = self._seen.get(new.head)
+            copied, region.bytes_committed = region.bytes_copied - region.bytes_committed, region.bytes_copied
+        took = "" if seen is None else f", {now_mono - seen[0]:.2f} s after the origin's"
+        STEP_LOG.info("%s: now at step %d (origin %d): %d bytes copied%s; snapshots %s, %d objects / %d bytes "
+                      "copied so far", region.dest.name, new.head, self._origin.head if self._origin else new.head,
+                      copied, took, [s.step for s in new.snapshots], region.objects_copied, region.bytes_copied)
         return tag
 
     def _regional(self, region: _Region, got: ManifestRead | None) -> Manifest | None:

@@ -169,7 +169,8 @@ def servable_floor(m: Manifest, keep: int, present: Mapping[str, int], ann: anno
 
 
 def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, signing_key: Any = None,
-       trusted_keys: Any = None, adopt_unsigned: bool = False, regional_only: bool = False) -> dict:
+       trusted_keys: Any = None, adopt_unsigned: bool = False, regional_only: bool = False,
+       dry_run: bool = False) -> dict:
     """Keep the newest `keep_snapshots` snapshots and the steps from the oldest of them on; delete the rest.
 
     A watcher holding any step from the oldest kept snapshot on still has its chain to the head.
@@ -182,16 +183,18 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
     The manifest is never trimmed past what this store can serve (`servable_floor`): a snapshot whose
     objects have not arrived (a replicated region) is no start. A manifest older than the store's own records
     and deltas show (a replay) is refused (refuse_replayed): nothing is trimmed, deleted or signed by it.
+    `dry_run` changes nothing and returns what would be deleted: "doomed", {key: bytes}, regional keys too.
     """
     if keep_snapshots < 1:
         raise ValueError("keep_snapshots must be >= 1")
     store = open_store(url, storage_options)
-    regional = announce.collect(store, keep_snapshots)
+    regional = announce.collect(store, keep_snapshots, dry_run=dry_run)
     if regional_only:
-        log.info("%s: gc kept regional snapshots %s, deleted %d objects", url, regional["regional_snapshots"],
-                 regional["regional_deleted"])
+        log.info("%s: gc kept regional snapshots %s, %s %d objects", url, regional["regional_snapshots"],
+                 "would delete" if dry_run else "deleted", regional["regional_deleted"])
         return {"url": url, "snapshots": None, "deleted": regional["regional_deleted"],
-                "freed_bytes": regional["regional_freed_bytes"], **regional}
+                "freed_bytes": regional["regional_freed_bytes"], "doomed": regional["regional_doomed"],
+                "dry_run": dry_run, **regional}
     before: set[str] = set()
     # what this store holds: a snapshot whose objects are not all here serves nobody. Also what is deleted
     # below: an object written after this listing is not, which only ever spares more
@@ -209,7 +212,16 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
             return None
         return m.trimmed(keep_snapshots, floor)
 
-    m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
+    if dry_run:
+        got = store.read_manifest()
+        if got is None:
+            raise FileNotFoundError(f"{url}/manifest.json: no run here")
+        current = Manifest.parse(got.data, f"{url}/manifest.json")
+        commit.check_writable(current, f"{url}/manifest.json", _signer(signing_key),
+                              TrustedKeys.from_option(trusted_keys), adopt_unsigned)
+        m = trim(current) or current  # what the real gc would commit (refused where it would be refused)
+    else:
+        m = update_manifest(store, trim, _signer(signing_key), trusted=trusted_keys, adopt_unsigned=adopt_unsigned)
     oldest = m.snapshots[0].step
     now = m.referenced()
     listed = present
@@ -226,14 +238,17 @@ def gc(url: str, keep_snapshots: int, storage_options: dict | None = None, *, si
         return step <= m.head and not key.startswith("snapshots/")
 
     doomed = sorted(k for k in listed if garbage(k))
-    store.delete(doomed)
+    if not dry_run:
+        store.delete(doomed)
     freed = sum(listed[k] for k in doomed)
-    log.info("%s: gc kept snapshots %s, deleted %d objects (%d bytes); regional snapshots %s, %d objects deleted",
-             url, [s.step for s in m.snapshots], len(doomed), freed, regional["regional_snapshots"],
-             regional["regional_deleted"])
+    log.info("%s: gc kept snapshots %s, %s %d objects (%d bytes); regional snapshots %s, %d objects", url,
+             [s.step for s in m.snapshots], "would delete" if dry_run else "deleted", len(doomed), freed,
+             regional["regional_snapshots"], regional["regional_deleted"])
     return {"url": url, "snapshots": [s.step for s in m.snapshots],
             "deleted": len(doomed) + regional["regional_deleted"],
-            "freed_bytes": freed + regional["regional_freed_bytes"], **regional}
+            "freed_bytes": freed + regional["regional_freed_bytes"],
+            "doomed": {**{k: listed[k] for k in doomed}, **regional["regional_doomed"]}, "dry_run": dry_run,
+            **regional}
 
 
 def status(url: str, storage_options: dict | None = None) -> dict:

@@ -6,6 +6,7 @@ its own, and exists only when the CLI asks and stderr is a terminal (never with 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -13,6 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 MIN_BYTES = 16 << 20  # transfers smaller than this get no bar: they are over before one would help
+# one INFO line per step (a watcher's step, a relay's regional commit: step, bytes, seconds), so that a healthy
+# process is not silent: the CLI shows this logger at INFO by default (relay.cli), the rest at WARNING
+STEP_LOG = logging.getLogger("relay.steps")
 
 
 def wanted(json_output: bool = False, stream: Any = None) -> bool:

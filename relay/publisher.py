@@ -23,12 +23,13 @@ import atexit
 import dataclasses
 import inspect
 import logging
+import math
 import os
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 import torch
 
@@ -190,6 +191,39 @@ class _Moves:
     payloads: list[bytes]
     digests: dict[str, codec.TensorDigests]
     strongs: dict[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """What one `Publisher.publish` call did, for the trainer's logger.
+
+    kind: "delta", "snapshot" (a step only a full snapshot reaches), or "retried" (the call retried a step
+    whose earlier commit had landed: nothing was written). bytes_written: the objects this call created
+    (record, delta parts, snapshot files written within the call); a snapshot uploaded in the background
+    is not counted here. changed_fraction: elements that changed / elements (a delta step; None otherwise).
+    encode_s: coding (or, for a snapshot, copying and hashing) the state; upload_s: writing the step's own
+    objects; commit_s: the manifest commit; seconds: the whole call, an inline snapshot of the step included."""
+
+    step: int
+    kind: Literal["delta", "snapshot", "retried"]
+    bytes_written: int = 0
+    delta_bytes: int = 0
+    snapshot_bytes: int = 0
+    changed_fraction: float | None = None
+    snapshot_started: bool = False
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+    commit_s: float = 0.0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """One log line: step, kind, bytes, changed fraction, seconds."""
+        changed = "" if self.changed_fraction is None else f", {100 * self.changed_fraction:.3f}% changed"
+        snap = f", snapshot {self.snapshot_bytes} bytes" if self.snapshot_bytes else ""
+        later = ", snapshot under way" if self.snapshot_started and not self.snapshot_bytes else ""
+        return (f"step {self.step}: {self.kind}, {self.bytes_written} bytes written{changed}{snap}{later}; "
+                f"{self.seconds:.2f}s (encode {self.encode_s:.2f}s, upload {self.upload_s:.2f}s, "
+                f"commit {self.commit_s:.2f}s)")
 
 
 class _CopyOnWrite:
@@ -384,7 +418,8 @@ class Publisher:
         existing = self.store.read_manifest()
         if existing is not None and not resume:
             m = Manifest.parse(existing.data, f"{url}/manifest.json")
-            raise ValueError(f"{url}: the run already has steps (head {m.head}); pass resume=True to continue it")
+            raise ValueError(f"{url}: the run already has steps (head {m.head}); pass resume=True (--resume on the "
+                             f"command line) to continue it")
         if existing is not None:
             self._attach(Manifest.parse(existing.data, f"{url}/manifest.json"))
         else:
@@ -425,8 +460,9 @@ class Publisher:
         log.info("%s: resumed at step %d as writer %s (fencing writer %s)", self.url, m.head, self.writer, previous)
 
     # -- publishing ---------------------------------------------------------------------------
-    def publish(self, state: Any, step: int) -> None:
-        """Publish `state` (state_dict or nn.Module) as `step`; returns once the step is in the manifest.
+    def publish(self, state: Any, step: int) -> Published:
+        """Publish `state` (state_dict or nn.Module) as `step`; returns once the step is in the manifest, with
+        what it did (Published: bytes, changed fraction, timings).
 
         The state's tensors are read during the call only (the trainer must not change them until it
         returns); they are never copied whole, except at a step that needs a full snapshot (the first one,
@@ -437,8 +473,9 @@ class Publisher:
             raise ValueError(f"step must be an integer from 0 to 2**63-1, got {step!r}")
         if self.step is not None and step <= self.step:
             raise ValueError(f"step {step} does not increase (last published step is {self.step})")
-        if self._outcome.pending is not None and self._settle(step):
-            return  # this very step had landed: the call is the trainer's retry of it
+        started = time.perf_counter()
+        if self._outcome.pending is not None and self._settle(step):  # this very step had landed: the call is
+            return Published(step, "retried", seconds=time.perf_counter() - started)  # the trainer's retry of it
         self._collect_background()
         live = live_tensors(state)
         weight_map = shard_plan(live, self.max_shard_bytes)
@@ -448,9 +485,10 @@ class Publisher:
             except codec.CheckpointMismatchError as exc:
                 log.info("%s: step %d changes the tensor set (%s); publishing a full snapshot", self.url, step, exc)
             else:
-                self._publish_delta(live, step, weight_map)
-                return
-        self._publish_snapshot(live, step, weight_map)
+                done = self._publish_delta(live, step, weight_map)
+                return dataclasses.replace(done, seconds=time.perf_counter() - started)
+        done = self._publish_snapshot(live, step, weight_map)
+        return dataclasses.replace(done, seconds=time.perf_counter() - started)
 
     def _parts(self, live: dict[str, torch.Tensor], weight_map: dict[str, str]) -> list[list[str]]:
         """The tensor names of each delta part: one part per snapshot file, in file order."""
@@ -459,7 +497,7 @@ class Publisher:
             by_file.setdefault(weight_map[name], []).append(name)
         return [by_file[f] for f in sorted(by_file)]
 
-    def _publish_delta(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> None:
+    def _publish_delta(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> Published:
         prev = self.prev
         if prev is None:
             raise AssertionError("internal: a delta step without a base")
@@ -474,6 +512,7 @@ class Publisher:
         payloads: list[bytes] = []
         digests: dict[str, codec.TensorDigests] = {}
         strongs: dict[str, str] = {}  # signed runs: each tensor's BLAKE3, rehashed only where its bytes changed
+        began = time.perf_counter()
         try:
             for names in parts:
                 target = {k: _on_host(live[k]) for k in names}  # host copies (device, strided): one part at a time
@@ -495,6 +534,7 @@ class Publisher:
         record = Record(self.run, step, {k: TensorInfo(digests[k].dtype, digests[k].shape, digests[k].target,
                                                        blake3=strongs.get(k)) for k in live}, weight_map)
         committing = False
+        encoded = time.perf_counter()
         try:
             record_bytes = record.to_bytes()
             rec_ref = ObjRef.of(record_key(step), record_bytes, strong)
@@ -509,7 +549,9 @@ class Publisher:
             due = (self._snapshot_retry or step - self._last_snapshot_step >= self.snapshot_every
                    or self._chain_bytes + entry.delta_bytes > self.snapshot_fraction * self._last_snapshot_bytes)
             committing = True
+            uploaded = time.perf_counter()
             self._commit(entry, None)
+            committed = time.perf_counter()
         except BaseException as exc:
             if self.advance == "apply":
                 self.prev = None  # holds the uncommitted step: the next step starts from a snapshot
@@ -528,8 +570,13 @@ class Publisher:
                 self.prev = None  # partly moved to the committed step: the next step starts from a snapshot
                 raise
         self._digests = {name: d.target for name, d in digests.items()}
-        if due:
-            self._snapshot(step, weight_map, strong)
+        snapshot_bytes = self._snapshot(step, weight_map, strong) if due else 0
+        elements = sum(math.prod(d.shape) for d in digests.values())
+        return Published(step, "delta", bytes_written=len(record_bytes) + entry.delta_bytes + snapshot_bytes,
+                         delta_bytes=entry.delta_bytes, snapshot_bytes=snapshot_bytes,
+                         changed_fraction=sum(d.changes for d in digests.values()) / elements if elements else 0.0,
+                         snapshot_started=due and self._last_snapshot_step == step,
+                         encode_s=encoded - began, upload_s=uploaded - encoded, commit_s=committed - uploaded)
 
     def _settle(self, step: int) -> bool:
         """Learn whether the step whose commit raised without a refusal landed, before building on it
@@ -608,12 +655,13 @@ class Publisher:
             raise
         self.prev.update(target)
 
-    def _publish_snapshot(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> None:
+    def _publish_snapshot(self, live: dict[str, torch.Tensor], step: int, weight_map: dict[str, str]) -> Published:
         """A step only a snapshot reaches: its state becomes the publisher's own copy (the base of the next
         delta), hashed for the record, uploaded before the manifest names the step."""
         self._wait_background()  # (they hold the old base's tensors)
         self.prev = None  # the old base goes before the new one is copied: one checkpoint in memory
         strong = self.signer is not None
+        began = time.perf_counter()
         prev = {k: _private_copy(t) for k, t in live.items()}
         infos = tensor_infos(prev, strong=strong)
         self._blake3 = {k: v.blake3 for k, v in infos.items() if v.blake3 is not None}
@@ -622,20 +670,26 @@ class Publisher:
         # the files first: a state no snapshot can hold (a dtype safetensors cannot store) is refused before
         # anything is written, not after its record, which would block the step (and a first step, the prefix)
         files = snapshot_files(step, prev, weight_map, self.snapshot_format)
+        encoded = time.perf_counter()
         try:
             self._put(rec_ref.key, record_bytes)
             snap = _snapshot_entry(step, store_files(files, self._put_stream, self.upload_workers, strong))
         finally:
             close_files(files)
         entry = Step(step, rec_ref)
+        uploaded = time.perf_counter()
         try:
             self._commit(entry, snap)
         except BaseException as exc:  # prev is None already: if it landed, the next step snapshots anyway
             self._outcome.failed(entry, exc, _Moves([], {}, {}))
             raise
+        committed = time.perf_counter()
         self.prev, self.step = prev, step
         self._digests = {k: v.digest for k, v in infos.items()}
         self._snapshot_done(step, prev)
+        return Published(step, "snapshot", bytes_written=len(record_bytes) + snap.bytes, snapshot_bytes=snap.bytes,
+                         snapshot_started=True, encode_s=encoded - began, upload_s=uploaded - encoded,
+                         commit_s=committed - uploaded)
 
     def _snapshot_done(self, step: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """A snapshot of `step` is committed or under way: the next one is counted from here."""
@@ -644,24 +698,28 @@ class Publisher:
         self._last_snapshot_bytes = sum(_nbytes(t) for t in tensors.values())
         self._chain_bytes = 0
 
-    def _snapshot(self, step: int, weight_map: dict[str, str], strong: bool) -> None:
-        """The snapshot of the step just committed (prev is that step): in the background, or now."""
+    def _snapshot(self, step: int, weight_map: dict[str, str], strong: bool) -> int:
+        """The snapshot of the step just committed (prev is that step): in the background, or now. Returns the
+        bytes it wrote now (0 in the background, or when it failed)."""
         if self.prev is None:
-            return  # prev was lost to a failure: the next step is a snapshot anyway
+            return 0  # prev was lost to a failure: the next step is a snapshot anyway
+        written = 0
         if self._pool is None or self.snapshot_format != "safetensors":
             try:
-                self._commit(None, upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers,
-                                                   strong, put=self._put_stream, snapshot_format=self.snapshot_format))
+                snap = upload_snapshot(self.store, step, self.prev, weight_map, self.upload_workers, strong,
+                                       put=self._put_stream, snapshot_format=self.snapshot_format)
+                written = snap.bytes
+                self._commit(None, snap)
             except Exception as exc:  # noqa: BLE001 - the step is committed: its snapshot's failure is not the step's
                 if not (isinstance(exc, ConflictError) and self._snapshot_elsewhere(step)):
                     self._snapshot_failed(step, exc)
-                    return
+                    return 0
         else:
             try:
                 job = _SnapshotJob(step, self.prev, weight_map)
             except Exception as exc:  # noqa: BLE001 - the step is committed: reported like an upload failure
                 self._snapshot_failed(step, exc)
-                return
+                return 0
             self._cow.add(job)
             try:
                 self._pending.append(self._pool.submit(self._background_snapshot, job))
@@ -669,6 +727,7 @@ class Publisher:
                 self._cow.finish(job)
                 raise
         self._snapshot_done(step, self.prev)
+        return written
 
     def _put(self, key: str, data: bytes) -> None:
         """Create an immutable object (see _create)."""
@@ -826,7 +885,7 @@ _PUBLISHERS: dict[str, Publisher] = {}
 _PUBLISHERS_LOCK = threading.Lock()
 
 
-def publish(state: Any, step: int, *, url: str, **options: Any) -> None:
+def publish(state: Any, step: int, *, url: str, **options: Any) -> Published:
     """One-call form: the first call for `url` opens a Publisher with `options`, later calls reuse it.
 
     Background uploads are flushed at interpreter exit; call `close_publishers()` to flush earlier.
@@ -835,7 +894,7 @@ def publish(state: Any, step: int, *, url: str, **options: Any) -> None:
         pub = _PUBLISHERS.get(url)
         if pub is None:
             pub = _PUBLISHERS[url] = Publisher(url, **options)
-    pub.publish(state, step)
+    return pub.publish(state, step)
 
 
 @atexit.register

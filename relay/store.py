@@ -1469,13 +1469,45 @@ class S3Store(Store):
         return resp["ETag"]
 
 
+_SCHEME_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*(:|//)")
+_NAMELESS_OK = ("file", "local", "memory")  # schemes whose URL may have no bucket or host after "://"
+
+
+def check_url(url: str) -> str:
+    """`url` as open_store reads it (a plain path made a file:// URL), or ValueError naming it and why.
+
+    A typo must not become a local path that a watcher then waits on forever, so a path without
+    "://" whose first component looks like a scheme ('s3//bucket/run', 's3:/bucket', 'gs:bucket') is
+    refused: write './s3//x' for such a local directory. A scheme must be one fsspec knows, and a
+    scheme other than file, local or memory needs a bucket or host ('s3://' and 's3:///run' are refused)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"store URL {url!r}: empty")
+    if "://" not in url:
+        if _SCHEME_LIKE.match(url):
+            meant = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*)(:/*|//)", r"\1://", url)
+            raise ValueError(f"store URL {url!r}: looks like a mistyped URL (did you mean {meant!r}?); "
+                             f"a local directory of that name is written './{url}'")
+        return "file://" + os.path.abspath(url)
+    for part in url.split("::"):  # fsspec chains such as 'simplecache::s3://bucket/run'
+        scheme, sep, rest = part.partition("://")
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except ValueError:
+            raise ValueError(f"store URL {url!r}: unknown scheme {scheme!r} "
+                             f"(s3://bucket/prefix, file:///path, memory://name, or another fsspec protocol)") from None
+        except ImportError as exc:
+            raise ValueError(f"store URL {url!r}: scheme {scheme!r} needs a package not installed ({exc})") from None
+        if sep and scheme not in _NAMELESS_OK and not rest.split("/")[0]:
+            raise ValueError(f"store URL {url!r}: no bucket or host after {scheme}://")
+    return url
+
+
 def open_store(url: str, storage_options: dict | None = None, *, transfer: Transfer | None = None) -> Store:
     """The Store for a run prefix such as 's3://bucket/run', 'file:///path/run' or 'memory://run'.
 
     `storage_options` go to fsspec, except `"transfer"`: the fields of a Transfer (how large objects
-    move), used unless `transfer` is given."""
-    if "://" not in url:
-        url = "file://" + os.path.abspath(url)
+    move), used unless `transfer` is given. Malformed URLs are refused (check_url)."""
+    url = check_url(url)
     options = dict(storage_options or {})
     if "transfer" in options:
         asked = Transfer.from_options(options.pop("transfer"))
@@ -1491,6 +1523,7 @@ def open_store(url: str, storage_options: dict | None = None, *, transfer: Trans
     return FsspecStore(url, fs, root, transfer=transfer)
 
 
-__all__ = ["Store", "open_store", "Transfer", "transient", "unsure_write", "UNSURE_ATTEMPTS", "ConflictError",
+__all__ = ["Store", "open_store", "check_url", "Transfer", "transient", "unsure_write", "UNSURE_ATTEMPTS",
+           "ConflictError",
            "ObjectMissing", "ObjectExists", "ObjectChanged", "ManifestRead", "NOT_MODIFIED", "NotModified",
            "MANIFEST_KEY", "content_tag", "StoreCapabilityError"]

@@ -45,6 +45,7 @@ from relay.manifest import (INDEX_NAME, MAX_RECORD_BYTES, PERSIST_MODES, DestSta
                             Part, Record, Snapshot, Step, TensorInfo, mismatches, safe_shard_name,
                             strong_mismatches)
 from relay.files import atomic_path, fsync_dir, temporary_sibling
+from relay.progress import STEP_LOG
 from relay.retry import Backoff
 from relay.signing import TrustedKeys
 from relay.store import NOT_MODIFIED, ManifestRead, ObjectMissing, Store, Unchanged, open_store
@@ -1083,7 +1084,7 @@ class Watcher:
         if persist == "journal" and tensors is not None:
             # a journal replays whole payloads over its base (relay.dest); a partial DEST holds only some of
             # their tensors, which dest's replay and compaction do not select yet
-            raise ValueError("a partial replica (tensors=...) needs persist=\"full\"")
+            raise ValueError("a partial replica (tensors=..., --tensors) needs persist=\"full\" (--persist full)")
         if engine is not None and (persist != "full" or tensors is not None):
             raise ValueError("an engine loads complete steps from DEST: it needs persist=\"full\" and no tensors=")
         self.url = url
@@ -1769,6 +1770,7 @@ class Watcher:
         undo = codec.UndoLog()
         trail = Trail()
         repair = self.accept_older_head
+        began, downloaded = time.monotonic(), self.reader.bytes_downloaded
         m, tensors, rec = self.reader.reach(self.step, self.tensors, run=self.run_id, timeout=timeout, undo=undo,
                                             spool=spool, trail=trail, accept_older_head=repair)
         if tensors is None:
@@ -1809,7 +1811,8 @@ class Watcher:
         self._floor = None
         self.step, self.run_id, self.tensors = rec.step, m.run, tensors
         self._held_partial = self.reader.want is not None
-        log.info("%s: now at step %d (%s)", self.dest, rec.step, self.url)
+        STEP_LOG.info("%s: now at step %d (%s): %d bytes downloaded, %.2f s", self.dest, rec.step, self.url,
+                      self.reader.bytes_downloaded - downloaded, time.monotonic() - began)
 
     def _deliver(self) -> None:
         """Hand the held step to the module and to on_update, each unless it already has it.

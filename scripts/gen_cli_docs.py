@@ -30,9 +30,9 @@ HEADER = f"""# `deltarelay` command reference
 
 Every command below is `deltarelay COMMAND ...` (or `python -m relay.cli COMMAND ...`). `-v` before
 the command logs more (`-vv`: debug, and a traceback on failure); otherwise a failure prints one line
-on stderr and exits non-zero. What the commands are for, and how they fit together:
-[OPERATIONS.md](OPERATIONS.md). `demo` and `bench` are the lab's commands and need the demo extra
-(`pip install "deltarelay[demo]"`).
+on stderr and exits non-zero. `deltarelay --version` prints the version. What the commands are for,
+and how they fit together: [OPERATIONS.md](OPERATIONS.md). `demo` and `bench` are the lab's commands
+and need the demo extra (`pip install "deltarelay[demo]"`).
 """
 
 

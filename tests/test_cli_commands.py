@@ -89,3 +89,23 @@ def test_runtime_only_help_and_refusals(monkeypatch, capsys, tmp_path):
     assert cli.main(["bench", "--tiny", "--chart", "x.png"]) == 1
     assert "--chart needs matplotlib" in capsys.readouterr().err
 
+
+
+def test_version_prints_the_package_version():
+    """`deltarelay --version`, run as the real command, prints the version the package declares."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "relay.cli", "--version"], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"deltarelay {PYPROJECT['project']['version']}"
+
+
+def test_version_from_a_source_tree_never_installed(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.package_version() == PYPROJECT["project"]["version"]

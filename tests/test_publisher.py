@@ -540,3 +540,37 @@ def test_resume_streams_the_head_into_memory(file_run, trainer, tmp_path, monkey
             pub.publish(t.model, 5)
     w = relay.Watcher(file_run.url, tmp_path / "w")
     assert w.sync(timeout=30) == 5 and same_bits(w.tensors, states[5])
+
+
+def test_publish_returns_what_it_did(file_run):
+    """`publish` returns its bytes, changed fraction and timings (a trainer's logger has them): each figure is
+    checked against the store and the state, at a snapshot step, a delta step, and a delta step that snapshots."""
+    g = torch.Generator().manual_seed(7)
+    state = {"a": torch.randn(64, 64, generator=g).bfloat16(), "b": torch.randn(1000, generator=g).bfloat16()}
+    store = open_store(file_run.url)
+
+    def sizes(*prefixes: str) -> int:
+        return sum(n for k, n in store.list_run().items() if k.startswith(prefixes))
+
+    with relay.Publisher(file_run.url, background=False, snapshot_every=2) as pub:
+        first = pub.publish(state, 0)
+        assert isinstance(first, relay.Published) and (first.step, first.kind) == (0, "snapshot")
+        assert first.snapshot_bytes == sizes("snapshots/0/") == manifest_of(file_run.url).snapshots[-1].bytes
+        assert first.bytes_written == first.snapshot_bytes + sizes("records/0")
+        assert first.changed_fraction is None and first.snapshot_started
+        state = {k: v.clone() for k, v in state.items()}
+        state["a"].view(-1)[:100] += 1.0  # some of the 5096 elements change
+        changed = int((state["a"] != pub.prev["a"]).sum())
+        second = pub.publish(state, 1)
+        assert (second.step, second.kind, second.snapshot_bytes, second.snapshot_started) == (1, "delta", 0, False)
+        assert second.delta_bytes == sizes("deltas/1-") > 0
+        assert second.bytes_written == second.delta_bytes + sizes("records/1")
+        assert second.changed_fraction == changed / (64 * 64 + 1000)
+        state = {k: v.clone() for k, v in state.items()}
+        state["b"][:10] += 1.0
+        third = pub.publish(state, 2)  # two steps past the snapshot: one now (background=False)
+        assert third.kind == "delta" and third.snapshot_started and third.snapshot_bytes == sizes("snapshots/2/") > 0
+        assert third.bytes_written == third.delta_bytes + sizes("records/2") + third.snapshot_bytes
+    for r in (first, second, third):
+        assert min(r.encode_s, r.upload_s, r.commit_s) >= 0 and r.seconds >= r.encode_s + r.upload_s + r.commit_s
+        assert f"step {r.step}: {r.kind}, {r.bytes_written} bytes written" in r.line()

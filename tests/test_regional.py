@@ -246,7 +246,11 @@ def test_regional_gc(materialised):
     run, _, _ = materialised
     run.dst.put_new("regional/snapshots/7/leftover.safetensors", b"x")  # below the newest: collected
     run.dst.put_new("regional/snapshots/12/model-00001-of-00001.safetensors", b"y")  # being written: spared
+    held, announced = run.dst.list("regional/"), read_announcement(run.dst)[0]
+    dry = ops.gc(run.region, 1, regional_only=True, dry_run=True)  # names what it would delete, changes nothing
+    assert run.dst.list("regional/") == held and read_announcement(run.dst)[0] == announced
     out = ops.gc(run.region, 1, regional_only=True)
+    assert dry["doomed"] == {k: held[k] for k in set(held) - set(run.dst.list("regional/"))} and dry["doomed"]
     assert out["regional_snapshots"] == [9] and out["snapshots"] is None
     left = set(run.dst.list("regional/"))
     assert not any(k.startswith(("regional/snapshots/6/", "regional/snapshots/7/")) for k in left)

@@ -248,6 +248,8 @@ def test_operators_need_the_key_on_a_signed_run(file_run, trainer, keys, tmp_pat
     publish_steps(file_run.url, trainer, 5, signing_key=keys["a"][0])
     with pytest.raises(ValueError, match="needs the signing key"):
         ops.gc(file_run.url, 1)
+    with pytest.raises(ValueError, match="needs the signing key"):  # a dry run says what the real one would
+        ops.gc(file_run.url, 1, dry_run=True)
     with pytest.raises(ValueError, match="needs the signing key"):
         ops.rebase(file_run.url, timeout=5)
     assert ops.rebase(file_run.url, timeout=5, signing_key=keys["a"][0]) == 4
@@ -257,6 +259,8 @@ def test_operators_need_the_key_on_a_signed_run(file_run, trainer, keys, tmp_pat
     assert m.base == 4 and m.steps[0].step == 4
     with pytest.raises(SignatureError):  # an operator's key that is not the run's is not used to re-sign it
         ops.gc(file_run.url, 1, signing_key=keys["b"][0])
+    with pytest.raises(SignatureError):
+        ops.gc(file_run.url, 1, signing_key=keys["b"][0], dry_run=True)
     w = Watcher(file_run.url, tmp_path / "dest", trusted_keys=keys["a"][1])
     assert w.sync(timeout=5) == 4
 
