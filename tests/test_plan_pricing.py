@@ -79,7 +79,7 @@ def forge(store: Store, step: int, salt: int, record_digests: bool = False) -> S
         pass
     snap = Snapshot(step, ObjRef.of(prefix + INDEX_NAME, index), tuple(files))
     got = store.read_object(ANNOUNCE_KEY)
-    store.commit_object(ANNOUNCE_KEY, Announcement(m.run, True, (snap,)).to_bytes(), None if got is None else got.etag)
+    store.commit_object(ANNOUNCE_KEY, Announcement(m.run, (snap,)).to_bytes(), None if got is None else got.etag)
     return snap
 
 
