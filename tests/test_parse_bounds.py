@@ -219,7 +219,7 @@ def test_a_regional_snapshot_file_header_is_bounded_by_its_record(spooled, file_
 @pytest.mark.parametrize("streamed", [True, False])
 def test_a_100_mib_class_header_costs_its_bytes_not_its_objects(streamed, tmp_path):
     """The worst header the 100 MiB cap and the bytes-per-element rule let through (short strings, one element
-    per 7 bytes: ~12M objects, ~1 GB) against a 10-tensor record: refused naming the file before the header is
+    per 7 bytes: ~14M objects, ~1 GB) against a 10-tensor record: refused naming the file before the header is
     read (streamed) or parsed, at a peak of traced memory under the header's bytes."""
     from relay import checkpoint
 
