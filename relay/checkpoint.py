@@ -258,13 +258,14 @@ class HeaderBound(NamedTuple):
 
 def header_bound(names: Iterable[str]) -> HeaderBound:
     """What a header of a file holding any subset of the tensors `names` (a record's) may be, honestly: one entry
-    per tensor at its longest (name written twice, escaped twice over, a `[`, `{` or `,` in it counted by
-    load_json's element scan), and a constant for the metadata. Bounds the header before it is read or parsed,
-    so a small record's hostile file costs a few KB, not the 100 MiB cap's ~1 GB of objects; honest sharded
-    files hold subsets, so one bound per record serves each of them."""
+    per tensor at its longest (its name as the entry's key and, escaped twice over, in a sharded file's rows;
+    each `[`, `{` or `,` in it counted by load_json's element scan), and a constant for the metadata. Bounds
+    the header before it is read or parsed, so a small record's hostile file costs a few KB, not the 100 MiB
+    cap's ~1 GB of objects; honest sharded files hold subsets, so one bound per record serves each of them."""
     nbytes, items = _HEADER_SLACK_BYTES, _HEADER_SLACK_ITEMS
     for name in names:
-        nbytes += 3 * len(json.dumps(name, ensure_ascii=False).encode("utf-8")) + _BYTES_PER_TENSOR
+        nbytes += (len(json.dumps(name, ensure_ascii=False).encode("utf-8"))  # the entry's, as safetensors writes
+                   + len(json.dumps(json.dumps(name))) + _BYTES_PER_TENSOR)  # the rows', a string in a string
         items += _ITEMS_PER_TENSOR + 2 * sum(name.count(c) for c in ",[{")
     return HeaderBound(min(nbytes, MAX_HEADER_BYTES), items)
 

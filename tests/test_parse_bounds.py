@@ -271,3 +271,42 @@ def test_an_honest_snapshot_of_many_tensors_is_within_its_bound(tmp_path):
     part = {n: header[n] for n in names[:2500]}  # a shard: a subset, under the record's one bound
     raw = json.dumps({"__metadata__": {"step": "1"}, **part}, separators=(",", ":")).encode()
     assert len(shards.file_names(_as_safetensors(raw), ObjRef("f", 1, "0" * 32), bound)) == 2500
+
+
+def test_the_bound_covers_names_that_escape_long(tmp_path):
+    """Names whose escaped forms are longest (quotes, backslashes, characters outside the BMP, `,[{`) in one
+    honest sharded file with rows metadata: within the bound of a record of just those names."""
+    from relay import checkpoint, shards
+    from relay.manifest import ObjRef
+
+    names = ['a"\\' * 40, "\U0001F600" * 60, ",[{" * 60, "plain"]
+    header = {"__metadata__": {"step": "7", shards.ROWS_KEY: json.dumps({n: [0, 1] for n in names})}}
+    for i, n in enumerate(names):
+        header[n] = {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "rank-00000-of-00001-00001.safetensors"
+    path.write_bytes(_as_safetensors(raw) + b"\0" * 16)
+    tensors, meta = checkpoint.read_file_into(path, bound=checkpoint.header_bound(names))
+    assert set(tensors) == set(names) and set(shards.metadata_rows(meta, ObjRef("f", 1, "0" * 32))) == set(names)
+
+
+def test_a_reader_loads_an_honest_snapshot_of_5000_tensors(file_run, tmp_path):
+    """The bound is per record: a published snapshot of 5,000 tensors in several shards (each a subset of the
+    record's tensors) is reached bit-exact, streamed and spooled."""
+    import torch
+
+    from conftest import same_bits
+    from relay.publisher import Publisher
+    from relay.watcher import Reader
+
+    g = torch.Generator().manual_seed(5)
+    state = {f"model.layers.{i // 10}.mlp.experts.{i % 10}.w": torch.randn(3, 2, generator=g).to(torch.bfloat16)
+             for i in range(5000)}
+    with Publisher(file_run.url, background=False, max_shard_bytes=16 << 10) as pub:
+        pub.publish(state, 0)
+    reader = Reader(open_store(file_run.url))
+    for spool in (None, str(tmp_path)):
+        m, tensors, _ = reader.reach(None, None, spool=spool)
+        assert m.head == 0 and tensors is not None and same_bits(tensors, state)
+    assert reader.verify_failures == 0
