@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -239,6 +239,37 @@ MAX_HEADER_BYTES = 100 << 20  # a safetensors header over this is refused before
 _READ_CHUNK = 16 << 20  # bytes per read: large enough for the disk, small enough to stay out of RSS
 
 
+# What one tensor's entry can spend in an honest header (`"name":{"dtype":..,"shape":[<= MAX_DIMS],"data_offsets":[2]}`,
+# and a sharded file's `rows` metadata naming it again): elements and bytes beyond its name, and a constant for the
+# rest (`__metadata__`'s step, the object itself, padding). header_bound turns a record's tensors into a cap.
+MAX_DIMS = 32
+_ITEMS_PER_TENSOR = 6 + MAX_DIMS + 3  # one entry's ',' '{' 2x',' '[' dims-1 ',' '[' ',' + its [start, stop] rows
+_BYTES_PER_TENSOR = 1024  # an entry's keys, dtype, 32 dims and 2 offsets of 20 digits, its rows: ~870
+_HEADER_SLACK_ITEMS = 64
+_HEADER_SLACK_BYTES = 4096
+
+
+class HeaderBound(NamedTuple):
+    """The most a safetensors header of a snapshot file may be, from the step's (trusted) record."""
+
+    nbytes: int
+    items: int
+
+
+def header_bound(names: Iterable[str]) -> HeaderBound:
+    """What a header of a file holding any subset of the tensors `names` (a record's) may be, honestly: one entry
+    per tensor at its longest (its name as the entry's key and, escaped twice over, in a sharded file's rows;
+    each `[`, `{` or `,` in it counted by load_json's element scan), and a constant for the metadata. Bounds
+    the header before it is read or parsed, so a small record's hostile file costs a few KB, not the 100 MiB
+    cap's ~1 GB of objects; honest sharded files hold subsets, so one bound per record serves each of them."""
+    nbytes, items = _HEADER_SLACK_BYTES, _HEADER_SLACK_ITEMS
+    for name in names:
+        nbytes += (len(json.dumps(name, ensure_ascii=False).encode("utf-8"))  # the entry's, as safetensors writes
+                   + len(json.dumps(json.dumps(name))) + _BYTES_PER_TENSOR)  # the rows', a string in a string
+        items += _ITEMS_PER_TENSOR + 2 * sum(name.count(c) for c in ",[{")
+    return HeaderBound(min(nbytes, MAX_HEADER_BYTES), items)
+
+
 class SafetensorsError(ValueError):
     """A safetensors file that this reader refuses: the path and the reason."""
 
@@ -252,20 +283,24 @@ class _Span:
     end: int
 
 
-def read_header(fd: int, size: int, where: str) -> tuple[list[_Span], dict[str, str], int]:
+def read_header(fd: int, size: int, where: str, bound: HeaderBound | None = None
+                ) -> tuple[list[_Span], dict[str, str], int]:
     """(tensors in file order, metadata, data start) of the safetensors file open at `fd` (`size` bytes):
     `parse_header` over positional reads."""
-    return parse_header(lambda n, offset: _pread_exact(fd, n, offset, where), size, where)
+    return parse_header(lambda n, offset: _pread_exact(fd, n, offset, where), size, where, bound)
 
 
-def parse_header(read: Callable[[int, int], bytes], size: int, where: str) -> tuple[list[_Span], dict[str, str], int]:
+def parse_header(read: Callable[[int, int], bytes], size: int, where: str, bound: HeaderBound | None = None
+                 ) -> tuple[list[_Span], dict[str, str], int]:
     """(tensors in file order, metadata, data start) of a safetensors object of `size` bytes, whose bytes
     [offset, offset + n) `read(n, offset)` returns (the 8-byte length first, then the header).
 
     Strict, since the file may come from anywhere: the header length (8 bytes, little-endian) is
     capped before it is read; every entry needs a known dtype, a shape of non-negative integers and
     data_offsets that match it; the tensors' bytes must tile the data exactly (sorted, no overlap, no
-    gap, nothing after), as safetensors itself requires.
+    gap, nothing after), as safetensors itself requires. `bound` (header_bound of the step's record) caps
+    the header's bytes before they are read and its elements before they are parsed; without one, only
+    safetensors' own 100 MiB cap.
     """
     from codec.tensors import DTYPES  # names as docs/FORMAT.md's table (safetensors' names)
 
@@ -273,10 +308,14 @@ def parse_header(read: Callable[[int, int], bytes], size: int, where: str) -> tu
     if size < 8:
         raise SafetensorsError(f"{where}: {size} bytes, too short for a safetensors header")
     n = int.from_bytes(read(8, 0), "little")
+    if bound is not None and n > bound.nbytes:
+        raise SafetensorsError(f"{where}: header of {n} bytes, more than the {bound.nbytes} a file of its step's "
+                               f"record may have (refused before it is read)")
     if n > MAX_HEADER_BYTES or 8 + n > size:
         raise SafetensorsError(f"{where}: header of {n} bytes (file {size} bytes, cap {MAX_HEADER_BYTES})")
     try:  # the bounded reader: a 100 MiB header of `{}` would otherwise build ~35M objects before any check
-        doc = load_json(read(n, 8), f"{where}: header", MAX_HEADER_BYTES, HEADER_BYTES_PER_ITEM)
+        doc = load_json(read(n, 8), f"{where}: header", MAX_HEADER_BYTES, HEADER_BYTES_PER_ITEM,
+                        None if bound is None else bound.items)
     except ManifestError as exc:
         raise SafetensorsError(f"{where}: header is not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(doc, dict):
@@ -341,14 +380,15 @@ class SafetensorsFile:
     """An open safetensors file (no links followed) with its strictly parsed header (`read_header`): `spans`
     in file order, `metadata`; `read(span)` reads one tensor with plain chunked reads into a new tensor."""
 
-    def __init__(self, path: str | os.PathLike, where: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, where: str | None = None, bound: HeaderBound | None = None) -> None:
         self.where = where or str(path)
         # O_NONBLOCK: a FIFO in place of a file must not block the open (no effect on a regular file)
         self.fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             if not stat.S_ISREG(os.fstat(self.fd).st_mode):
                 raise NotARegularFile(f"{self.where}: not a regular file")
-            self.spans, self.metadata, self.start = read_header(self.fd, os.fstat(self.fd).st_size, self.where)
+            self.spans, self.metadata, self.start = read_header(self.fd, os.fstat(self.fd).st_size, self.where,
+                                                                bound)
         except BaseException:
             os.close(self.fd)
             raise
@@ -382,14 +422,16 @@ def _new_tensor(span: _Span, where: str) -> torch.Tensor:
 
 
 def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[memoryview], None],
-                max_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
+                max_bytes: int | None = None, bound: HeaderBound | None = None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
     """(tensors, metadata, each tensor's codec digest) of a safetensors object of `size` bytes arriving as
     `chunks`, copied straight into new tensors (no file, no copy of the object's bytes: memory is the
     tensors and one chunk). Every byte is passed to `feed` in order (the caller's check of the object's
     hash, which must pass before any tensor is used); each tensor is digested (codec.hashing) as its bytes
     arrive, while in cache. Strict header (parse_header); SafetensorsError if the object is malformed, or
     ends before or runs past `size` bytes, or its header declares more than `max_bytes` of tensors (checked,
-    like a lack of memory for them, before they are allocated: `size` may be an unsigned claim)."""
+    like a lack of memory for them, before they are allocated: `size` may be an unsigned claim), or a header
+    over `bound` (checked before the header is taken from the stream)."""
     from codec.hashing import digester
 
     it = iter(chunks)
@@ -418,8 +460,9 @@ def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[
 
     if size > 8:  # the length, and then (within the cap parse_header checks first) the header
         header_bytes(8, 0)
-        header_bytes(min(int.from_bytes(head[:8], "little"), MAX_HEADER_BYTES, size - 8), 8)
-    spans, meta, start = parse_header(header_bytes, size, where)
+        cap = MAX_HEADER_BYTES if bound is None else bound.nbytes
+        header_bytes(min(int.from_bytes(head[:8], "little"), cap, size - 8), 8)
+    spans, meta, start = parse_header(header_bytes, size, where, bound)
     declared = sum(sp.end - sp.begin for sp in spans)
     if max_bytes is not None and declared > max_bytes:
         raise SafetensorsError(f"{where}: header declares {declared} bytes of tensors, more than the {max_bytes} "
@@ -446,11 +489,12 @@ def stream_into(chunks: Iterable[bytes], size: int, where: str, feed: Callable[[
     return tensors, meta, {name: h.digest() for name, h in hashers.items()}
 
 
-def read_file_into(path: str | os.PathLike, where: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_file_into(path: str | os.PathLike, where: str | None = None, bound: HeaderBound | None = None
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a safetensors file, read with plain chunked reads straight into new tensors
     (no mmap, no intermediate bytes: resident memory is the tensors alone). Strict header (read_header);
     SafetensorsError on a malformed file, FileNotFoundError if absent. Links are not followed."""
-    with SafetensorsFile(path, where) as f:
+    with SafetensorsFile(path, where, bound) as f:
         return {s.name: f.read(s) for s in f.spans}, f.metadata
 
 
@@ -551,17 +595,18 @@ def snapshot_file_format(path: str | os.PathLike) -> str:
 
 
 def read_snapshot_file(path: str | os.PathLike, where: str | None = None, only: set[str] | None = None,
-                       max_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                       max_bytes: int | None = None, bound: HeaderBound | None = None
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, metadata) of a snapshot file in either format (`snapshot_file_format`): a safetensors file
     as `read_file_into` reads it (`only` then filters), a compressed one decoded tensor by tensor, each
     checked against its own digest (`only`: just those, by seeking). A compressed file has no metadata
     ({}). SafetensorsError, naming `where`, for any file this refuses, in either format; links are not
     followed. The caller still checks the tensors against the step's record, as for any snapshot.
     `max_bytes` bounds a compressed file's tensors before each is allocated (`codec.decode_snapshot`); a
-    safetensors file's are bounded by its size."""
+    safetensors file's are bounded by its size, its header by `bound` (header_bound of the step's record)."""
     where = where or str(path)
     if snapshot_file_format(path) == "safetensors":
-        tensors, meta = read_file_into(path, where)
+        tensors, meta = read_file_into(path, where, bound)
         return (tensors if only is None else {k: v for k, v in tensors.items() if k in only}), meta
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

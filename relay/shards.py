@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 import codec
-from relay.checkpoint import HEADER_BYTES_PER_ITEM, MAX_HEADER_BYTES, tensor_bytes
+from relay.checkpoint import HEADER_BYTES_PER_ITEM, MAX_HEADER_BYTES, HeaderBound, header_bound, tensor_bytes
 from relay.manifest import (MAX_RECORD_BYTES, ManifestError, ObjRef, Part, Snapshot, TensorInfo, load_json,
                             safe_shard_name)
 
@@ -106,17 +106,21 @@ def part_targets(part: Part, tensors: Mapping[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def _header(data: bytes, ref: ObjRef) -> dict:
-    """A safetensors file's JSON header, parsed from its bytes; ShardError naming the file if it has none."""
+def _header(data: bytes, ref: ObjRef, bound: HeaderBound | None = None) -> dict:
+    """A safetensors file's JSON header, parsed from its bytes; ShardError naming the file if it has none, or
+    one over `bound` (header_bound of its step's record: refused before it is parsed)."""
     where = ref.key
     if len(data) < 8:
         raise ShardError([ref], f"{where}: not a safetensors file (shorter than its header size)")
     n = int.from_bytes(data[:8], "little")
+    if bound is not None and n > bound.nbytes:
+        raise ShardError([ref], f"{where}: safetensors header of {n} bytes, more than the {bound.nbytes} a file of "
+                                f"its step's record may have")
     if n > min(len(data) - 8, MAX_HEADER_BYTES):
         raise ShardError([ref], f"{where}: not a safetensors file (header of {n} bytes)")
     try:
         header = load_json(bytes(data[8:8 + n]), f"{where}: safetensors header", MAX_HEADER_BYTES,
-                           HEADER_BYTES_PER_ITEM)
+                           HEADER_BYTES_PER_ITEM, None if bound is None else bound.items)
     except ManifestError as exc:
         raise ShardError([ref], f"{where}: unreadable safetensors header ({exc})") from None
     if not isinstance(header, dict):
@@ -124,12 +128,12 @@ def _header(data: bytes, ref: ObjRef) -> dict:
     return header
 
 
-def file_rows(data: bytes, ref: ObjRef) -> dict[str, tuple[int, int]]:
+def file_rows(data: bytes, ref: ObjRef, bound: HeaderBound | None = None) -> dict[str, tuple[int, int]]:
     """The row ranges a snapshot file's safetensors metadata gives its slices ({} for whole tensors)."""
-    return metadata_rows(_header(data, ref).get("__metadata__") or {}, ref)
+    return metadata_rows(_header(data, ref, bound).get("__metadata__") or {}, ref)
 
 
-def file_names(data: bytes, ref: ObjRef) -> set[str]:
+def file_names(data: bytes, ref: ObjRef, bound: HeaderBound | None = None) -> set[str]:
     """The tensors a snapshot file holds, from its header alone (safetensors) or its trailer and index (a
     compressed snapshot object): what its snapshot's index must map to it."""
     if bytes(data[:4]) == codec.SNAPSHOT_MAGIC:
@@ -137,7 +141,7 @@ def file_names(data: bytes, ref: ObjRef) -> set[str]:
             return {e.name for e in codec.read_snapshot_index(bytes(data), where=ref.key)}
         except codec.SnapshotError as exc:
             raise ShardError([ref], f"not a snapshot file ({exc})") from None
-    return {k for k in _header(data, ref) if k != "__metadata__"}
+    return {k for k in _header(data, ref, bound) if k != "__metadata__"}
 
 
 def metadata_rows(meta: Any, ref: ObjRef) -> dict[str, tuple[int, int]]:
@@ -163,15 +167,22 @@ def assemble(files: list[tuple[ObjRef, bytes]], infos: Mapping[str, TensorInfo],
              want: Selector | None = None) -> dict[str, torch.Tensor]:
     """assemble_read over files given as their bytes (safetensors, or compressed snapshot objects: whole
     tensors, each checked against its own digest as it is decoded)."""
-    budget = Budget(tensor_bytes(infos))
+    budget = Budget.of(infos)
     return assemble_read([read_bytes(ref, data, budget) for ref, data in files], infos, want)
 
 
 class Budget:
-    """What the compressed files of one snapshot may still decode to: the record's tensors, all files together."""
+    """What the compressed files of one snapshot may still decode to: the record's tensors, all files together;
+    and what each file's safetensors header may be (`header`: header_bound of the record, None for no record)."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, header: HeaderBound | None = None) -> None:
         self.left = nbytes
+        self.header = header
+
+    @classmethod
+    def of(cls, infos: Mapping[str, TensorInfo]) -> "Budget":
+        """The budget a step's record (its tensors, `infos`) implies."""
+        return cls(tensor_bytes(infos), header_bound(infos))
 
 
 def read_bytes(ref: ObjRef, data: bytes, budget: Budget
@@ -187,7 +198,7 @@ def read_bytes(ref: ObjRef, data: bytes, budget: Budget
             raise ShardError([ref], f"not a snapshot file ({exc})") from None
         budget.left -= sum(t.nbytes for t in held.values())
         return ref, {}, held
-    rows = file_rows(data, ref)
+    rows = file_rows(data, ref, budget.header)
     try:
         held = st_load(bytes(data))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own types on bad bytes

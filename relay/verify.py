@@ -271,14 +271,14 @@ class _Checker:
         rec = self.records.get(step)
         infos = rec.tensors if rec is not None else {}
         mapped = self._index_map(snap)
-        budget = shards.Budget(checkpoint.tensor_bytes(infos))
+        budget = shards.Budget.of(infos) if rec is not None else shards.Budget(0)
         read = []
         for ref in snap.files:
             data = self.fetch(ref)
             if data is None:
                 return None
             if mapped is not None:
-                self._check_file_map(snap, mapped, ref, data)
+                self._check_file_map(snap, mapped, ref, data, budget.header)
             try:
                 read.append(shards.read_bytes(ref, data, budget))
             except shards.ShardError as exc:
@@ -305,11 +305,12 @@ class _Checker:
             self._bad(snap.index.key, str(exc))
             return None
 
-    def _check_file_map(self, snap: Any, mapped: dict[str, set[str]], ref: ObjRef, blob: bytes) -> None:
+    def _check_file_map(self, snap: Any, mapped: dict[str, set[str]], ref: ObjRef, blob: bytes,
+                        bound: checkpoint.HeaderBound | None) -> None:
         """The file holds exactly the tensors the snapshot's index maps to it: a partial replica fetches only
         the files its tensors map to, so a wrong map starves it though every file is sound."""
         try:
-            held = shards.file_names(blob, ref)
+            held = shards.file_names(blob, ref, bound)
         except shards.ShardError:
             return  # unreadable: read_bytes reports it
         want = mapped.get(ref.key, set())

@@ -518,12 +518,13 @@ class Reader:
         self._spooled[ref] = path
         return path
 
-    def _stream_one(self, ref: ObjRef, max_bytes: int | None = None
+    def _stream_one(self, ref: ObjRef, max_bytes: int | None = None, bound: checkpoint.HeaderBound | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]:
         """`ref`'s safetensors object read from the store straight into new tensors (no file, no copy of its
         bytes), with each tensor's digest (checkpoint.stream_into); its size, xxh3 and (when the manifest
         gives one) SHA-256 are checked over the same bytes before anything is returned. A header declaring
-        more than `max_bytes` of tensors (what the step's record lists) is refused before they are allocated."""
+        more than `max_bytes` of tensors (what the step's record lists) is refused before they are allocated, one
+        larger than `bound` (what the record's tensors imply) before it is read."""
         import hashlib
 
         import xxhash
@@ -542,7 +543,8 @@ class Reader:
         chunks = iter(self.store.iter_chunks(ref.key))
         malformed = None
         try:
-            part, meta, digests = checkpoint.stream_into(chunks, ref.size, ref.key, feed, max_bytes=max_bytes)
+            part, meta, digests = checkpoint.stream_into(chunks, ref.size, ref.key, feed, max_bytes=max_bytes,
+                                                           bound=bound)
         except checkpoint.SafetensorsError as exc:
             malformed = exc
             for chunk in chunks:  # the rest, to say whether the object is the manifest's at all
@@ -617,6 +619,7 @@ class Reader:
         paths: list[Path] = []
         streamed: list[tuple[dict[str, torch.Tensor], dict[str, str], dict[str, bytes]]] = []
         budget = checkpoint.tensor_bytes(rec.tensors)  # what the files may decode to, all of them together
+        bound = checkpoint.header_bound(rec.tensors)  # what each file's header may be (any subset of the tensors)
         # nor may they be much larger: the tensors and a header each (compressed ones are smaller). Checked
         # before any download, so an announced (unsigned) terabyte costs no egress and no disk
         declared = sum(f.size for f in fetch)
@@ -625,7 +628,7 @@ class Reader:
                                             f"{budget} bytes of tensors in its record")
         with ThreadPoolExecutor(max(1, min(self.workers, len(fetch)))) as pool:
             if spool is None:  # each file at most the whole budget (they arrive at once)
-                streamed = list(pool.map(lambda f: self._stream_one(f, budget), fetch))
+                streamed = list(pool.map(lambda f: self._stream_one(f, budget, bound), fetch))
             else:
                 paths = list(pool.map(lambda f: self._spool_one(f, spool), fetch))
         # compressed snapshot files (codec's DRSN objects, detected by their magic) are decoded, never kept:
@@ -645,7 +648,8 @@ class Reader:
             else:
                 made = {}
                 try:
-                    part, meta = checkpoint.read_snapshot_file(paths[i], f.key, max_bytes=max(budget, 0))
+                    part, meta = checkpoint.read_snapshot_file(paths[i], f.key, max_bytes=max(budget, 0),
+                                                                bound=bound)
                 except checkpoint.SafetensorsError as exc:
                     raise _VerifyError([f], f"{f.key}: not a snapshot file ({exc})") from None
             budget -= sum(t.nbytes for t in part.values())

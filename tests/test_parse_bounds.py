@@ -168,3 +168,145 @@ def test_each_untrusted_document_is_refused_before_its_objects_are_built(kind, t
     finally:
         tracemalloc.stop()
     assert peak < 4 * len(doc), peak  # json.loads would build ~1.4M objects (~100 MiB)
+
+
+def _announce_regional_file(store, step: int, data: bytes) -> str:
+    """As a bucket writer could: announce a regional snapshot of `step` whose index is the one its record implies
+    and whose every file is `data` (the announcement is unsigned, so its references match). Returns a file key."""
+    from relay.announce import ANNOUNCE_KEY, Announcement
+    from relay.checkpoint import index_bytes_of
+    from relay.manifest import INDEX_NAME, Manifest, ObjRef, Record, Snapshot
+
+    m = Manifest.parse(store.read_manifest().data)
+    rec = Record.parse(store.get(m.step(step).record.key))
+    prefix = f"regional/snapshots/{step}/"
+    files = []
+    for shard in sorted(set(rec.weight_map.values())):
+        store.put_new(prefix + shard, data)
+        files.append(ObjRef.of(prefix + shard, data))
+    index = index_bytes_of(rec.tensors, rec.weight_map, step=step)
+    store.put_new(prefix + INDEX_NAME, index)
+    snap = Snapshot(step, ObjRef.of(prefix + INDEX_NAME, index), tuple(files))
+    store.commit_object(ANNOUNCE_KEY, Announcement(m.run, (snap,)).to_bytes(), None)
+    return files[0].key
+
+
+@pytest.mark.parametrize("spooled", [True, False])
+def test_a_regional_snapshot_file_header_is_bounded_by_its_record(spooled, file_run, trainer, tmp_path, caplog):
+    """A regional snapshot (unsigned) of a 6-tensor step whose file has a 16 KB header of short strings (one
+    element per 7 bytes, so under the bytes-per-element rule; small enough that the plan picks it over the
+    chain): only the record says no file of this step has a header that long. The reader refuses it naming the
+    file and the reason, before reading the header, and reaches the head from the trainer's snapshot bit-exact;
+    streamed (no spool) or spooled alike."""
+    import logging
+
+    from conftest import publish_steps, same_bits
+    from relay.watcher import Reader
+
+    states = publish_steps(file_run.url, trainer, 5)  # snapshots 0 and 3, head 4
+    header = b'{"h":[' + b'"abcd",' * ((16 << 10) // 7) + b'"e"]}'
+    header += b" " * (-len(header) % 8)
+    key = _announce_regional_file(open_store(file_run.url), 4, _as_safetensors(header))
+    reader = Reader(open_store(file_run.url))
+    caplog.set_level(logging.WARNING)
+    m, tensors, _ = reader.reach(None, None, spool=str(tmp_path) if spooled else None)
+    assert m.head == 4 and tensors is not None and same_bits(tensors, states[4])
+    said = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert any(f"{key}: header of {len(header)} bytes, more than the" in s and "its step's record may have" in s
+               for s in said), said
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_100_mib_class_header_costs_its_bytes_not_its_objects(streamed, tmp_path):
+    """The worst header the 100 MiB cap and the bytes-per-element rule let through (short strings, one element
+    per 7 bytes: ~14M objects, ~1 GB) against a 10-tensor record: refused naming the file before the header is
+    read (streamed) or parsed, at a peak of traced memory under the header's bytes."""
+    from relay import checkpoint
+
+    header = b'{"h":[' + b'"abcd",' * ((96 << 20) // 7) + b'"e"]}'
+    header += b" " * (-len(header) % 8)
+    data = _as_safetensors(header)
+    path = tmp_path / "model-00001-of-00002.safetensors"
+    path.write_bytes(data)
+    del data
+    bound = checkpoint.header_bound([f"layers.{i}.weight" for i in range(10)])
+    tracemalloc.start()
+    try:
+        with pytest.raises(checkpoint.SafetensorsError, match=f"{path.name}: header of {len(header)} bytes, more"):
+            if streamed:
+                with open(path, "rb") as f:
+                    checkpoint.stream_into(iter(lambda: f.read(8 << 20), b""), len(header) + 8, path.name,
+                                           lambda view: None, bound=bound)
+            else:
+                checkpoint.read_snapshot_file(path, path.name, bound=bound)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < len(header) // 4, peak
+
+
+def test_an_honest_snapshot_of_many_tensors_is_within_its_bound(tmp_path):
+    """The bound fits every honest header: 5,000 tensors with long names, 32 dimensions at the most and large
+    offsets, in one file or spread over shards (each a subset of the record), with a sharded trainer's rows."""
+    from relay import checkpoint, shards
+    from relay.manifest import ObjRef
+
+    names = [f"model.layers.{i}.self_attn.q_proj.weight_{'x' * 150}" for i in range(5000)]
+    bound = checkpoint.header_bound(names)
+    header: dict = {"__metadata__": {"step": "123456789",
+                                     shards.ROWS_KEY: json.dumps({n: [10 ** 12, 10 ** 12 + 1] for n in names},
+                                                                 separators=(",", ":"))}}
+    offset = 0
+    for i, n in enumerate(names):
+        shape = [1] * (checkpoint.MAX_DIMS - 1) + [i % 3]
+        header[n] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + 2 * (i % 3)]}
+        offset += 2 * (i % 3)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_as_safetensors(raw) + b"\0" * offset)
+    assert len(raw) <= bound.nbytes
+    tensors, meta = checkpoint.read_file_into(path, bound=bound)
+    assert len(tensors) == 5000 and shards.metadata_rows(meta, ObjRef("f", 1, "0" * 32))
+    part = {n: header[n] for n in names[:2500]}  # a shard: a subset, under the record's one bound
+    raw = json.dumps({"__metadata__": {"step": "1"}, **part}, separators=(",", ":")).encode()
+    assert len(shards.file_names(_as_safetensors(raw), ObjRef("f", 1, "0" * 32), bound)) == 2500
+
+
+def test_the_bound_covers_names_that_escape_long(tmp_path):
+    """Names whose escaped forms are longest (quotes, backslashes, characters outside the BMP, `,[{`) in one
+    honest sharded file with rows metadata: within the bound of a record of just those names."""
+    from relay import checkpoint, shards
+    from relay.manifest import ObjRef
+
+    names = ['a"\\' * 40, "\U0001F600" * 60, ",[{" * 60, "plain"]
+    header = {"__metadata__": {"step": "7", shards.ROWS_KEY: json.dumps({n: [0, 1] for n in names})}}
+    for i, n in enumerate(names):
+        header[n] = {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = tmp_path / "rank-00000-of-00001-00001.safetensors"
+    path.write_bytes(_as_safetensors(raw) + b"\0" * 16)
+    tensors, meta = checkpoint.read_file_into(path, bound=checkpoint.header_bound(names))
+    assert set(tensors) == set(names) and set(shards.metadata_rows(meta, ObjRef("f", 1, "0" * 32))) == set(names)
+
+
+def test_a_reader_loads_an_honest_snapshot_of_5000_tensors(file_run, tmp_path):
+    """The bound is per record: a published snapshot of 5,000 tensors in several shards (each a subset of the
+    record's tensors) is reached bit-exact, streamed and spooled."""
+    import torch
+
+    from conftest import same_bits
+    from relay.publisher import Publisher
+    from relay.watcher import Reader
+
+    g = torch.Generator().manual_seed(5)
+    state = {f"model.layers.{i // 10}.mlp.experts.{i % 10}.w": torch.randn(3, 2, generator=g).to(torch.bfloat16)
+             for i in range(5000)}
+    with Publisher(file_run.url, background=False, max_shard_bytes=16 << 10) as pub:
+        pub.publish(state, 0)
+    reader = Reader(open_store(file_run.url))
+    for spool in (None, str(tmp_path)):
+        m, tensors, _ = reader.reach(None, None, spool=spool)
+        assert m.head == 0 and tensors is not None and same_bits(tensors, state)
+    assert reader.verify_failures == 0
