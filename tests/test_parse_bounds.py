@@ -131,7 +131,8 @@ def test_the_gatherer_keeps_no_entry_swapped_for_a_large_one_after_listing(s3_ru
         proxy.stop()
     doc = json.loads(origin.read_object(fleet.region_key("eu")).data)
     assert len(doc["bad"]) == 1 and f"{len(big)} bytes, over the {fleet.MAX_ENTRY_BYTES}" in doc["bad"][0]["error"]
-    assert kept < (2 << 20), kept  # not the 8 MiB entry
+    # not the 8 MiB entry (8.75 MB before the fix); the in-process moto server's own allocations are traced too
+    assert kept < (4 << 20), kept
 
 
 def _as_safetensors(header: bytes) -> bytes:
