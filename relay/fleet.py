@@ -349,9 +349,13 @@ class FleetReporter:
             other = HostReport.parse(got.data, f"{self.store.url}/{self.key}")
         except FleetError:
             return
-        if other.instance != self.instance and time.time() - other.updated < 2 * other.interval:
-            log.warning("%s/%s: another live watcher (on %s, %s) reports under host id %s; give each its own "
-                        "--host", self.store.url, self.key, other.hostname, other.dest, self.host)
+        if other.instance == self.instance or time.time() - other.updated >= 2 * other.interval:
+            return
+        if (other.hostname == socket.gethostname()[:255]
+                and other.dest is not None and os.path.realpath(other.dest) == os.path.realpath(self.dest)):
+            return  # this DEST's previous watcher: gone, since this one holds DEST's lock (one watcher per DEST)
+        log.warning("%s/%s: another live watcher (on %s, %s) reports under host id %s; give each its own "
+                    "--host", self.store.url, self.key, other.hostname, other.dest, self.host)
 
     def poke(self) -> None:
         """Report soon: from the heartbeat thread if it runs, else now in the caller's thread, unless nothing

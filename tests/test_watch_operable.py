@@ -53,3 +53,48 @@ def test_watch_warns_of_a_missing_bucket_and_of_a_missing_run(moto_regions, tmp_
         text = log_path.read_text()
         assert text.count(f"no run at {url}") == 1, text[-3000:]
         assert "WARNING" in text.split(f"no run at {url}")[0].splitlines()[-1], text[-3000:]
+
+
+def test_a_restarted_watcher_is_not_another_live_watcher(file_run, trainer, tmp_path):
+    """Start, stop and restart `watch` on one DEST: the restart finds its previous self's fresh ledger entry
+    and says nothing of it (that process is gone: the restart holds DEST's lock). Two live watchers on two
+    DESTs under one --host are still told of each other."""
+    from conftest import publish_steps
+
+    publish_steps(file_run.url, trainer, 1)
+    store_dir = Path(file_run.url.removeprefix("file://"))
+    dest = tmp_path / "dest"
+    beat = ("--report-interval", "30")  # the first instance's entry is still fresh when the second starts
+    first = start_watch(file_run.url, dest, tmp_path / "first.log", *beat)
+    try:
+        wait_for(first, tmp_path / "first.log", "now at step 0")
+        deadline = time.monotonic() + 60
+        while not list((store_dir / "fleet" / "hosts").glob("*.json")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        stop(first)
+    again = start_watch(file_run.url, dest, tmp_path / "again.log", *beat)
+    try:
+        # the restart's first ledger write replaces the old entry, after reading it
+        (entry,) = (store_dir / "fleet" / "hosts").glob("*.json")
+        old = json.loads(entry.read_text())["instance"]
+        deadline = time.monotonic() + 60
+        while json.loads(entry.read_text())["instance"] == old:
+            assert again.poll() is None and time.monotonic() < deadline, (tmp_path / "again.log").read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        stop(again)
+    assert "another live watcher" not in (tmp_path / "again.log").read_text()
+
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    procs = [start_watch(file_run.url, tmp_path / f"dest-{i}", logs[i], *beat, "--host", "shared") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 90
+        while not any("another live watcher" in p.read_text() for p in logs):
+            assert all(p.poll() is None for p in procs), [p.read_text()[-2000:] for p in logs]
+            assert time.monotonic() < deadline, [p.read_text()[-2000:] for p in logs]
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            stop(p)
