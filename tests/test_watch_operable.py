@@ -98,3 +98,34 @@ def test_a_restarted_watcher_is_not_another_live_watcher(file_run, trainer, tmp_
     finally:
         for p in procs:
             stop(p)
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses (hex, as /proc/net/tcp writes them) with a socket listening on `port`."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, _, hex_port = local.partition(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            found.add(addr)
+    return found
+
+
+def test_watch_serves_metrics_on_loopback_by_default(file_run, trainer, tmp_path):
+    """`watch --metrics-port` binds 127.0.0.1, as Watcher(metrics_port=) does from Python; the scrape answers."""
+    import urllib.request
+
+    from conftest import free_port, publish_steps
+
+    publish_steps(file_run.url, trainer, 1)
+    port = free_port()
+    log_path = tmp_path / "watch.log"
+    proc = start_watch(file_run.url, tmp_path / "dest", log_path, "--metrics-port", str(port), "--no-report")
+    try:
+        wait_for(proc, log_path, "now at step 0")
+        assert f"metrics on http://127.0.0.1:{port}/metrics" in log_path.read_text()
+        assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1, not 00000000 (all interfaces)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+            assert b"deltarelay_watcher_held_step" in resp.read()
+    finally:
+        stop(proc)
