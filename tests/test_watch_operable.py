@@ -129,3 +129,29 @@ def test_watch_serves_metrics_on_loopback_by_default(file_run, trainer, tmp_path
             assert b"deltarelay_watcher_held_step" in resp.read()
     finally:
         stop(proc)
+
+
+def test_status_fleet_names_a_region_by_the_watchers_region_not_the_relays_bucket(tmp_path, trainer):
+    """A relay given only `--dest URL` names that region after its bucket (here: the URL); the watcher was
+    given `--region eu-west-1`. `status --fleet` shows the host, and the gathered region, as eu-west-1."""
+    from conftest import publish_steps
+
+    from relay import fleet
+    from relay.cli_fanout import _dest_name
+    from relay.store import open_store
+
+    src, dst = f"file://{tmp_path}/origin/run", f"file://{tmp_path}/eu/run"
+    publish_steps(src, trainer, 1)
+    publish_steps(dst, trainer, 1)  # a run in the region to follow (this test is about names, not steps)
+    watch = subprocess.run([sys.executable, "-m", "relay.cli", "watch", dst, "--dest", str(tmp_path / "d"), "--once",
+                            "--region", "eu-west-1", "--host", "eu-1"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert watch.returncode == 0, watch.stderr
+    name = _dest_name(dst, set())  # what `deltarelay relay --dest URL` calls the region
+    fleet.RegionGatherer(open_store(src), {name: open_store(dst)}).gather(name)
+    status = subprocess.run([sys.executable, "-m", "relay.cli", "status", src, "--fleet", "--json"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    doc = json.loads(status.stdout)
+    assert [(h["host"], h["region"]) for h in doc["hosts"]] == [("eu-1", "eu-west-1")], doc
+    assert list(doc["regions"]) == ["eu-west-1"], doc["regions"]
+    assert doc["regions"]["eu-west-1"]["gathered_from"] == dst and doc["regions"]["eu-west-1"]["hosts"] == 1
