@@ -85,8 +85,9 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
     """--metrics-port / --metrics-addr: Prometheus metrics over HTTP (relay.metrics)."""
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (/metrics; 0: any free port, logged)")
-    p.add_argument("--metrics-addr", default="0.0.0.0", metavar="ADDR",
-                   help="address the metrics server binds (default all interfaces, for the scraper)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics server binds (default this host only, as from Python; 0.0.0.0: all "
+                        "interfaces, for a scraper on another host)")
 
 
 def add_no_progress(p: argparse.ArgumentParser) -> None:

@@ -349,9 +349,13 @@ class FleetReporter:
             other = HostReport.parse(got.data, f"{self.store.url}/{self.key}")
         except FleetError:
             return
-        if other.instance != self.instance and time.time() - other.updated < 2 * other.interval:
-            log.warning("%s/%s: another live watcher (on %s, %s) reports under host id %s; give each its own "
-                        "--host", self.store.url, self.key, other.hostname, other.dest, self.host)
+        if other.instance == self.instance or time.time() - other.updated >= 2 * other.interval:
+            return
+        if (other.hostname == socket.gethostname()[:255]
+                and other.dest is not None and os.path.realpath(other.dest) == os.path.realpath(self.dest)):
+            return  # this DEST's previous watcher: gone, since this one holds DEST's lock (one watcher per DEST)
+        log.warning("%s/%s: another live watcher (on %s, %s) reports under host id %s; give each its own "
+                    "--host", self.store.url, self.key, other.hostname, other.dest, self.host)
 
     def poke(self) -> None:
         """Report soon: from the heartbeat thread if it runs, else now in the caller's thread, unless nothing
@@ -393,13 +397,15 @@ class FleetReporter:
 # -- readers --------------------------------------------------------------------------------------
 @dataclass
 class Entry:
-    """One host as found: its report, or why it was reported bad. `region` is where it was found."""
+    """One host as found: its report, or why it was reported bad. `region`: the one the host was given (watch
+    --region), else where it was found; `gathered`: the relay's name of the region document it came in."""
 
     region: str
     where: str
     report: HostReport | None = None
     error: str | None = None
     via: float | None = None  # gathered by a relay: that gathering's interval (adds to the TTL)
+    gathered: str | None = None
 
 
 @dataclass
@@ -486,7 +492,8 @@ def _read_hosts(store: Store, label: str | None, fleet: Fleet, etags: dict[str, 
 
 def _host_entry(data: bytes | Any, key: str, where: str, label: str | None, fallback: str,
                 via: float | None = None) -> Entry:
-    """The entry of one host object; region: `label`, else the host's own, else `fallback` (the store's URL)."""
+    """The entry of one host object; region: the host's own (its --region), else `label` (the relay's name for
+    the region, a bucket when it was given only URLs), else `fallback` (the store's URL)."""
     try:
         report = HostReport.parse(bytes(data), where) if isinstance(data, (bytes, bytearray)) else \
             HostReport.from_json(data, where)
@@ -494,7 +501,8 @@ def _host_entry(data: bytes | Any, key: str, where: str, label: str | None, fall
         return Entry(label or fallback, where, error=str(exc), via=via)
     if key != host_key(report.host):
         return Entry(label or fallback, where, error=f"names host {report.host!r}, but is stored as {key}", via=via)
-    return Entry(label or report.region or fallback, where, report=report, via=via)
+    return Entry(report.region or label or fallback, where, report=report, via=via,
+                 gathered=label if via is not None else None)
 
 
 def read_store(store: Store, fleet: Fleet | None = None, *, label: str | None = None,
@@ -660,11 +668,12 @@ def summarize(fleet: Fleet, *, head: int | None, run: str | None, now: float | N
             if row["lag_steps"] is not None:
                 reg["max_lag_steps"] = max(reg["max_lag_steps"] or 0, row["lag_steps"])
             reg["oldest_report_s"] = max(reg["oldest_report_s"] or 0.0, row["age_s"])
-    for name, info in fleet.regions.items():
-        reg = regions.setdefault(name, {"hosts": 0, "ok": 0, "behind": 0, "other-run": 0, "stale": 0, "bad": 0,
-                                        "steps": {}, "max_lag_steps": None, "oldest_report_s": None})
-        reg["gathered_age_s"] = round(max(now - info["updated"], 0.0), 3)
-        reg["gathered_from"] = info["url"]
+    for name, info in fleet.regions.items():  # on the regions its hosts named, else on the relay's name for it
+        for target in {row["region"] for e, row in zip(fleet.entries, rows) if e.gathered == name} or {name}:
+            reg = regions.setdefault(target, {"hosts": 0, "ok": 0, "behind": 0, "other-run": 0, "stale": 0, "bad": 0,
+                                              "steps": {}, "max_lag_steps": None, "oldest_report_s": None})
+            reg["gathered_age_s"] = round(max(now - info["updated"], 0.0), 3)
+            reg["gathered_from"] = info["url"]
     for reg in regions.values():
         reg["steps"] = dict(sorted(reg["steps"].items(), key=lambda kv: -int(kv[0])))
     return {"head": head, "run": run, "time": now, "regions": dict(sorted(regions.items())), "hosts": rows,

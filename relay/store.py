@@ -278,6 +278,11 @@ class Store(abc.ABC):
         return out
 
     # Without an ETag to match, the answer is never NOT_MODIFIED.
+    def has_container(self) -> bool:
+        """Whether the bucket (or directory) the URL names exists, so that a reader finding no manifest can
+        tell an operator which of the two is missing. Stores that cannot tell answer True."""
+        return True
+
     @overload
     def read_manifest(self, if_none_match: None = None) -> ManifestRead | None: ...
 
@@ -447,6 +452,9 @@ class LocalStore(Store):
 
     def _path(self, key: str) -> Path:
         return self.root / key
+
+    def has_container(self) -> bool:
+        return self.root.is_dir()
 
     def _refused(self, key: str, parts: list[str], dir_fd: int) -> UnsafeStorePath:
         """The refusal of `key` at `parts` (a link, or neither a directory nor a regular file), naming what is there."""
@@ -975,6 +983,19 @@ class S3Store(Store):
         self.root = root.strip("/")
         self.bucket, _, self.prefix = self.root.partition("/")
         self.transfer = transfer
+
+    def has_container(self) -> bool:
+        """HeadBucket: False on 404 (NoSuchBucket); any other failure is raised."""
+        try:
+            self.fs.call_s3("head_bucket", Bucket=self.bucket)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            code, status = _client_error(exc)
+            if status == 404 or code in ("404", "NoSuchBucket"):
+                return False
+            raise
+        return True
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

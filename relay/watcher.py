@@ -60,6 +60,7 @@ LOCK_NAME = ".lock"  # flock'ed for a Watcher's lifetime: one watcher per DEST
 # run(): first and longest wait (s) before a held step the module, engine or on_update refused is offered
 # again with no new manifest (at least poll_interval each)
 DELIVERY_RETRY = (1.0, 60.0)
+NO_RUN_WARNING = 60.0  # seconds between repeats of the "no run / no bucket at URL" warning (the first: at once)
 
 
 class SyncError(RuntimeError):
@@ -1987,6 +1988,7 @@ class Watcher:
         etag = None
         retry = self._offer_backoff()
         refused, refused_step, retry_at = 0, None, 0.0  # failed offers of the held step in a row; when to retry
+        absent_since: float | None = None  # when the last "nothing at URL" warning was logged
         if self.fleet is not None:
             self.fleet.start()  # heartbeats, also while a sync hangs (a stuck host shows as behind, not dead)
         while not self._stop.is_set():
@@ -1999,6 +2001,11 @@ class Watcher:
                     self.failures["poll"] += 1
                     log.error("%s: reading the manifest failed, keeping step %s: %s", self.dest, self.step, exc)
                     got = NOT_MODIFIED
+                if got is None and (absent_since is None or time.monotonic() - absent_since >= NO_RUN_WARNING):
+                    absent_since = time.monotonic()
+                    self._warn_absent()
+                elif got is not None:
+                    absent_since = None
                 if got is not NOT_MODIFIED and got is not None:
                     reads = self.reader.manifest_reads
                     offered = True
@@ -2033,6 +2040,15 @@ class Watcher:
             self._stop.wait(self.poll_interval)
         if self.fleet is not None:
             self.fleet.stop()
+
+    def _warn_absent(self) -> None:
+        """Tell the operator, by name, what is missing at the URL: the bucket (or directory) or the run in it."""
+        try:
+            what = "the run's manifest.json" if self.store.has_container() else "the bucket (or directory)"
+        except Exception as exc:  # noqa: BLE001 - the store is down: say so, the poll keeps trying
+            what = f"the run's manifest.json (checking for the bucket failed: {exc})"
+        log.warning("%s: no run at %s: %s does not exist; waiting for one (this warning repeats every %.0f s)",
+                    self.dest, self.url, what, NO_RUN_WARNING)
 
     def stop(self) -> None:
         self._stop.set()
