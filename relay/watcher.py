@@ -367,7 +367,8 @@ class Reader:
         self._failures: dict[ObjRef | str, _Failure] = {}  # by _source()
         self._warned_unchecked = False
         self._announced: tuple[str | None, announce.Announcement | None] = (None, None)  # (ETag, parsed)
-        self._refused_manifest: tuple[str, type[ManifestError], str] | None = None  # last refused manifest: ETag, error
+        # the last refused manifest version: ETag, error, refusals of it in a row, monotonic time it may be read again
+        self._refused_manifest: tuple[str, type[ManifestError], str, int, float] | None = None
         self._own_snapshots = False  # the last planning view holds a region's own snapshots
         # key -> monotonic time it was first found missing, across reach() calls: a host that syncs with
         # short timeouts (between rollouts) must still reroute once an object has been gone reroute_after
@@ -398,17 +399,21 @@ class Reader:
 
     @property
     def refused_etag(self) -> str | None:
-        """The ETag of the manifest version last refused (None once one is accepted): pollers read
-        conditionally on it, so a refused version is not downloaded again until it changes."""
-        return None if self._refused_manifest is None else self._refused_manifest[0]
+        """The ETag of the manifest version last refused, while its backoff runs (None otherwise): pollers read
+        conditionally on it, so a refused version is not downloaded again until it changes or the backoff ends."""
+        refused = self._refused_manifest
+        return None if refused is None or time.monotonic() >= refused[4] else refused[0]
 
     def read_manifest(self) -> Manifest | None:
         """The current manifest; with trusted keys, only one they signed (SignatureError otherwise). A version
-        refused once is refused again from memory (one conditional read), not downloaded and parsed again."""
-        refused = self._refused_manifest
-        got = self.store.read_manifest(if_none_match=None if refused is None else refused[0])
+        refused is refused again from memory (one conditional read) for `failure_backoff`, growing while the same
+        version keeps failing; then it is read again, since bytes damaged in flight fail under the stored
+        version's ETag too, and that version must not stay refused until the publisher's next commit."""
+        etag = self.refused_etag
+        got = self.store.read_manifest(if_none_match=etag)
         where = f"{self.store.url}/manifest.json"
         if got is NOT_MODIFIED:
+            refused = self._refused_manifest
             assert refused is not None
             raise refused[1](f"{refused[2]} (this version, ETag {refused[0]}, was refused already)")
         if got is None:
@@ -418,8 +423,11 @@ class Reader:
             m = Manifest.parse(got.data, where)
             if self.trusted is not None:
                 self.trusted.verify(m, where)
-        except ManifestError as exc:  # SignatureError included: deterministic for a given version and keys
-            self._refused_manifest = (got.etag, type(exc), str(exc))
+        except ManifestError as exc:  # SignatureError included
+            prev = self._refused_manifest
+            times = prev[3] + 1 if prev is not None and prev[0] == got.etag else 1
+            self._refused_manifest = (got.etag, type(exc), str(exc), times,
+                                      time.monotonic() + self.failure_backoff.delay(times))
             raise
         self._refused_manifest = None
         self.head_seen = m.head

@@ -371,7 +371,9 @@ def test_manifest_bit_flips(origin, trainer, record_property):
     with relay.Publisher(origin.url, storage_options=origin.options, snapshot_every=3, background=False) as pub:
         for step in range(7):
             publish(pub, oracle, t.step(), step)
-    reader = Reader(open_store(origin.url, opts), retry_initial=0.001, retry_max=0.01)
+    # each flip is a fresh try: a refused version is remembered for the failure backoff only (made tiny here)
+    reader = Reader(open_store(origin.url, opts), retry_initial=0.001, retry_max=0.01,
+                    failure_backoff_initial=1e-6, failure_backoff_max=1e-6)
     m, held, _ = reader.reach(None, None)
     state3 = {k: v.clone() for k, v in oracle.states[3].items()}
     run = m.run

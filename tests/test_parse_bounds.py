@@ -311,3 +311,39 @@ def test_a_reader_loads_an_honest_snapshot_of_5000_tensors(file_run, tmp_path):
         m, tensors, _ = reader.reach(None, None, spool=spool)
         assert m.head == 0 and tensors is not None and same_bits(tensors, state)
     assert reader.verify_failures == 0
+
+
+def test_a_manifest_damaged_in_flight_is_read_again_after_the_backoff(s3_run, trainer):
+    """A refused version is remembered for the reader's failure backoff, not until the publisher's next commit:
+    bytes flipped on the way fail under the stored version's ETag too, and that version is genuine. Within the
+    backoff the refusal comes from memory (one conditional read, no body); after it, the version is read again."""
+    from relay import Publisher
+    from relay.manifest import ManifestError
+    from relay.watcher import Reader
+
+    t = trainer(seed=5)
+    with Publisher(s3_run.url, storage_options=s3_run.options, background=False) as pub:
+        for step in range(2):
+            pub.publish(t.step(), step)
+    proxy = FaultProxy(s3_run.region.endpoint, seed=41).start()
+    try:
+        for _ in range(20):  # a flip may also land where the document still parses: try again until one is refused
+            reader = Reader(open_store(s3_run.url, proxy.options(s3_run.options)), failure_backoff_initial=1.0,
+                            failure_backoff_max=1.0)
+            proxy.add("flip", methods=("GET",), key=r"/manifest\.json$", times=1)
+            try:
+                reader.read_manifest()
+            except ManifestError:
+                break  # the damaged bytes: refused
+            finally:
+                proxy.clear()
+        else:
+            pytest.fail("20 single-bit flips of the manifest all parsed")
+        with pytest.raises(ManifestError, match="was refused already"):
+            reader.read_manifest()  # within the backoff: from memory
+        assert [status for status, _ in manifest_gets(proxy)][-1] == 304
+        time.sleep(1.2)
+        m = reader.read_manifest()  # the backoff over: the genuine version, with no new commit
+        assert m is not None and m.head == 1
+    finally:
+        proxy.stop()
