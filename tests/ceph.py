@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from conftest import free_port
 
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 INSTALL = "apt-get install -y radosgw ceph-mon ceph-osd"
@@ -29,12 +30,6 @@ ACCESS_KEY, SECRET_KEY = "relaytest", "relaytestsecret"
 def missing_binaries() -> list[str]:
     """The Ceph programs this helper needs that are not on PATH."""
     return [b for b in BINARIES if shutil.which(b) is None]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -93,7 +88,7 @@ class Ceph:
 
     def start(self, timeout: float = 120) -> None:
         t0 = time.monotonic()
-        fsid, mon_port, rgw_port = str(uuid.uuid4()), _free_port(), _free_port()
+        fsid, mon_port, rgw_port = str(uuid.uuid4()), free_port(), free_port()
         for d in ("run", "log", "mon", "osd"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         (self.root / "ceph.conf").write_text(f"""[global]
